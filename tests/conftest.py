@@ -1,0 +1,11 @@
+"""Test-wide setup: 8 forced CPU devices so sharding tests run anywhere.
+
+XLA reads the flag once, when jax initialises its backends, so it must be set
+before anything imports jax.
+"""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
