@@ -1,0 +1,82 @@
+"""Paged attention: where K/V live and how a ragged batch of query tokens reads them.
+
+The KV cache of one layer is a pair of page arrays [num_blocks, block_size, kv_heads, head_dim].
+A step processes T flattened query tokens that belong to B batch rows (decode tokens and
+prefill chunks mixed); `AttentionMetadata` says, for each token, where its K/V goes and which
+row it belongs to, and for each row, which pages hold its context.
+
+The model only calls `write_kv` and `paged_attention`; a fast GPU kernel replaces the
+reference implementation behind `paged_attention` without touching the model.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# Masked scores use a large finite value, not -inf: a padding token whose row has no context
+# then yields a harmless uniform softmax instead of NaN.
+_MASKED = -1e30
+
+
+class AttentionMetadata(NamedTuple):
+    positions: jax.Array  # i32[T] absolute position of each query token (also drives RoPE)
+    slot_mapping: jax.Array  # i32[T] flat cache slot (block * block_size + offset); -1 = padding, not written
+    token_rows: jax.Array  # i32[T] batch row of each token
+    block_tables: jax.Array  # i32[B, max_blocks] pages of each row, in order
+    context_lens: jax.Array  # i32[B] tokens in each row's cache once this step's K/V are written
+
+
+class LayerKV(NamedTuple):
+    k: jax.Array  # [num_blocks, block_size, kv_heads, head_dim]
+    v: jax.Array
+
+
+def write_kv(cache: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:
+    """Scatter this step's k/v [T, kv_heads, head_dim] into their slots; padding (-1) is dropped."""
+    num_blocks, block_size = cache.k.shape[:2]
+    num_slots = num_blocks * block_size
+    # Out-of-range indices are dropped by mode="drop"; -1 would wrap around, so send it past the end.
+    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
+
+    def scatter(pages, new):
+        flat = pages.reshape(num_slots, *pages.shape[2:])
+        flat = flat.at[slots].set(new.astype(pages.dtype), mode="drop")
+        return flat.reshape(pages.shape)
+
+    return LayerKV(scatter(cache.k, k), scatter(cache.v, v))
+
+
+def paged_attention_reference(q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float) -> jax.Array:
+    """Causal GQA attention of q [T, q_heads, D] over each token's row context, in plain jnp.
+
+    Gathers every token's context pages (T x max_blocks x block_size keys): simple and exact,
+    meant for CPUs, tests and as the yardstick of the GPU kernels.
+    """
+    T, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = cache.k.shape
+    group = num_q_heads // num_kv_heads
+
+    tables = meta.block_tables[meta.token_rows]  # [T, max_blocks]
+    slots = (tables[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, -1)  # [T, S]
+    flat_k = cache.k.reshape(-1, num_kv_heads, head_dim)
+    flat_v = cache.v.reshape(-1, num_kv_heads, head_dim)
+    keys, values = flat_k[slots], flat_v[slots]  # [T, S, kv_heads, D]
+
+    qg = q.reshape(T, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, preferred_element_type=jnp.float32) * scale
+    key_pos = jnp.arange(slots.shape[1])
+    visible = (key_pos[None, :] <= meta.positions[:, None]) & (
+        key_pos[None, :] < meta.context_lens[meta.token_rows][:, None]
+    )
+    scores = jnp.where(visible[:, None, None, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("tkgs,tskd->tkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    return out.reshape(T, num_q_heads, head_dim).astype(q.dtype)
+
+
+def paged_attention(q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float) -> jax.Array:
+    """The attention the model calls. Today: the reference; a GPU kernel plugs in here."""
+    return paged_attention_reference(q, cache, meta, scale)

@@ -1,0 +1,221 @@
+"""ModelConfig: the subset of a Hugging Face `config.json` that the forward pass needs.
+
+Every field is read explicitly, with the HF class default where the field may be
+missing, so a surprise in a checkpoint is an error that names the field rather
+than a silently wrong model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2")
+
+
+class ConfigError(ValueError):
+    """config.json describes something jtp cannot (or should not) run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP width (0 when every layer is MoE)
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2: q/k/v carry a bias; Qwen3 with attention_bias: q/k/v/o do
+    o_bias: bool
+    qk_norm: bool  # Qwen3 per-head RMSNorm on q and k before RoPE
+    max_position_embeddings: int
+    # Mixture of experts (num_experts == 0: dense model).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()
+    # Token ids from config.json (the tokenizer and generation_config may add more).
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    dtype: str = "float32"  # the checkpoint's declared dtype
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    def fingerprint(self) -> str:
+        """A stable digest, so controllers can check they load the same model."""
+        import hashlib
+
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_hf(raw, source=str(path))
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        return _parse(raw, source)
+
+
+def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"{source}: model_type {model_type!r} is not supported; jtp runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    f = _Fields(raw, source)
+
+    hidden = f.int("hidden_size", positive=True)
+    num_heads = f.int("num_attention_heads", positive=True)
+    num_kv_heads = f.int("num_key_value_heads", default=num_heads, positive=True)
+    if num_heads % num_kv_heads:
+        raise ConfigError(
+            f"{source}: num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+        )
+    # Qwen3's class default is 128 whatever the hidden size; qwen2 / qwen3_moe fall back to H / heads.
+    if model_type == "qwen3":
+        head_dim = f.int("head_dim", default=128, positive=True)
+    else:
+        head_dim = f.int("head_dim", default=None, positive=True, allow_none=True)
+        if head_dim is None:
+            if hidden % num_heads:
+                raise ConfigError(
+                    f"{source}: head_dim is missing and hidden_size ({hidden}) is not divisible by "
+                    f"num_attention_heads ({num_heads})"
+                )
+            head_dim = hidden // num_heads
+
+    if f.get("use_sliding_window", False):
+        raise ConfigError(f"{source}: use_sliding_window=true is not supported (sliding-window attention)")
+    hidden_act = f.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ConfigError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
+
+    rope_theta = _rope_theta(raw, source)
+    num_layers = f.int("num_hidden_layers", positive=True)
+
+    if model_type == "qwen2":
+        qkv_bias, o_bias, qk_norm = True, False, False
+    else:
+        attention_bias = bool(f.get("attention_bias", False))
+        qkv_bias, o_bias, qk_norm = attention_bias, attention_bias, True
+
+    moe: dict[str, Any] = {}
+    intermediate = f.int("intermediate_size", positive=True)
+    if model_type == "qwen3_moe":
+        # save_pretrained writes num_local_experts (attribute_map); hand-written configs use num_experts.
+        num_experts = f.int("num_experts", default=None, allow_none=True)
+        local = f.int("num_local_experts", default=None, allow_none=True)
+        if num_experts is not None and local is not None and num_experts != local:
+            raise ConfigError(f"{source}: num_experts ({num_experts}) contradicts num_local_experts ({local})")
+        num_experts = num_experts if num_experts is not None else (local if local is not None else 128)
+        top_k = f.int("num_experts_per_tok", default=8, positive=True)
+        if num_experts > 0 and top_k > num_experts:
+            raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})")
+        step = f.int("decoder_sparse_step", default=1, positive=True)
+        dense_only = set(f.get("mlp_only_layers", []) or [])
+        layers = tuple(
+            num_experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(num_layers)
+        )
+        moe = dict(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=f.int("moe_intermediate_size", default=768, positive=True),
+            norm_topk_prob=bool(f.get("norm_topk_prob", False)),
+            moe_layers=layers,
+        )
+
+    eos = f.get("eos_token_id", None)
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=f.int("vocab_size", positive=True),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate,
+        rms_norm_eps=f.float("rms_norm_eps", default=1e-6),
+        rope_theta=rope_theta,
+        tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        qk_norm=qk_norm,
+        max_position_embeddings=f.int("max_position_embeddings", default=32768, positive=True),
+        eos_token_ids=eos_ids,
+        bos_token_id=f.get("bos_token_id", None),
+        dtype=str(f.get("dtype", f.get("torch_dtype", "float32")) or "float32"),
+        **moe,
+    )
+
+
+def _rope_theta(raw: dict[str, Any], source: str) -> float:
+    """RoPE settings live in `rope_parameters` (transformers 5) or legacy top-level keys."""
+    params = dict(raw.get("rope_scaling") or {})
+    params.update(raw.get("rope_parameters") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported (only 'default' RoPE)")
+    if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError(f"{source}: partial_rotary_factor != 1 is not supported for {raw.get('model_type')}")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))  # HF's default_theta
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+    return float(theta)
+
+
+class _Fields:
+    """Typed reads from the raw dict, with errors that name the field."""
+
+    _MISSING = object()
+
+    def __init__(self, raw: dict[str, Any], source: str):
+        self.raw, self.source = raw, source
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        if key in self.raw and self.raw[key] is not None:
+            return self.raw[key]
+        if default is self._MISSING:
+            raise ConfigError(f"{self.source}: required field {key!r} is missing")
+        return default
+
+    def int(self, key: str, default: Any = _MISSING, positive: bool = False, allow_none: bool = False):
+        value = self.get(key, default)
+        if value is None and allow_none:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{self.source}: field {key!r} must be an integer, got {value!r}")
+        if positive and value <= 0:
+            raise ConfigError(f"{self.source}: field {key!r} must be positive, got {value}")
+        return value
+
+    def float(self, key: str, default: Any = _MISSING) -> float:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{self.source}: field {key!r} must be a number, got {value!r}")
+        return float(value)

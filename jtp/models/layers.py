@@ -1,0 +1,80 @@
+"""Building blocks shared by the model families: norms, RoPE, projections, MLP and MoE.
+
+Weights keep the Hugging Face layout [out_features, in_features]; `linear` contracts the
+input dim directly, so loading never transposes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    y = jnp.einsum("...i,oi->...o", x, weight)
+    return y if bias is None else y + bias
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Qwen3 RMSNorm: statistics in fp32, cast back, then scale (HF's order of operations)."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [T, rotary_dim] for NeoX-style (half-split) rotation, computed in fp32."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the first rotary_dim dims of x [T, heads, D]; the rest pass through."""
+    rotary_dim = cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated_half = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    rot = rot * cos[:, None, :] + rotated_half * sin[:, None, :]
+    return jnp.concatenate([rot, rest], axis=-1) if rest.shape[-1] else rot
+
+
+def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def route_top_k(x: jax.Array, router: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """Softmax router in fp32, top-k of the probabilities, optional renormalisation."""
+    probs = jax.nn.softmax(linear(x, router).astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), experts
+
+
+def moe_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+) -> jax.Array:
+    """Sum_k weights[t,k] * SwiGLU_{experts[t,k]}(x[t]) with grouped matmuls.
+
+    The T*k (token, expert) pairs are sorted by expert so that `ragged_dot` runs one GEMM per
+    expert over its contiguous group. gate/up are [E, H, I], down is [E, I, H]; with I sharded
+    over `tp` every device computes its slice of every expert and XLA all-reduces the sum.
+    """
+    num_tokens, top_k = experts.shape
+    num_experts = gate.shape[0]
+    flat_experts = experts.reshape(-1)
+    order = jnp.argsort(flat_experts, stable=True)
+    token_of_pair = order // top_k
+    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+
+    xs = x[token_of_pair]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * jax.lax.ragged_dot(xs, up, group_sizes)
+    ys = jax.lax.ragged_dot(h, down, group_sizes) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x).at[token_of_pair].add(ys)

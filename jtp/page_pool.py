@@ -1,0 +1,303 @@
+"""Host-side paged KV block allocator for continuous batching.
+
+The device keeps per-layer KV buffers of shape
+[num_blocks, block_size, kv_heads, head_dim]; this module only decides which
+block holds which tokens. Pure Python + numpy, no jax.
+
+Model
+-----
+* Every block has a refcount: the number of sequence tables it appears in.
+  A block is on the free list exactly when its refcount is 0. Prefix sharing
+  (`share`) puts one block in several tables.
+* Admission reserves the worst case up front (`reserve`), so an admitted
+  sequence can always grow to its declared maximum (`append_slots` never runs
+  out of blocks). A reservation is a count, not specific blocks: the pool
+  guarantees `reserved <= free`, so any reserved block can be drawn from the
+  free list when it is actually needed.
+* Block 0 is an ordinary block; padding slots (-1) are handled by callers.
+
+Usage for one request::
+
+    pool.can_ever_fit(max_tokens)          # submit time; False -> reject
+    pool.share(cached_seq, seq, n)         # optional: reuse a full-block prefix
+    if pool.reserve(seq, max_tokens):      # admission; False -> stay queued
+        pool.append_slots(seq, prompt_len) # then +1 per decode step
+        slots = pool.slot_mapping(seq, start, end)
+    pool.free(seq)                         # finish or abort, exactly once
+
+Errors: an unknown sequence id raises KeyError (including a second `free`:
+the engine frees exactly once, so a double free is a bug we want loud);
+malformed arguments raise ValueError; growing past a reservation raises
+ReservationExceeded.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class ReservationExceeded(RuntimeError):
+    """A sequence tried to grow beyond what it reserved (a caller bug)."""
+
+
+@dataclass
+class _Sequence:
+    table: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    # None until `reserve`; a sequence that only holds shared blocks cannot grow.
+    max_tokens: int | None = None
+    # Blocks promised to this sequence but not allocated yet.
+    reserved: int = 0
+
+
+class PagePool:
+    """Refcounted KV block allocator with worst-case admission reservations."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.total_blocks = num_blocks
+        self.block_size = block_size
+        self._refcount = [0] * num_blocks
+        # FIFO: a freed block goes to the back, so blocks are reused in
+        # least-recently-freed order. That is the eviction order the prefix cache
+        # wants (a freed block's KV stays intact as long as possible), and a fresh
+        # pool hands out 0, 1, 2, ... which keeps plans easy to read.
+        self._free: deque[int] = deque(range(num_blocks))
+        self._seqs: dict[Hashable, _Sequence] = {}
+        self._num_reserved = 0
+
+    # ---- accounting -------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks with refcount > 0 (every block is either free or used)."""
+        return self.total_blocks - len(self._free)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Blocks promised to admitted sequences but not allocated yet."""
+        return self._num_reserved
+
+    @property
+    def num_available_blocks(self) -> int:
+        """What a new reservation can take: free blocks nobody was promised."""
+        return len(self._free) - self._num_reserved
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "total_blocks": self.total_blocks,
+            "free_blocks": self.num_free_blocks,
+            "used_blocks": self.num_used_blocks,
+            "reserved_blocks": self.num_reserved_blocks,
+            "available_blocks": self.num_available_blocks,
+            "shared_blocks": sum(1 for rc in self._refcount if rc > 1),
+            "num_seqs": len(self._seqs),
+        }
+
+    # ---- sizing -----------------------------------------------------------
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return -(-num_tokens // self.block_size)
+
+    def can_ever_fit(self, max_total_tokens: int) -> bool:
+        """Whether a request of this size could be admitted into an empty pool."""
+        return self.blocks_needed(max_total_tokens) <= self.total_blocks
+
+    # ---- per-sequence queries ---------------------------------------------
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return list(self._get(seq_id).table)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self._get(seq_id).num_tokens
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
+        """Flat slot (block * block_size + offset) of each position in [start, end)."""
+        seq = self._get(seq_id)
+        if not 0 <= start <= end <= seq.num_tokens:
+            raise ValueError(
+                f"slot range [{start}, {end}) outside the {seq.num_tokens} tokens of sequence {seq_id!r}"
+            )
+        positions = np.arange(start, end, dtype=np.int64)
+        blocks = np.asarray(seq.table, dtype=np.int64)[positions // self.block_size]
+        return (blocks * self.block_size + positions % self.block_size).astype(np.int32)
+
+    # ---- lifecycle --------------------------------------------------------
+
+    def reserve(self, seq_id: Hashable, max_total_tokens: int) -> bool:
+        """Reserve enough blocks for the sequence to reach `max_total_tokens`.
+
+        Blocks already in the sequence's table (from an earlier `share`) count
+        towards the total. Returns False, changing nothing, if the pool cannot
+        take it now. A size that can never fit raises ValueError: callers must
+        reject those at submit time (`can_ever_fit`), else they block the queue.
+        """
+        if not self.can_ever_fit(max_total_tokens):
+            raise ValueError(
+                f"sequence {seq_id!r} needs {self.blocks_needed(max_total_tokens)} blocks "
+                f"but the pool only has {self.total_blocks}"
+            )
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.max_tokens is not None:
+            raise ValueError(f"sequence {seq_id!r} already holds a reservation")
+        have_tokens = seq.num_tokens if seq is not None else 0
+        if max_total_tokens < have_tokens:
+            raise ValueError(
+                f"max_total_tokens={max_total_tokens} is below the {have_tokens} tokens "
+                f"sequence {seq_id!r} already holds"
+            )
+        have_blocks = len(seq.table) if seq is not None else 0
+        needed = self.blocks_needed(max_total_tokens) - have_blocks
+        if needed > self.num_available_blocks:
+            return False
+        if seq is None:
+            seq = self._seqs[seq_id] = _Sequence()
+        seq.max_tokens = max_total_tokens
+        seq.reserved = needed
+        self._num_reserved += needed
+        return True
+
+    def append_slots(self, seq_id: Hashable, new_num_tokens: int) -> None:
+        """Grow the sequence to cover `new_num_tokens` tokens, from its reservation."""
+        seq = self._get(seq_id)
+        if seq.max_tokens is None:
+            raise ReservationExceeded(f"sequence {seq_id!r} has no reservation; call reserve() first")
+        if new_num_tokens > seq.max_tokens:
+            raise ReservationExceeded(
+                f"sequence {seq_id!r} asked for {new_num_tokens} tokens but reserved only {seq.max_tokens}"
+            )
+        if new_num_tokens < seq.num_tokens:
+            raise ValueError(
+                f"sequence {seq_id!r} cannot shrink from {seq.num_tokens} to {new_num_tokens} tokens"
+            )
+        grow = self.blocks_needed(new_num_tokens) - len(seq.table)
+        # Holds by construction (table + reserved == blocks for max_tokens); guard anyway.
+        assert grow <= seq.reserved <= len(self._free), "reservation accounting broken"
+        for _ in range(grow):
+            block = self._free.popleft()
+            self._refcount[block] = 1
+            seq.table.append(block)
+        seq.reserved -= grow
+        self._num_reserved -= grow
+        seq.num_tokens = new_num_tokens
+
+    def share(self, src_seq_id: Hashable, dst_seq_id: Hashable, num_tokens: int) -> int:
+        """Start dst's table with src's full blocks among its first `num_tokens` tokens.
+
+        Only whole blocks are shared (num_tokens // block_size of them), so
+        neither sequence ever writes into a shared block and no copy-on-write is
+        needed. dst must be new or still empty; if it already holds a
+        reservation, the shared blocks are taken out of it. Returns the number
+        of tokens dst now covers (a multiple of block_size). dst's table is
+        refcounted like any other: `free(dst)` releases it.
+        """
+        if src_seq_id == dst_seq_id:
+            raise ValueError(f"cannot share sequence {src_seq_id!r} with itself")
+        src = self._get(src_seq_id)
+        if not 0 <= num_tokens <= src.num_tokens:
+            raise ValueError(
+                f"cannot share {num_tokens} tokens: source {src_seq_id!r} holds {src.num_tokens}"
+            )
+        dst = self._seqs.get(dst_seq_id)
+        if dst is not None and dst.table:
+            raise ValueError(f"destination sequence {dst_seq_id!r} already holds blocks")
+        num_shared = num_tokens // self.block_size
+        shared_tokens = num_shared * self.block_size
+        if dst is not None and dst.max_tokens is not None and shared_tokens > dst.max_tokens:
+            raise ValueError(
+                f"sharing {shared_tokens} tokens exceeds the {dst.max_tokens} that {dst_seq_id!r} reserved"
+            )
+        if dst is None:
+            dst = self._seqs[dst_seq_id] = _Sequence()
+        shared = src.table[:num_shared]
+        for block in shared:
+            self._refcount[block] += 1
+        dst.table = list(shared)
+        dst.num_tokens = shared_tokens
+        if dst.max_tokens is not None:
+            # The shared blocks stand in for reserved ones (dst was empty, so its
+            # reservation was its whole worst case): give that many back.
+            dst.reserved -= num_shared
+            self._num_reserved -= num_shared
+        return shared_tokens
+
+    def free(self, seq_id: Hashable) -> None:
+        """Drop the sequence: decref its blocks and release its unused reservation.
+
+        Raises KeyError for an unknown (or already freed) id.
+        """
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise KeyError(f"free(): unknown or already freed sequence {seq_id!r}")
+        # Tail first: with the FIFO free list the tail is then reused before the
+        # prefix blocks, which are the ones a prefix cache is most likely to revive.
+        for block in reversed(seq.table):
+            self._refcount[block] -= 1
+            if self._refcount[block] == 0:
+                self._free.append(block)
+        self._num_reserved -= seq.reserved
+
+    # ---- checking ---------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (kept under -O)."""
+
+        def check(cond: bool, msg: str) -> None:
+            if not cond:
+                raise AssertionError(msg)
+
+        free_set = set(self._free)
+        check(len(free_set) == len(self._free), "a block is on the free list twice")
+        check(all(0 <= b < self.total_blocks for b in free_set), "free list holds an out-of-range block")
+
+        appearances = [0] * self.total_blocks
+        total_reserved = 0
+        for seq_id, seq in self._seqs.items():
+            check(len(set(seq.table)) == len(seq.table), f"sequence {seq_id!r} owns a block twice")
+            check(
+                len(seq.table) == self.blocks_needed(seq.num_tokens),
+                f"sequence {seq_id!r}: {len(seq.table)} blocks for {seq.num_tokens} tokens",
+            )
+            check(seq.reserved >= 0, f"sequence {seq_id!r} has a negative reservation")
+            if seq.max_tokens is None:
+                check(seq.reserved == 0, f"unreserved sequence {seq_id!r} holds reserved blocks")
+            else:
+                check(seq.num_tokens <= seq.max_tokens, f"sequence {seq_id!r} grew past its reservation")
+                check(
+                    len(seq.table) + seq.reserved == self.blocks_needed(seq.max_tokens),
+                    f"sequence {seq_id!r}: table + reserved != worst case",
+                )
+            total_reserved += seq.reserved
+            for block in seq.table:
+                check(0 <= block < self.total_blocks, f"sequence {seq_id!r} holds out-of-range block {block}")
+                appearances[block] += 1
+
+        for block, rc in enumerate(self._refcount):
+            check(rc == appearances[block], f"block {block}: refcount {rc} but in {appearances[block]} tables")
+            check((rc == 0) == (block in free_set), f"block {block}: refcount {rc} disagrees with free list")
+
+        used = sum(1 for rc in self._refcount if rc > 0)
+        check(used == self.num_used_blocks, "used count disagrees with refcounts")
+        check(self.num_free_blocks + used == self.total_blocks, "free + used != total")
+        check(sum(len(s.table) for s in self._seqs.values()) >= used, "tables cover fewer blocks than are used")
+        check(total_reserved == self._num_reserved, "reserved total disagrees with per-sequence reservations")
+        check(0 <= self._num_reserved <= self.num_free_blocks, "reserved exceeds free")
+
+    def _get(self, seq_id: Hashable) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence {seq_id!r}") from None

@@ -1,0 +1,107 @@
+"""Mesh construction and the partition rules: the one place that says how weights are split.
+
+Tensor parallelism (`tp` axis) follows Megatron: column-parallel q/k/v and gate/up (split the
+output dim), row-parallel o_proj and down_proj (split the input dim). Activations stay
+replicated between blocks, so XLA inserts exactly one all-reduce after each row-parallel
+matmul: two per layer. Embedding and lm_head are split over the vocabulary. MoE experts are
+split inside each expert (intra-expert TP over the intermediate dim; docs/architecture.md
+says why). The `dp` axis is size 1 for now and reserved for data-parallel replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jtp.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# (pattern on the parameter path, spec). First match wins; the path looks like "layers.3.q_proj".
+PARTITION_RULES: list[tuple[str, P]] = [
+    (r"^(embed|lm_head)$", P("tp", None)),  # vocab-parallel
+    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)$", P("tp", None)),  # column-parallel
+    (r"\.(q_bias|k_bias|v_bias)$", P("tp")),
+    (r"\.(o_proj|down_proj)$", P(None, "tp")),  # row-parallel: XLA all-reduces the output
+    (r"\.(experts_gate|experts_up)$", P(None, None, "tp")),  # [E, H, I]: split I
+    (r"\.experts_down$", P(None, "tp", None)),  # [E, I, H]: split I, all-reduce after
+    (r".*", P()),  # norms, router, o_bias: replicated
+]
+
+KV_CACHE_SPEC = P(None, None, "tp", None)  # [blocks, block_size, kv_heads, head_dim]: split heads
+
+
+class ShardingError(ValueError):
+    """The model cannot be split over the requested number of devices."""
+
+
+def make_mesh(tensor_parallel: int, devices=None) -> Mesh:
+    """A (dp=1, tp) mesh over the first `tensor_parallel` devices, with compiler-chosen collectives."""
+    devices = list(jax.devices() if devices is None else devices)
+    if tensor_parallel < 1 or tensor_parallel > len(devices):
+        raise ShardingError(
+            f"tensor_parallel_size={tensor_parallel} but {len(devices)} device(s) are visible "
+            f"({devices[0].platform if devices else 'none'})"
+        )
+    grid = np.array(devices[:tensor_parallel]).reshape(1, tensor_parallel)
+    # Auto axes: XLA picks the collectives (jax.make_mesh would default to Explicit axes).
+    axis_types = (jax.sharding.AxisType.Auto,) * 2
+    return Mesh(grid, ("dp", "tp"), axis_types=axis_types)
+
+
+def tp_size(mesh: Mesh) -> int:
+    return mesh.shape["tp"]
+
+
+def kv_head_replicas(cfg: ModelConfig, tp: int) -> int:
+    """How many copies of each KV head we store so every tp rank owns one (1 = no replication).
+
+    With tp > num_kv_heads (e.g. 2 KV heads over 4 devices), rank r keeps a copy of KV head
+    r // replicas, which is exactly the head its query heads attend to.
+    """
+    if tp <= cfg.num_kv_heads:
+        if cfg.num_kv_heads % tp:
+            raise ShardingError(f"num_key_value_heads ({cfg.num_kv_heads}) is not divisible by tp={tp}")
+        return 1
+    if tp % cfg.num_kv_heads:
+        raise ShardingError(
+            f"tp={tp} exceeds num_key_value_heads ({cfg.num_kv_heads}) and is not a multiple of it, "
+            "so KV heads cannot be replicated evenly"
+        )
+    return tp // cfg.num_kv_heads
+
+
+def validate_tp(cfg: ModelConfig, tp: int) -> None:
+    checks = [("num_attention_heads", cfg.num_heads)]
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+        checks.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.num_experts:
+        checks.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+    for name, value in checks:
+        if value % tp:
+            raise ShardingError(f"{name} ({value}) is not divisible by tensor_parallel_size={tp}")
+    kv_head_replicas(cfg, tp)
+
+
+def spec_for(path: str, shape: tuple[int, ...], tp: int) -> P:
+    for pattern, spec in PARTITION_RULES:
+        if re.search(pattern, path):
+            break
+    # A vocabulary that does not divide evenly stays replicated rather than failing.
+    for dim, axis in zip(shape, spec):
+        if axis == "tp" and dim % tp:
+            log.info("%s %s: dim %d not divisible by tp=%d, replicating", path, shape, dim, tp)
+            return P()
+    return spec
+
+
+def named_sharding(mesh: Mesh, path: str, shape: tuple[int, ...]) -> NamedSharding:
+    return NamedSharding(mesh, spec_for(path, shape, tp_size(mesh)))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

@@ -1,0 +1,345 @@
+"""Checkpoint loading: Hugging Face safetensors (single file or sharded) -> sharded jax.Arrays.
+
+Each parameter is described by a `Source` that knows its global shape and how to read any
+rectangular slice of it from the checkpoint. `jax.make_array_from_callback` asks for exactly
+the slice each local device owns, and safetensors reads only those bytes, so no process
+materialises a whole tensor-parallel weight matrix on the host.
+
+The same parameter tree can be saved to / restored from Orbax (`jtp convert`), restoring
+straight into the target sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+from jtp.config import ModelConfig
+from jtp.sharding import kv_head_replicas, named_sharding, replicated, tp_size, validate_tp
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ORBAX_SUBDIR = "orbax"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match what the config describes."""
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+class SafetensorsCheckpoint:
+    """All tensors of a model directory, by name, whichever file holds them."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (model_dir / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+        self._handles = {}
+        self._file_of: dict[str, str] = {}
+        for file in files:
+            path = model_dir / file
+            if not path.is_file():
+                raise CheckpointError(f"{index}: lists {file}, which does not exist")
+            handle = safe_open(str(path), framework="numpy")
+            self._handles[file] = handle
+            for name in handle.keys():
+                self._file_of[name] = file
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """Only the bytes of `index` are read from disk."""
+        sl = self._slice(name)
+        return np.asarray(sl[index] if index else sl[:])
+
+    def _slice(self, name: str):
+        if name not in self._file_of:
+            raise CheckpointError(f"checkpoint has no tensor {name!r}")
+        return self._handles[self._file_of[name]].get_slice(name)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return [s.indices(n)[:2] for s, n in zip(index, shape)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A checkpoint tensor used as is."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        return {self.name: self.shape}
+
+    def read(self, ckpt: SafetensorsCheckpoint, index) -> np.ndarray:
+        return ckpt.read(self.name, tuple(slice(a, b) for a, b in _bounds(index, self.shape)))
+
+
+@dataclasses.dataclass(frozen=True)
+class RepeatedHeads:
+    """A KV projection (weight [heads*D, H] or bias [heads*D]) with each head stored `replicas` times."""
+
+    name: str
+    source_shape: tuple[int, ...]
+    head_dim: int
+    replicas: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.source_shape[0] * self.replicas, *self.source_shape[1:])
+
+    def expected(self):
+        return {self.name: self.source_shape}
+
+    def read(self, ckpt, index) -> np.ndarray:
+        (r0, r1), *rest = _bounds(index, self.shape)
+        rows = np.arange(r0, r1)
+        head, offset = divmod(rows, self.head_dim)
+        source_rows = (head // self.replicas) * self.head_dim + offset
+        lo, hi = int(source_rows.min()), int(source_rows.max()) + 1
+        block = ckpt.read(self.name, (slice(lo, hi), *(slice(a, b) for a, b in rest)))
+        return block[source_rows - lo]
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedExperts:
+    """Per-expert matrices [out, in] stacked and transposed to [E, in, out] for ragged_dot."""
+
+    names: tuple[str, ...]
+    source_shape: tuple[int, int]  # of one expert, HF layout [out, in]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.names), self.source_shape[1], self.source_shape[0])
+
+    def expected(self):
+        return {n: self.source_shape for n in self.names}
+
+    def read(self, ckpt, index) -> np.ndarray:
+        (e0, e1), (i0, i1), (o0, o1) = _bounds(index, self.shape)
+        return np.stack([ckpt.read(self.names[e], (slice(o0, o1), slice(i0, i1))).T for e in range(e0, e1)])
+
+
+Source = Tensor | RepeatedHeads | StackedExperts
+
+# Checkpoint tensors that carry no parameter of ours.
+IGNORED_TENSORS = [r"\.rotary_emb\.inv_freq$"]
+
+
+def param_layout(cfg: ModelConfig, tp: int = 1) -> dict[str, Source]:
+    """Parameter path -> where it comes from in a HF Qwen3/Qwen3-MoE/Qwen2 checkpoint."""
+    H, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    replicas = kv_head_replicas(cfg, tp)
+    layout: dict[str, Source] = {
+        "embed": Tensor("model.embed_tokens.weight", (V, H)),
+        "final_norm": Tensor("model.norm.weight", (H,)),
+    }
+    if not cfg.tie_word_embeddings:
+        layout["lm_head"] = Tensor("lm_head.weight", (V, H))
+
+    def kv(name, shape):
+        return Tensor(name, shape) if replicas == 1 else RepeatedHeads(name, shape, D, replicas)
+
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn = hf + "self_attn."
+        entries: dict[str, Source] = {
+            "input_norm": Tensor(hf + "input_layernorm.weight", (H,)),
+            "post_norm": Tensor(hf + "post_attention_layernorm.weight", (H,)),
+            "q_proj": Tensor(attn + "q_proj.weight", (cfg.q_size, H)),
+            "k_proj": kv(attn + "k_proj.weight", (cfg.kv_size, H)),
+            "v_proj": kv(attn + "v_proj.weight", (cfg.kv_size, H)),
+            "o_proj": Tensor(attn + "o_proj.weight", (H, cfg.q_size)),
+        }
+        if cfg.qkv_bias:
+            entries["q_bias"] = Tensor(attn + "q_proj.bias", (cfg.q_size,))
+            entries["k_bias"] = kv(attn + "k_proj.bias", (cfg.kv_size,))
+            entries["v_bias"] = kv(attn + "v_proj.bias", (cfg.kv_size,))
+        if cfg.o_bias:
+            entries["o_bias"] = Tensor(attn + "o_proj.bias", (H,))
+        if cfg.qk_norm:
+            entries["q_norm"] = Tensor(attn + "q_norm.weight", (D,))
+            entries["k_norm"] = Tensor(attn + "k_norm.weight", (D,))
+        mlp = hf + "mlp."
+        if cfg.is_moe_layer(i):
+            E, I = cfg.num_experts, cfg.moe_intermediate_size
+            expert = [f"{mlp}experts.{e}." for e in range(E)]
+            entries["router"] = Tensor(mlp + "gate.weight", (E, H))
+            entries["experts_gate"] = StackedExperts(tuple(x + "gate_proj.weight" for x in expert), (I, H))
+            entries["experts_up"] = StackedExperts(tuple(x + "up_proj.weight" for x in expert), (I, H))
+            entries["experts_down"] = StackedExperts(tuple(x + "down_proj.weight" for x in expert), (H, I))
+        else:
+            I = cfg.intermediate_size
+            entries["gate_proj"] = Tensor(mlp + "gate_proj.weight", (I, H))
+            entries["up_proj"] = Tensor(mlp + "up_proj.weight", (I, H))
+            entries["down_proj"] = Tensor(mlp + "down_proj.weight", (H, I))
+        layout.update({ours + k: v for k, v in entries.items()})
+    return layout
+
+
+def check_checkpoint(ckpt: SafetensorsCheckpoint, layout: dict[str, Source], cfg: ModelConfig) -> None:
+    """Every expected tensor present with its shape, nothing unexplained left over."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for source in layout.values():
+        expected.update(source.expected())
+    problems = []
+    for name, shape in expected.items():
+        if name not in ckpt.names:
+            problems.append(f"missing tensor {name!r} (expected shape {list(shape)})")
+        elif ckpt.shape(name) != shape:
+            problems.append(
+                f"tensor {name!r} has shape {list(ckpt.shape(name))} in the checkpoint, "
+                f"but the config implies {list(shape)}"
+            )
+    ignored = list(IGNORED_TENSORS)
+    if cfg.tie_word_embeddings:
+        ignored.append(r"^lm_head\.weight$")  # tied: HF ignores a stored copy too
+    unexpected = sorted(n for n in ckpt.names - expected.keys() if not any(re.search(p, n) for p in ignored))
+    if unexpected:
+        shown = ", ".join(repr(n) for n in unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
+        problems.append(f"{len(unexpected)} unexpected tensor(s) for {cfg.model_type}: {shown}")
+    if problems:
+        raise CheckpointError("checkpoint does not match config.json:\n  " + "\n  ".join(problems))
+
+
+# ----------------------------------------------------------------------------- param tree
+
+
+def unflatten(flat: dict[str, jax.Array], num_layers: int) -> dict:
+    tree: dict = {"layers": [{} for _ in range(num_layers)]}
+    for path, value in flat.items():
+        if path.startswith("layers."):
+            _, i, name = path.split(".", 2)
+            tree["layers"][int(i)][name] = value
+        else:
+            tree[path] = value
+    return tree
+
+
+def flatten(tree: dict) -> dict[str, jax.Array]:
+    flat = {k: v for k, v in tree.items() if k != "layers"}
+    for i, layer in enumerate(tree["layers"]):
+        flat.update({f"layers.{i}.{k}": v for k, v in layer.items()})
+    return flat
+
+
+def resolve_dtype(cfg: ModelConfig, dtype: str | None):
+    name = cfg.dtype if dtype in (None, "auto") else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_params(model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32) -> dict:
+    """Load a model directory (safetensors, or an Orbax checkpoint written by `jtp convert`)."""
+    model_dir = Path(model_dir)
+    tp = tp_size(mesh)
+    validate_tp(cfg, tp)
+    if not any(model_dir.glob("*.safetensors")) and (model_dir / ORBAX_SUBDIR).is_dir():
+        return restore_orbax(model_dir / ORBAX_SUBDIR, cfg, mesh, dtype)
+    ckpt = SafetensorsCheckpoint(model_dir)
+    layout = param_layout(cfg, tp)
+    check_checkpoint(ckpt, layout, cfg)
+    host_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
+    flat = {}
+    for path, source in layout.items():
+        read: Callable = lambda index, s=source: s.read(ckpt, index).astype(host_dtype, copy=False)
+        flat[path] = jax.make_array_from_callback(source.shape, named_sharding(mesh, path, source.shape), read)
+    return unflatten(flat, cfg.num_layers)
+
+
+# ----------------------------------------------------------------------------- orbax
+
+
+def _canonical(flat: dict[str, jax.Array], cfg: ModelConfig, tp: int) -> dict[str, jax.Array]:
+    """Undo KV-head replication, so an Orbax checkpoint does not depend on the tp it was saved with."""
+    replicas = kv_head_replicas(cfg, tp)
+    if replicas == 1:
+        return flat
+    out = dict(flat)
+    for path, value in flat.items():
+        if re.search(r"\.(k|v)_(proj|bias)$", path):
+            heads = value.reshape(cfg.num_kv_heads, replicas, cfg.head_dim, *value.shape[1:])
+            out[path] = heads[:, 0].reshape(cfg.kv_size, *value.shape[1:])
+    return out
+
+
+def save_orbax(params: dict, cfg: ModelConfig, tp: int, path: str | Path) -> None:
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    if path.exists():
+        shutil.rmtree(path)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, _canonical(flatten(params), cfg, tp))
+
+
+def restore_orbax(path: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32) -> dict:
+    """Restore into the mesh's sharding: each device reads its own slice from the Orbax files."""
+    import orbax.checkpoint as ocp
+
+    tp = tp_size(mesh)
+    canonical = param_layout(cfg, 1)
+    target = param_layout(cfg, tp)
+    abstract = {}
+    for path_, source in canonical.items():
+        needs_repeat = target[path_].shape != source.shape
+        # Replicated KV heads are restored whole (they are small) and repeated on device below.
+        sharding = replicated(mesh) if needs_repeat else named_sharding(mesh, path_, source.shape)
+        abstract[path_] = jax.ShapeDtypeStruct(source.shape, dtype, sharding=sharding)
+    with ocp.StandardCheckpointer() as ckptr:
+        flat = ckptr.restore(Path(path).absolute(), abstract)
+    replicas = kv_head_replicas(cfg, tp)
+    for path_, source in target.items():
+        if source.shape != canonical[path_].shape:
+            value = flat[path_].reshape(cfg.num_kv_heads, 1, cfg.head_dim, *source.shape[1:])
+            value = jnp.broadcast_to(value, (cfg.num_kv_heads, replicas, *value.shape[2:])).reshape(source.shape)
+            flat[path_] = jax.device_put(value, named_sharding(mesh, path_, source.shape))
+    return unflatten(dict(flat), cfg.num_layers)
+
+
+def convert_to_orbax(model_dir: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """`jtp convert`: HF safetensors directory -> model directory with an Orbax checkpoint."""
+    from jtp.sharding import make_mesh
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    mesh = make_mesh(1)
+    params = load_params(model_dir, cfg, mesh, resolve_dtype(cfg, dtype))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_orbax(params, cfg, 1, out_dir / ORBAX_SUBDIR)
+    # Everything but the weights travels along, so the result is a complete model directory.
+    for f in model_dir.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out_dir / f.name)
+    return out_dir
