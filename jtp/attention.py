@@ -27,6 +27,10 @@ class AttentionMetadata(NamedTuple):
     token_rows: jax.Array  # i32[T] batch row of each token
     block_tables: jax.Array  # i32[B, max_blocks] pages of each row, in order
     context_lens: jax.Array  # i32[B] tokens in each row's cache once this step's K/V are written
+    # Per-row views of the ragged batch, for layers that scan a row's tokens in order (DeltaNet):
+    row_starts: jax.Array  # i32[B] index in T of each row's first query token
+    row_lens: jax.Array  # i32[B] query tokens of each row in this step (0 = padding row)
+    state_slots: jax.Array  # i32[B] recurrent-state slot of each row (-1 = padding row)
 
 
 class LayerKV(NamedTuple):

@@ -15,12 +15,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-
-from jtp.attention import AttentionMetadata, LayerKV
+from jtp.attention import AttentionMetadata
 from jtp.config import ModelConfig
-from jtp.models import qwen3
-from jtp.sharding import KV_CACHE_SPEC, kv_head_replicas, make_mesh, replicated, tp_size
+from jtp.models import family_of
+from jtp.sharding import make_mesh, replicated, tp_size
 from jtp.weights import load_params, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -36,6 +34,9 @@ class StepPlan:
     token_rows: np.ndarray  # i32[T]
     block_tables: np.ndarray  # i32[B, M]
     context_lens: np.ndarray  # i32[B]
+    row_starts: np.ndarray  # i32[B]
+    row_lens: np.ndarray  # i32[B]
+    state_slots: np.ndarray  # i32[B]
     logits_indices: np.ndarray  # i32[B] index (into T) of the token whose logits each row samples from
 
     def metadata(self) -> AttentionMetadata:
@@ -45,6 +46,9 @@ class StepPlan:
             token_rows=self.token_rows,
             block_tables=self.block_tables,
             context_lens=self.context_lens,
+            row_starts=self.row_starts,
+            row_lens=self.row_lens,
+            state_slots=self.state_slots,
         )
 
 
@@ -56,6 +60,7 @@ class ModelRunner:
         dtype: str | None = None,
         num_blocks: int | None = None,
         block_size: int = 16,
+        max_seqs: int = 64,
         devices=None,
     ):
         self.model_dir = Path(model_dir)
@@ -65,19 +70,14 @@ class ModelRunner:
         self.params = load_params(model_dir, self.cfg, self.mesh, self.dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks if num_blocks is not None else 256
-        self.kv_cache = self._allocate_kv_cache()
-        self._logits_fn = jax.jit(functools.partial(_forward_logits, self.cfg), donate_argnums=(1,))
+        self.max_seqs = max_seqs
+        self.family = family_of(self.cfg)
+        self.cache = self.family.init_cache(self.cfg, self.mesh, self.num_blocks, block_size, max_seqs, self.dtype)
+        self._logits_fn = jax.jit(functools.partial(_forward_logits, self.family, self.cfg), donate_argnums=(1,))
 
     @property
     def tp(self) -> int:
         return tp_size(self.mesh)
-
-    def _allocate_kv_cache(self) -> list[LayerKV]:
-        heads = self.cfg.num_kv_heads * kv_head_replicas(self.cfg, self.tp)
-        shape = (self.num_blocks, self.block_size, heads, self.cfg.head_dim)
-        sharding = NamedSharding(self.mesh, KV_CACHE_SPEC)
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)
-        return [LayerKV(zeros(), zeros()) for _ in range(self.cfg.num_layers)]
 
     def _device_plan(self, plan: StepPlan):
         rep = replicated(self.mesh)
@@ -86,10 +86,10 @@ class ModelRunner:
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Run one step and return float32 logits [B, V] at each row's logits index."""
         tokens, meta, idx = self._device_plan(plan)
-        logits, self.kv_cache = self._logits_fn(self.params, self.kv_cache, tokens, meta, idx)
+        logits, self.cache = self._logits_fn(self.params, self.cache, tokens, meta, idx)
         return np.asarray(logits)
 
 
-def _forward_logits(cfg, params, kv_cache, tokens, meta, logits_indices):
-    hidden, kv_cache = qwen3.forward(params, cfg, tokens, kv_cache, meta)
-    return qwen3.compute_logits(params, hidden[logits_indices]), kv_cache
+def _forward_logits(family, cfg, params, cache, tokens, meta, logits_indices):
+    hidden, cache = family.forward(params, cfg, tokens, cache, meta)
+    return family.compute_logits(params, hidden[logits_indices]), cache

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from jtp.config import ModelConfig
 from jtp.sharding import kv_head_replicas, named_sharding, replicated, tp_size, validate_tp
 
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -156,57 +157,6 @@ Source = Tensor | RepeatedHeads | StackedExperts
 IGNORED_TENSORS = [r"\.rotary_emb\.inv_freq$"]
 
 
-def param_layout(cfg: ModelConfig, tp: int = 1) -> dict[str, Source]:
-    """Parameter path -> where it comes from in a HF Qwen3/Qwen3-MoE/Qwen2 checkpoint."""
-    H, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-    replicas = kv_head_replicas(cfg, tp)
-    layout: dict[str, Source] = {
-        "embed": Tensor("model.embed_tokens.weight", (V, H)),
-        "final_norm": Tensor("model.norm.weight", (H,)),
-    }
-    if not cfg.tie_word_embeddings:
-        layout["lm_head"] = Tensor("lm_head.weight", (V, H))
-
-    def kv(name, shape):
-        return Tensor(name, shape) if replicas == 1 else RepeatedHeads(name, shape, D, replicas)
-
-    for i in range(cfg.num_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        attn = hf + "self_attn."
-        entries: dict[str, Source] = {
-            "input_norm": Tensor(hf + "input_layernorm.weight", (H,)),
-            "post_norm": Tensor(hf + "post_attention_layernorm.weight", (H,)),
-            "q_proj": Tensor(attn + "q_proj.weight", (cfg.q_size, H)),
-            "k_proj": kv(attn + "k_proj.weight", (cfg.kv_size, H)),
-            "v_proj": kv(attn + "v_proj.weight", (cfg.kv_size, H)),
-            "o_proj": Tensor(attn + "o_proj.weight", (H, cfg.q_size)),
-        }
-        if cfg.qkv_bias:
-            entries["q_bias"] = Tensor(attn + "q_proj.bias", (cfg.q_size,))
-            entries["k_bias"] = kv(attn + "k_proj.bias", (cfg.kv_size,))
-            entries["v_bias"] = kv(attn + "v_proj.bias", (cfg.kv_size,))
-        if cfg.o_bias:
-            entries["o_bias"] = Tensor(attn + "o_proj.bias", (H,))
-        if cfg.qk_norm:
-            entries["q_norm"] = Tensor(attn + "q_norm.weight", (D,))
-            entries["k_norm"] = Tensor(attn + "k_norm.weight", (D,))
-        mlp = hf + "mlp."
-        if cfg.is_moe_layer(i):
-            E, I = cfg.num_experts, cfg.moe_intermediate_size
-            expert = [f"{mlp}experts.{e}." for e in range(E)]
-            entries["router"] = Tensor(mlp + "gate.weight", (E, H))
-            entries["experts_gate"] = StackedExperts(tuple(x + "gate_proj.weight" for x in expert), (I, H))
-            entries["experts_up"] = StackedExperts(tuple(x + "up_proj.weight" for x in expert), (I, H))
-            entries["experts_down"] = StackedExperts(tuple(x + "down_proj.weight" for x in expert), (H, I))
-        else:
-            I = cfg.intermediate_size
-            entries["gate_proj"] = Tensor(mlp + "gate_proj.weight", (I, H))
-            entries["up_proj"] = Tensor(mlp + "up_proj.weight", (I, H))
-            entries["down_proj"] = Tensor(mlp + "down_proj.weight", (H, I))
-        layout.update({ours + k: v for k, v in entries.items()})
-    return layout
-
-
 def check_checkpoint(ckpt: SafetensorsCheckpoint, layout: dict[str, Source], cfg: ModelConfig) -> None:
     """Every expected tensor present with its shape, nothing unexplained left over."""
     expected: dict[str, tuple[int, ...]] = {}
@@ -260,6 +210,12 @@ def resolve_dtype(cfg: ModelConfig, dtype: str | None):
     return DTYPES[name]
 
 
+def model_family(cfg: ModelConfig):
+    from jtp.models import family_of
+
+    return family_of(cfg)
+
+
 def load_params(model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32) -> dict:
     """Load a model directory (safetensors, or an Orbax checkpoint written by `jtp convert`)."""
     model_dir = Path(model_dir)
@@ -268,7 +224,7 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32
     if not any(model_dir.glob("*.safetensors")) and (model_dir / ORBAX_SUBDIR).is_dir():
         return restore_orbax(model_dir / ORBAX_SUBDIR, cfg, mesh, dtype)
     ckpt = SafetensorsCheckpoint(model_dir)
-    layout = param_layout(cfg, tp)
+    layout = model_family(cfg).param_layout(cfg, tp)
     check_checkpoint(ckpt, layout, cfg)
     host_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
     flat = {}
@@ -309,8 +265,9 @@ def restore_orbax(path: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32) -
     import orbax.checkpoint as ocp
 
     tp = tp_size(mesh)
-    canonical = param_layout(cfg, 1)
-    target = param_layout(cfg, tp)
+    family = model_family(cfg)
+    canonical = family.param_layout(cfg, 1)
+    target = family.param_layout(cfg, tp)
     abstract = {}
     for path_, source in canonical.items():
         needs_repeat = target[path_].shape != source.shape

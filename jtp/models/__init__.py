@@ -1,0 +1,15 @@
+"""Model families. Each module exposes the same four functions:
+
+    param_layout(cfg, tp) -> {path: Source}     where each parameter comes from in the checkpoint
+    init_cache(cfg, mesh, num_blocks, block_size, max_seqs, dtype) -> cache pytree
+    forward(params, cfg, tokens, cache, meta) -> (hidden [T, H], cache)
+    compute_logits(params, hidden) -> float32 logits
+"""
+
+from jtp.config import ModelConfig
+
+
+def family_of(cfg: ModelConfig):
+    from jtp.models import qwen3
+
+    return {"qwen3": qwen3, "qwen3_moe": qwen3, "qwen2": qwen3}[cfg.model_type]

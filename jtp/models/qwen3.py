@@ -6,7 +6,7 @@
 
 Attn: q/k/v projections (+ bias for Qwen2), per-head RMSNorm on q and k (Qwen3), RoPE,
 paged causal GQA; FFN: SwiGLU MLP, or top-k routed experts on MoE layers.
-Params are a pytree (see `jtp.weights.param_layout`); the loop over layers is unrolled in
+Params are a pytree (see `param_layout`); the loop over layers is unrolled in
 Python, which is what let XLA reach 81% of HBM bandwidth on the H200 (lax.scan: 31%).
 """
 
@@ -15,8 +15,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import NamedSharding
+
 from jtp.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
 from jtp.config import ModelConfig
+from jtp.sharding import KV_CACHE_SPEC, kv_head_replicas
+from jtp.weights import RepeatedHeads, Source, StackedExperts, Tensor
 from jtp.models.layers import apply_rope, linear, moe_experts, rms_norm, rope_cos_sin, route_top_k, swiglu_mlp
 
 
@@ -58,3 +62,63 @@ def compute_logits(params: dict, hidden) -> jax.Array:
     """hidden [N, H] -> float32 logits [N, V] (tied embeddings reuse the embedding table)."""
     head = params.get("lm_head", params["embed"])
     return linear(hidden, head).astype(jnp.float32)
+
+
+def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, max_seqs: int, dtype) -> list[LayerKV]:
+    """Zeroed paged K/V for every layer, heads split over tp (replicated heads counted)."""
+    del max_seqs  # no per-sequence state beyond the pages
+    heads = cfg.num_kv_heads * kv_head_replicas(cfg, mesh.shape["tp"])
+    shape = (num_blocks, block_size, heads, cfg.head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, KV_CACHE_SPEC))
+    return [LayerKV(zeros(), zeros()) for _ in range(cfg.num_layers)]
+
+
+def param_layout(cfg: ModelConfig, tp: int = 1) -> dict[str, Source]:
+    """Parameter path -> where it comes from in a HF Qwen3/Qwen3-MoE/Qwen2 checkpoint."""
+    H, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    replicas = kv_head_replicas(cfg, tp)
+    layout: dict[str, Source] = {
+        "embed": Tensor("model.embed_tokens.weight", (V, H)),
+        "final_norm": Tensor("model.norm.weight", (H,)),
+    }
+    if not cfg.tie_word_embeddings:
+        layout["lm_head"] = Tensor("lm_head.weight", (V, H))
+
+    def kv(name, shape):
+        return Tensor(name, shape) if replicas == 1 else RepeatedHeads(name, shape, D, replicas)
+
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn = hf + "self_attn."
+        entries: dict[str, Source] = {
+            "input_norm": Tensor(hf + "input_layernorm.weight", (H,)),
+            "post_norm": Tensor(hf + "post_attention_layernorm.weight", (H,)),
+            "q_proj": Tensor(attn + "q_proj.weight", (cfg.q_size, H)),
+            "k_proj": kv(attn + "k_proj.weight", (cfg.kv_size, H)),
+            "v_proj": kv(attn + "v_proj.weight", (cfg.kv_size, H)),
+            "o_proj": Tensor(attn + "o_proj.weight", (H, cfg.q_size)),
+        }
+        if cfg.qkv_bias:
+            entries["q_bias"] = Tensor(attn + "q_proj.bias", (cfg.q_size,))
+            entries["k_bias"] = kv(attn + "k_proj.bias", (cfg.kv_size,))
+            entries["v_bias"] = kv(attn + "v_proj.bias", (cfg.kv_size,))
+        if cfg.o_bias:
+            entries["o_bias"] = Tensor(attn + "o_proj.bias", (H,))
+        if cfg.qk_norm:
+            entries["q_norm"] = Tensor(attn + "q_norm.weight", (D,))
+            entries["k_norm"] = Tensor(attn + "k_norm.weight", (D,))
+        mlp = hf + "mlp."
+        if cfg.is_moe_layer(i):
+            E, I = cfg.num_experts, cfg.moe_intermediate_size
+            expert = [f"{mlp}experts.{e}." for e in range(E)]
+            entries["router"] = Tensor(mlp + "gate.weight", (E, H))
+            entries["experts_gate"] = StackedExperts(tuple(x + "gate_proj.weight" for x in expert), (I, H))
+            entries["experts_up"] = StackedExperts(tuple(x + "up_proj.weight" for x in expert), (I, H))
+            entries["experts_down"] = StackedExperts(tuple(x + "down_proj.weight" for x in expert), (H, I))
+        else:
+            I = cfg.intermediate_size
+            entries["gate_proj"] = Tensor(mlp + "gate_proj.weight", (I, H))
+            entries["up_proj"] = Tensor(mlp + "up_proj.weight", (I, H))
+            entries["down_proj"] = Tensor(mlp + "down_proj.weight", (H, I))
+        layout.update({ours + k: v for k, v in entries.items()})
+    return layout
