@@ -7,8 +7,10 @@ executes. Followers in a multi-process deployment run the very same calls on the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
 import logging
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import numpy as np
 from jtp.attention import AttentionMetadata
 from jtp.config import ModelConfig
 from jtp.models import family_of
+from jtp.sampling import MAX_LOGPROBS, SampleResult, SamplingBatch, sample
 from jtp.sharding import make_mesh, replicated, tp_size
 from jtp.weights import load_params, resolve_dtype
 
@@ -69,25 +72,97 @@ class ModelRunner:
         self.dtype = resolve_dtype(self.cfg, dtype)
         self.params = load_params(model_dir, self.cfg, self.mesh, self.dtype)
         self.block_size = block_size
-        self.num_blocks = num_blocks if num_blocks is not None else 256
         self.max_seqs = max_seqs
         self.family = family_of(self.cfg)
-        self.cache = self.family.init_cache(self.cfg, self.mesh, self.num_blocks, block_size, max_seqs, self.dtype)
+        self.num_blocks = 0
+        self.cache = None
+        if num_blocks is not None:
+            self.allocate_cache(num_blocks)
         self._logits_fn = jax.jit(functools.partial(_forward_logits, self.family, self.cfg), donate_argnums=(1,))
+        self._step_fn = jax.jit(
+            functools.partial(_forward_sample, self.family, self.cfg), donate_argnums=(1,), static_argnames=("flags",)
+        )
+        self.compilations = 0  # traces of the step function: bounded by the bucket sets
 
     @property
     def tp(self) -> int:
         return tp_size(self.mesh)
 
+    def allocate_cache(self, num_blocks: int) -> None:
+        self.cache = None  # drop the old buffers before allocating the new ones
+        self.num_blocks = num_blocks
+        self.cache = self.family.init_cache(self.cfg, self.mesh, num_blocks, self.block_size, self.max_seqs, self.dtype)
+
+    def bytes_per_block(self) -> int:
+        """Device memory one more KV block costs on each device (shapes only, nothing allocated)."""
+
+        def cache_bytes(num_blocks):
+            shapes = jax.eval_shape(
+                lambda: self.family.init_cache(self.cfg, self.mesh, num_blocks, self.block_size, self.max_seqs, self.dtype)
+            )
+            return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+        return (cache_bytes(2) - cache_bytes(1)) // self.tp
+
+    def memory_stats(self) -> dict | None:
+        """The first device's allocator stats (None on CPU, which keeps none)."""
+        try:
+            return self.mesh.devices.flat[0].memory_stats()
+        except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+            return None
+
     def _device_plan(self, plan: StepPlan):
         rep = replicated(self.mesh)
         return jax.tree.map(lambda a: jax.device_put(np.asarray(a, np.int32), rep), (plan.token_ids, plan.metadata(), plan.logits_indices))
+
+    def step(self, plan: StepPlan, sampling: SamplingBatch, penalty_tokens=None) -> SampleResult:
+        """Run one step and sample a token per row; only the sampled results come back."""
+        tokens, meta, idx = self._device_plan(plan)
+        flags = sampling.static_flags()
+        # Any top-n request computes the maximum n: one compiled variant instead of twenty.
+        flags = flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
+        with _count_traces(self):
+            result, self.cache = self._step_fn(self.params, self.cache, tokens, meta, idx, sampling, penalty_tokens, flags=flags)
+        return jax.device_get(result)
 
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Run one step and return float32 logits [B, V] at each row's logits index."""
         tokens, meta, idx = self._device_plan(plan)
         logits, self.cache = self._logits_fn(self.params, self.cache, tokens, meta, idx)
         return np.asarray(logits)
+
+
+def _forward_sample(family, cfg, params, cache, tokens, meta, logits_indices, sampling, penalty_tokens, flags):
+    _TRACES.count += 1
+    logits, cache = _forward_logits(family, cfg, params, cache, tokens, meta, logits_indices)
+    penalty_ids, penalty_is_output = penalty_tokens if penalty_tokens is not None else (None, None)
+    result = sample(
+        logits,
+        sampling,
+        needs_top_k_p_min_p=flags.needs_top_k_p_min_p,
+        needs_penalties=flags.needs_penalties,
+        num_logprobs=flags.num_logprobs,
+        all_greedy=flags.all_greedy,
+        penalty_ids=penalty_ids,
+        penalty_is_output=penalty_is_output,
+    )
+    return result, cache
+
+
+class _TraceCounter(threading.local):
+    count = 0
+
+
+_TRACES = _TraceCounter()
+
+
+@contextlib.contextmanager
+def _count_traces(runner: ModelRunner):
+    before = _TRACES.count
+    try:
+        yield
+    finally:
+        runner.compilations += _TRACES.count - before
 
 
 def _forward_logits(family, cfg, params, cache, tokens, meta, logits_indices):

@@ -302,7 +302,7 @@ def apply_penalties(logits: jax.Array, batch: SamplingBatch, output_counts: jax.
     pres = jnp.asarray(batch.presence_penalty, jnp.float32)[:, None]
     in_output = output_counts > 0
     seen = prompt_mask | in_output
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = jnp.where(seen, jnp.where(logits > 0, logits * rep, logits / rep), logits)
     logits = logits - freq * output_counts.astype(jnp.float32)
     return logits - pres * in_output.astype(jnp.float32)
 
