@@ -86,6 +86,12 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_batch(args) -> int:
+    from jtp.batch import run_args
+
+    return run_args(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jtp", description="JAX/XLA inference for the Qwen3 family")
     parser.add_argument("--log-level", default="WARNING")
@@ -106,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--output", required=True)
     conv.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     conv.set_defaults(func=cmd_convert)
+
+    from jtp.batch import add_arguments as batch_arguments
+
+    batch = sub.add_parser("batch", help="offline batch generation: JSONL prompts in, JSONL completions out")
+    _engine_args(batch)
+    batch_arguments(batch)
+    batch.set_defaults(func=cmd_batch)
 
     args, rest = parser.parse_known_args(argv)
     if rest:

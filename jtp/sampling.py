@@ -33,6 +33,16 @@ penalties and temperature), like vLLM's default.
 
 Compile-time flags (`SamplingBatch.static_flags()`) let the common case of
 greedy / plain temperature skip the sort and the penalty inputs entirely.
+
+Engine usage, per step:
+
+    batch = pack_sampling(row_params, num_rows, seeds, steps)      # numpy, host
+    flags = batch.static_flags()                                   # hashable
+    extra = {}
+    if flags.needs_penalties:
+        ids, is_output = pack_penalty_tokens(prompts, outputs, num_rows)
+        extra = dict(penalty_ids=ids, penalty_is_output=is_output)
+    result = sample_jit(logits, batch, **flags._asdict(), **extra)
 """
 from __future__ import annotations
 
@@ -302,7 +312,7 @@ def apply_penalties(logits: jax.Array, batch: SamplingBatch, output_counts: jax.
     pres = jnp.asarray(batch.presence_penalty, jnp.float32)[:, None]
     in_output = output_counts > 0
     seen = prompt_mask | in_output
-    logits = jnp.where(seen, jnp.where(logits > 0, logits * rep, logits / rep), logits)
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - freq * output_counts.astype(jnp.float32)
     return logits - pres * in_output.astype(jnp.float32)
 
@@ -346,6 +356,8 @@ def process_logits(logits: jax.Array, batch: SamplingBatch, *, needs_top_k_p_min
     """
     logits = logits.astype(jnp.float32)
     if needs_penalties:
+        if output_counts is None or prompt_mask is None:
+            raise ValueError("needs_penalties requires output_counts and prompt_mask")
         logits = apply_penalties(logits, batch, output_counts, prompt_mask)
     greedy = _greedy_rows(batch)[:, None]
     temperature = jnp.asarray(batch.temperature, jnp.float32)[:, None]

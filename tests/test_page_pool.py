@@ -327,5 +327,5 @@ class PagePoolMachine(RuleBasedStateMachine):
             self._assert_empty()
 
 
-PagePoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+PagePoolMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 test_page_pool_state_machine = PagePoolMachine.TestCase

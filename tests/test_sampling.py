@@ -3,6 +3,7 @@ penalties and truncation, numpy argmax / log_softmax, exact distributions, and
 the host-side jax.random key derivation."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -76,6 +77,17 @@ def ref_keep(x, p: SamplingParams, slack: float = 0.0):
     return keep
 
 
+def as_float32(p: SamplingParams) -> SamplingParams:
+    """p with its float fields rounded to float32; below float32's normal range
+    they are zero (XLA may flush subnormals)."""
+    def f32(x):
+        x = float(np.float32(x))
+        return 0.0 if abs(x) < np.finfo(np.float32).tiny else x
+    return dataclasses.replace(p, **{name: f32(getattr(p, name)) for name in (
+        "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+        "frequency_penalty")})
+
+
 def np_log_softmax(x):
     x = np.asarray(x, np.float64)
     m = x.max(-1, keepdims=True)
@@ -146,6 +158,7 @@ def test_process_logits_matches_reference(data, num_rows, vocab, mode, np_seed):
     penalised, processed = np.asarray(penalised), np.asarray(processed)
 
     for r, p in enumerate(params):
+        p = as_float32(p)  # the parameters travel to the device as float32
         ref = ref_penalise(logits[r], p, prompts[r], outputs[r])
         scale = 1 + np.max(np.abs(ref[np.isfinite(ref)]))
         np.testing.assert_allclose(penalised[r], ref, rtol=1e-5, atol=1e-6 * scale)

@@ -10,6 +10,10 @@ from jtp.config import ModelConfig
 
 
 def family_of(cfg: ModelConfig):
-    from jtp.models import qwen3
+    if cfg.model_type in ("qwen3", "qwen3_moe", "qwen2"):
+        from jtp.models import qwen3
 
-    return {"qwen3": qwen3, "qwen3_moe": qwen3, "qwen2": qwen3}[cfg.model_type]
+        return qwen3
+    from jtp.models import qwen3_5  # the hybrids: qwen3_next, qwen3_5[_text], qwen3_5_moe[_text]
+
+    return qwen3_5

@@ -1,0 +1,102 @@
+"""Tensor parallelism on 8 forced CPU devices: same tokens and logits at every tp, XLA's
+all-reduces in the compiled step (two per layer), each device reading only its own slice."""
+
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from jtp.runner import ModelRunner
+from jtp.sharding import ShardingError, kv_head_replicas
+from jtp.config import ModelConfig
+from jtp.weights import SafetensorsCheckpoint
+
+pytest.importorskip("torch")
+from hf_models import make_hf_checkpoint  # noqa: E402
+from test_hf_parity import one_row_plan, prefill_then_decode_logits  # noqa: E402
+
+# 8 query heads over 2 KV heads: tp=4 and tp=8 need KV-head replication (x2, x4).
+WIDE = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, intermediate_size=128)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "qwen2"])
+def checkpoint(request, tmp_path_factory):
+    _, path = make_hf_checkpoint(request.param, tmp_path_factory.mktemp(request.param), **WIDE)
+    return request.param, path
+
+
+def greedy_tokens(runner: ModelRunner, prompt, n: int) -> tuple[list[int], np.ndarray]:
+    table = list(range(runner.num_blocks))
+    bs = runner.block_size
+    logits = runner.logits(one_row_plan(prompt, 0, table, bs))[0]
+    tokens, all_logits = [], [logits]
+    for _ in range(n - 1):
+        tokens.append(int(np.argmax(logits)))
+        logits = runner.logits(one_row_plan(tokens[-1:], len(prompt) + len(tokens) - 1, table, bs))[0]
+        all_logits.append(logits)
+    tokens.append(int(np.argmax(logits)))
+    return tokens, np.stack(all_logits)
+
+
+def test_tp_invariance(checkpoint):
+    kind, path = checkpoint
+    prompt = np.random.default_rng(0).integers(0, 128, 19).tolist()
+    base_tokens, base_logits = greedy_tokens(ModelRunner(path, 1, num_blocks=16, block_size=4), prompt, 12)
+    for tp in (2, 4, 8):
+        runner = ModelRunner(path, tp, num_blocks=16, block_size=4)
+        assert kv_head_replicas(runner.cfg, tp) == max(1, tp // 2)
+        tokens, logits = greedy_tokens(runner, prompt, 12)
+        assert tokens == base_tokens, f"{kind} tp={tp}"
+        np.testing.assert_allclose(logits, base_logits, atol=1e-5, rtol=0, err_msg=f"{kind} tp={tp}")
+
+
+def collective_counts(runner: ModelRunner) -> Counter:
+    plan = one_row_plan([1], 5, [0, 1, 2], runner.block_size)
+    tokens, meta, idx = runner._device_plan(plan)
+    hlo = runner._logits_fn.lower(runner.params, runner.cache, tokens, meta, idx).compile().as_text()
+    ops = re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", hlo)
+    return Counter(ops)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_decode_step_has_two_all_reduces_per_layer(checkpoint, tp):
+    kind, path = checkpoint
+    runner = ModelRunner(path, tp, num_blocks=8, block_size=4)
+    counts = collective_counts(runner)
+    layers = runner.cfg.num_layers
+    # o_proj and down_proj (or the experts' down projection) per layer, plus one for the
+    # vocab-parallel embedding lookup. Nothing is hand-written: XLA chose every one.
+    assert counts["all-reduce"] == 2 * layers + 1, (kind, tp, counts)
+    assert collective_counts(ModelRunner(path, 1, num_blocks=8, block_size=4)) == Counter()
+
+
+def test_each_device_reads_only_its_slice(checkpoint, monkeypatch):
+    kind, path = checkpoint
+    reads: list[tuple[str, tuple]] = []
+    original = SafetensorsCheckpoint.read
+
+    def spy(self, name, index=()):
+        out = original(self, name, index)
+        reads.append((name, out.shape))
+        return out
+
+    monkeypatch.setattr(SafetensorsCheckpoint, "read", spy)
+    ModelRunner(path, 4, num_blocks=4, block_size=4)
+    cfg = ModelConfig.from_dir(path)
+    q_reads = [shape for name, shape in reads if name == "model.layers.0.self_attn.q_proj.weight"]
+    assert q_reads == [(cfg.q_size // 4, cfg.hidden_size)] * 4  # column-parallel: a quarter each
+    o_reads = [shape for name, shape in reads if name == "model.layers.0.self_attn.o_proj.weight"]
+    assert o_reads == [(cfg.hidden_size, cfg.q_size // 4)] * 4  # row-parallel
+    k_reads = [shape for name, shape in reads if name == "model.layers.0.self_attn.k_proj.weight"]
+    assert k_reads == [(cfg.head_dim, cfg.hidden_size)] * 4  # one (replicated) KV head each
+    biggest = max(int(np.prod(s)) for n, s in reads if not n.endswith("embed_tokens.weight"))
+    assert biggest < max(cfg.q_size, cfg.intermediate_size) * cfg.hidden_size
+
+
+def test_indivisible_tp_is_a_clear_error(tmp_path):
+    _, path = make_hf_checkpoint("qwen3", tmp_path / "m", num_attention_heads=6, num_key_value_heads=2)
+    with pytest.raises(ShardingError, match="num_attention_heads"):
+        ModelRunner(path, 4, num_blocks=4)
+    with pytest.raises(ShardingError, match="device"):
+        ModelRunner(path, 16, num_blocks=4)
