@@ -92,6 +92,22 @@ def cmd_batch(args) -> int:
     return run_args(args)
 
 
+def enable_compilation_cache() -> None:
+    """Persist compiled steps across runs, so the second start of a model skips XLA compilation.
+
+    JTP_COMPILATION_CACHE sets the directory ("" turns it off); default ~/.cache/jtp/xla.
+    """
+    import os
+    from pathlib import Path
+
+    import jax
+
+    path = os.environ.get("JTP_COMPILATION_CACHE", str(Path.home() / ".cache" / "jtp" / "xla"))
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jtp", description="JAX/XLA inference for the Qwen3 family")
     parser.add_argument("--log-level", default="WARNING")
@@ -124,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    enable_compilation_cache()
     return args.func(args)
 
 

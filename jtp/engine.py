@@ -73,6 +73,7 @@ class _Output:
         self.top_logprobs: list[dict[int, float]] = []
         self.done = threading.Event()
         self.error: str | None = None
+        self.stopped_by_string = False
         stops = request.params.stop
         self.holdback = max((len(s) for s in stops), default=1) - 1
 
@@ -86,11 +87,12 @@ class _Output:
             at = self.text.find(stop, max(0, self.emitted - len(stop)))
             if at >= 0:
                 self.text = self.text[:at]
+                self.stopped_by_string = True
                 return True
         return False
 
     def take_text(self, finished: bool) -> str:
-        if finished and self.detok is not None and not self.request.params.stop:
+        if finished and self.detok is not None and not self.stopped_by_string:
             self.text += self.detok.flush()
         end = len(self.text) if finished else max(self.emitted, len(self.text) - self.holdback)
         delta, self.emitted = self.text[self.emitted : end], end
