@@ -161,7 +161,9 @@ class Engine:
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
         with self._lock:
-            rid = request_id or f"req-{next(self._ids)}"
+            rid = request_id
+            while rid is None or (request_id is None and rid in self._outputs):
+                rid = f"req-{next(self._ids)}"  # never collides with a caller-chosen id
             if rid in self._outputs:
                 raise RequestError(f"request id {rid!r} is already in use")
             req = Request(rid, prompt_ids, params, request_seed(params), frozenset(stop_ids))
@@ -311,7 +313,15 @@ class Engine:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
         """Offline batch: submit everything at once, run until all finish, results in input order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.submit(p, sp) for p, sp in zip(prompts, params_list)]
+        ids = []
+        try:
+            for p, sp in zip(prompts, params_list, strict=True):
+                ids.append(self.submit(p, sp))
+        except Exception:
+            for rid in ids:  # all or nothing: don't leave the valid ones running unowned
+                self.abort(rid)
+                self.release(rid)
+            raise
         results = [self.result(rid) for rid in ids]
         for rid in ids:
             self.release(rid)

@@ -1,0 +1,16 @@
+#!/usr/bin/env python
+"""Offline batch generation: JSONL prompts in, JSONL completions out (see jtp/batch.py).
+
+    python scripts/generate_offline.py --input in.jsonl --output out.jsonl [--model DIR]
+        [--tensor-parallel-size N] [--dtype D] [--max-num-seqs N] [--num-blocks N] [--limit N]
+"""
+import sys
+from pathlib import Path
+
+# Runs from a plain checkout too, without `pip install -e .`.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jtp.batch import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

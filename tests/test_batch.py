@@ -1,0 +1,268 @@
+"""Offline batch generation (jtp/batch.py, scripts/generate_offline.py) on the demo checkpoint.
+
+The batch results are checked against independent runs: each prompt alone through a fresh
+`engine.generate` call, tokenized by a separately loaded Tokenizer.
+"""
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jtp import batch
+from jtp.demo import ensure_demo_checkpoint
+from jtp.engine import Engine
+from jtp.sampling import SamplingParams
+from jtp.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = "the sea is wide and deep it sings sailors off to sleep rain in Spain stays mainly on plain".split()
+BAD_JSON_LINE, BAD_TEMP_LINE = 17, 60  # 1-based lines of the two bad inputs
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return ensure_demo_checkpoint(tmp_path_factory.mktemp("batch") / "demo-qwen3")
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    return Engine(ckpt, num_blocks=512, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt):
+    return Tokenizer.from_dir(ckpt)
+
+
+def make_requests(n=100, seed=0):
+    """Greedy requests of mixed lengths; every 10th is a chat; two lines are bad."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(1, n + 1):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
+        req = {"id": f"r{i}", "max_tokens": rng.randint(1, 24), "temperature": 0}
+        if i % 10 == 0:
+            req["messages"] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"{i}: {words}"}]
+        else:
+            req["prompt"] = f"{i}: {words}"  # the number keeps prompts unique
+        if i == BAD_TEMP_LINE:
+            req["temperature"] = -1
+        lines.append(json.dumps(req) if i != BAD_JSON_LINE else '{"id": "r17", "prompt": "cut short')
+    return lines
+
+
+def prompt_text(req, tok):
+    if "messages" in req:
+        return tok.apply_chat_template(req["messages"], add_generation_prompt=True)
+    return req["prompt"]
+
+
+def read_rows(path):
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+
+
+def write_lines(path, lines):
+    Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def full_run(engine, tmp_path_factory):
+    d = tmp_path_factory.mktemp("full")
+    lines = make_requests()
+    inp = write_lines(d / "in.jsonl", lines)
+    # Watch the engine: requests must really run together, and no more than max_pending at once.
+    peak = {"running": 0, "outstanding": 0}
+    real_step = engine.step
+
+    def watched_step():
+        sched = engine.scheduler
+        peak["running"] = max(peak["running"], len(sched.running))
+        peak["outstanding"] = max(peak["outstanding"], len(sched.running) + len(sched.waiting))
+        return real_step()
+
+    engine.step = watched_step
+    try:
+        stats = batch.run(engine, inp, d / "out.jsonl", max_pending=24)
+    finally:
+        del engine.step  # back to the class method
+    assert peak == {"running": 16, "outstanding": 24}
+    return lines, stats, read_rows(d / "out.jsonl")
+
+
+def test_results_match_solo_runs(full_run, engine, tok):
+    lines, stats, rows = full_run
+    assert (stats.ok, stats.errors, stats.skipped) == (98, 2, 0)
+    assert stats.tokens == sum(r["usage"]["completion_tokens"] for r in rows if "error" not in r) > 0
+    by_id = {r["id"]: r for r in rows}
+    assert len(by_id) == len(rows) == 100
+
+    errors = {r["id"]: r["error"] for r in rows if "error" in r}
+    assert set(errors) == {f"line:{BAD_JSON_LINE}", f"r{BAD_TEMP_LINE}"}
+    assert errors[f"line:{BAD_JSON_LINE}"].startswith(f"line {BAD_JSON_LINE}: invalid JSON")
+    assert "temperature must be a finite number >= 0, got -1" in errors[f"r{BAD_TEMP_LINE}"]
+
+    reqs = [json.loads(line) for i, line in enumerate(lines, 1) if i not in (BAD_JSON_LINE, BAD_TEMP_LINE)]
+    eos = set(tok.eos_token_ids)
+    for req in reqs:
+        row = by_id[req["id"]]
+        ids = tok.encode(prompt_text(req, tok))
+        assert row["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(row["token_ids"])}
+        assert 1 <= len(row["token_ids"]) <= req["max_tokens"]
+        stopped = row["token_ids"][-1] in eos
+        assert row["finish_reason"] == ("stop" if stopped else "length")
+        assert stopped or len(row["token_ids"]) == req["max_tokens"]
+        assert row["text"] == tok.decode(row["token_ids"])
+
+    # Solo greedy reruns: a sample with the shortest/longest budgets and both input kinds.
+    sample = sorted(reqs, key=lambda r: r["max_tokens"])[:3] + sorted(reqs, key=lambda r: r["max_tokens"])[-3:]
+    sample += [r for r in reqs if "messages" in r][:2] + random.Random(1).sample(reqs, 4)
+    for req in sample:
+        ids = tok.encode(prompt_text(req, tok))
+        solo = engine.generate([ids], SamplingParams(max_tokens=req["max_tokens"], temperature=0))[0]
+        assert by_id[req["id"]]["token_ids"] == solo.token_ids, req["id"]
+
+
+def test_messages_get_the_chat_template(full_run, tok):
+    lines, _, rows = full_run
+    by_id = {r["id"]: r for r in rows}
+    req = json.loads(lines[9])  # line 10 is a chat
+    rendered = tok.apply_chat_template(req["messages"], add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n") and "be brief" in rendered
+    assert by_id[req["id"]]["usage"]["prompt_tokens"] == len(tok.encode(rendered))
+    assert len(tok.encode(rendered)) > len(tok.encode(req["messages"][1]["content"])) + 5
+
+
+def test_resume_after_interruption(full_run, engine, tok, tmp_path, monkeypatch):
+    lines, _, full_rows = full_run
+    expected = {r["id"]: r for r in full_rows}
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+
+    first = batch.run(engine, inp, out, limit=40)
+    assert first.ok + first.errors == 40
+    # Simulate a kill mid-write: the last row is cut in half (no newline).
+    data = out.read_bytes()
+    rows_before = data.splitlines()
+    last_start = len(data) - len(rows_before[-1]) - 1
+    out.write_bytes(data[: last_start + len(rows_before[-1]) // 2])
+    kept = {json.loads(r)["id"] for r in rows_before[:-1]}
+    cut_id = json.loads(rows_before[-1])["id"]
+
+    prompt_to_id = {}
+    for line in lines:
+        try:
+            req = json.loads(line)
+        except ValueError:
+            continue
+        prompt_to_id[tuple(tok.encode(prompt_text(req, tok)))] = req["id"]
+    submitted = []
+    real_submit = engine.submit
+
+    def counting_submit(prompt_ids, params=None, request_id=None):
+        submitted.append(prompt_to_id[tuple(prompt_ids)])
+        return real_submit(prompt_ids, params, request_id)
+
+    monkeypatch.setattr(engine, "submit", counting_submit)
+    second = batch.run(engine, inp, out)
+    servable = {r["id"] for r in full_rows if "error" not in r}
+    assert sorted(submitted) == sorted(servable - kept)  # only the missing ones, each once
+    assert cut_id in submitted or cut_id not in servable
+    assert second.skipped == len(kept)
+
+    final = read_rows(out)  # every line parses: the half row is gone
+    assert sorted(r["id"] for r in final) == sorted(expected)  # exactly one row per input id
+    for r in final:  # greedy: the same rows as the uninterrupted run
+        assert r == expected[r["id"]]
+
+    submitted.clear()
+    third = batch.run(engine, inp, out)
+    assert submitted == [] and (third.ok, third.errors, third.skipped) == (0, 0, 100)
+    assert len(read_rows(out)) == 100
+
+
+def test_bad_lines_become_error_rows(engine, tmp_path):
+    good = {"prompt": "the sea", "max_tokens": 3, "temperature": 0}
+    lines = [
+        json.dumps({"id": "ok1", **good}),
+        json.dumps({"prompt": "no id"}),
+        json.dumps({"id": "both", "prompt": "a", "messages": [{"role": "user", "content": "b"}]}),
+        json.dumps({"id": "neither", "max_tokens": 3}),
+        json.dumps({"id": "unknown", "prompt": "a", "beam_width": 4}),
+        json.dumps({"id": "too-long", "prompt": "a", "max_tokens": 5000}),
+        json.dumps({"id": "empty", "prompt": ""}),
+        json.dumps({"id": ["list"], "prompt": "a"}),
+        json.dumps(["not", "an", "object"]),
+        "",  # blank lines are skipped, not errors
+        json.dumps({"id": "ok1", **good}),  # duplicate
+        json.dumps({"id": 7, "messages": "hi"}),
+        json.dumps({"id": "ok2", **good, "stop": ["zz"], "logprobs": 2}),
+    ]
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    stats = batch.run(engine, inp, tmp_path / "out.jsonl")
+    rows = read_rows(tmp_path / "out.jsonl")
+    assert (stats.ok, stats.errors) == (2, 10) and len(rows) == 12
+    err = {r["id"]: r["error"] for r in rows if "error" in r}
+    assert err["line:2"] == "line 2: missing 'id'"
+    assert "exactly one of 'prompt' or 'messages', got both" in err["both"]
+    assert "got neither" in err["neither"]
+    assert "unknown sampling parameter(s): beam_width" in err["unknown"]
+    assert err["too-long"].startswith("line 6: prompt") and "exceeds the model's context length" in err["too-long"]
+    assert "prompt is empty" in err["empty"]
+    assert "'id' must be a string or an integer" in err["line:8"]
+    assert "expected a JSON object, got list" in err["line:9"]
+    assert err[7] == "line 12: 'messages' must be a non-empty list of objects"
+    dup = [i for i, r in enumerate(rows) if r["id"] == "ok1"]
+    assert len(dup) == 2 and "token_ids" in rows[dup[0]]  # the first occurrence's row comes first
+    assert rows[dup[1]]["error"] == "line 11: duplicate id 'ok1' (first on line 1)"
+    ok2 = next(r for r in rows if r["id"] == "ok2")
+    assert len(ok2["logprobs"]) == len(ok2["token_ids"]) and all(len(t) == 2 for t in ok2["top_logprobs"])
+
+    # Resume with duplicates: nothing is missing, so nothing is written.
+    again = batch.run(engine, inp, tmp_path / "out.jsonl")
+    assert (again.ok, again.errors, again.skipped) == (0, 0, 12)
+
+
+def test_half_row_with_complete_json_is_kept(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "text": ""}\n{"id": "b", "error": "x"}', encoding="utf-8")
+    assert batch.load_done(out) == {'"a"': 1, '"b"': 1}
+    assert out.read_text().endswith('"x"}\n')
+    out.write_text('{"id": "a", "text": ""}\n{"id": "b", "te', encoding="utf-8")
+    assert batch.load_done(out) == {'"a"': 1}
+    assert out.read_text() == '{"id": "a", "text": ""}\n'
+
+
+def test_script_end_to_end(ckpt, engine, tok, tmp_path):
+    reqs = [
+        {"id": "s1", "prompt": "The rain in Spain", "max_tokens": 5, "temperature": 0},
+        {"id": 2, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0},
+        {"id": "s3", "prompt": "x", "top_p": 0},
+    ]
+    inp = write_lines(tmp_path / "in.jsonl", [json.dumps(r) for r in reqs])
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, str(REPO / "scripts" / "generate_offline.py"), "--model", str(ckpt),
+           "--input", str(inp), "--output", str(out), "--max-num-seqs", "4", "--num-blocks", "64"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 ok, 1 errors" in proc.stderr and "tokens/s" in proc.stderr
+    rows = {r["id"]: r for r in read_rows(out)}
+    assert "top_p must be in (0, 1]" in rows["s3"]["error"]
+    for req in reqs[:2]:
+        ids = tok.encode(prompt_text(req, tok))
+        solo = engine.generate([ids], SamplingParams(max_tokens=req["max_tokens"], temperature=0))[0]
+        assert rows[req["id"]]["token_ids"] == solo.token_ids
+
+
+def test_cli_has_batch_subcommand(capsys):
+    from jtp import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["batch", "--help"])
+    assert exc.value.code == 0
+    assert "--input" in capsys.readouterr().out
