@@ -1,0 +1,86 @@
+"""scripts/bench.py end to end on CPU: a tiny random checkpoint, batch sizes 1 and 4.
+
+Runs both scripts as subprocesses, exactly as on a GPU machine, and checks that the JSON
+has every section, that the numbers are positive and finite, and that decode at batch 4
+really produced batch x steps tokens.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+
+
+def _run(args, timeout):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # one device: what a plain user gets
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{args[0]} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    model = tmp / "qwen3-tiny"
+    _run(["scripts/make_random_checkpoint.py", "--preset", "qwen3-tiny", "--out", str(model)], 60)
+    out_json, out_md = tmp / "bench.json", tmp / "bench.md"
+    proc = _run(
+        ["scripts/bench.py", "--model", str(model), "--batch-sizes", "1,4", "--context", "24", "--prefill-len", "48",
+         "--decode-steps", str(STEPS), "--warmup-steps", "1", "--prefill-runs", "1", "--prefill-requests", "2",
+         "--json", str(out_json), "--markdown", str(out_md)],
+        120,
+    )
+    return json.loads(out_json.read_text()), out_md.read_text(), proc.stdout, model
+
+
+def _positive(x):
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_checkpoint_matches_preset(bench):
+    _, _, _, model = bench
+    cfg = json.loads((model / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg["hidden_size"] == 128 and cfg["num_hidden_layers"] == 2
+    assert (model / "model.safetensors").is_file()
+
+
+def test_json_sections_and_numbers(bench):
+    res, _, _, _ = bench
+    for key in ("command", "hardware", "ceilings", "model", "engine", "decode", "prefill", "memory", "compile"):
+        assert key in res, key
+    assert res["hardware"]["platform"] == "cpu" and res["hardware"]["device_count"] >= 1
+    assert _positive(res["ceilings"]["copy_bandwidth_Bps"]) and _positive(res["ceilings"]["matmul_flops_per_s"])
+    assert res["model"]["params"] == 557_824  # qwen3-tiny: 2 layers, hidden 128, vocab 1024, untied
+    assert _positive(res["engine"]["num_blocks"]) and _positive(res["engine"]["kv_pool_bytes"])
+    assert [d["batch"] for d in res["decode"]] == [1, 4]
+    for d in res["decode"]:
+        for key in ("tokens_per_s", "ms_per_step_median", "roofline_tokens_per_s", "roofline_ms_per_step",
+                    "fraction_of_roofline", "context_mean"):
+            assert _positive(d[key]), (d["batch"], key, d[key])
+        assert d["context_mean"] >= 24
+    p = res["prefill"]
+    for key in ("ttft_ms", "tokens_per_s", "roofline_tokens_per_s", "roofline_ttft_ms", "roofline_flops"):
+        assert _positive(p[key]), (key, p[key])
+    assert p["tokens"] == 2 * 48
+    assert res["compile"]["calls"] >= 1 and res["skipped"] == []
+
+
+def test_decode_at_batch_4_produced_tokens(bench):
+    res, _, _, _ = bench
+    d4 = next(d for d in res["decode"] if d["batch"] == 4)
+    assert d4["tokens"] == 4 * STEPS  # every row sampled a token at every timed step
+    assert d4["rows_min"] == d4["rows_max"] == 4 and d4["finished_early"] == 0
+
+
+def test_markdown_table(bench):
+    res, md, stdout, _ = bench
+    assert res["command"] in md
+    assert "| decode B=4" in md and "| prefill 48 tokens" in md and "TTFT" in md
+    assert "| decode B=1" in stdout  # the table is printed too
