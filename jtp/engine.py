@@ -21,6 +21,8 @@ import queue
 import threading
 from pathlib import Path
 
+import jax
+
 from jtp.page_pool import PagePool
 from jtp.runner import ModelRunner
 from jtp.sampling import SamplingParams, pack_penalty_tokens, pack_sampling, request_seed
@@ -132,6 +134,7 @@ class Engine:
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._wakeup = threading.Condition(self._lock)
+        self._inflight: tuple[list[ScheduledRow], object] | None = None  # dispatched, not yet processed
         self._loop: threading.Thread | None = None
         self._stopping = False
 
@@ -207,23 +210,35 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return self.scheduler.has_work()
+            return self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[TokenEvent]:
-        """Schedule, run one device step, process its tokens. Returns this step's events."""
-        with self._lock:
-            rows = self.scheduler.schedule()
-            if not rows:
-                return []
-            events = self._run(rows)
-        return events
+        """Dispatch the next step, then process the previous one's tokens while it runs.
 
-    def _run(self, rows: list[ScheduledRow]) -> list[TokenEvent]:
+        Overlapping keeps the device busy: the host schedules and builds step N+1 (whose decode
+        rows feed step N's sampled tokens straight from device memory) before it waits for step
+        N's results. A stop found in step N's tokens therefore costs one discarded token of
+        compute. Penalties need the exact token history, so batches that use them run in lockstep.
+        Returns the events of the step whose results were processed.
+        """
+        with self._lock:
+            previous, self._inflight = self._inflight, None
+            events = []
+            if previous is not None and any(r.params.has_penalties for r in self.scheduler.running):
+                events, previous = self._process(*previous), None
+            rows = self.scheduler.schedule()
+            if rows:
+                self._inflight = (rows, self._dispatch(rows))
+            if previous is not None:
+                events = self._process(*previous)
+            return events
+
+    def _dispatch(self, rows: list[ScheduledRow]):
         plan = self.scheduler.build_plan(rows)
         B = len(plan.context_lens)
         sampling_rows = [r.request.params if r.samples else None for r in rows]
         seeds = [r.request.seed for r in rows]
-        steps = [len(r.request.output_ids) for r in rows]
+        steps = [r.request.num_generated for r in rows]
         sampling = pack_sampling(sampling_rows, B, seeds, steps)
         penalty = None
         if sampling.static_flags().needs_penalties:
@@ -231,13 +246,21 @@ class Engine:
             penalty = pack_penalty_tokens(
                 [q.prompt_ids if q else None for q in reqs], [q.output_ids if q else None for q in reqs], B
             )
-        result = self.runner.step(plan, sampling, penalty)
+        result = self.runner.dispatch(plan, sampling, penalty)
+        for row in rows:
+            row.request.num_computed += row.num_tokens
+            row.request.pending += row.samples
+        return result
+
+    def _process(self, rows: list[ScheduledRow], result) -> list[TokenEvent]:
+        result = jax.device_get(result)  # waits for the device
         events = []
         for b, row in enumerate(rows):
             req = row.request
-            req.num_computed += row.num_tokens
-            if row.samples and req.status is Status.RUNNING:
-                events.append(self._append(req, int(result.tokens[b]), result, b))
+            if row.samples:
+                req.pending -= 1
+                if req.status is Status.RUNNING:  # else finished or aborted meanwhile: discard
+                    events.append(self._append(req, int(result.tokens[b]), result, b))
         return events
 
     def _append(self, req: Request, token: int, result, b: int) -> TokenEvent:
@@ -348,7 +371,7 @@ class Engine:
     def _run_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self.scheduler.has_work():
+                while not self._stopping and not self.scheduler.has_work() and self._inflight is None:
                     self._wakeup.wait()
                 if self._stopping:
                     return

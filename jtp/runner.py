@@ -80,9 +80,12 @@ class ModelRunner:
             self.allocate_cache(num_blocks)
         self._logits_fn = jax.jit(functools.partial(_forward_logits, self.family, self.cfg), donate_argnums=(1,))
         self._step_fn = jax.jit(
-            functools.partial(_forward_sample, self.family, self.cfg), donate_argnums=(1,), static_argnames=("flags",)
+            functools.partial(_forward_sample, self.family, self.cfg), donate_argnums=(1, 2), static_argnames=("flags",)
         )
         self.compilations = 0  # traces of the step function: bounded by the bucket sets
+        # The last token sampled for each state slot, kept on device: a plan can name it (token id -1)
+        # before the host has seen it, so step N+1 is dispatched while step N still runs.
+        self.sampled = jax.device_put(np.zeros(max_seqs, np.int32), replicated(self.mesh))
 
     @property
     def tp(self) -> int:
@@ -115,15 +118,25 @@ class ModelRunner:
         rep = replicated(self.mesh)
         return jax.tree.map(lambda a: jax.device_put(np.asarray(a, np.int32), rep), (plan.token_ids, plan.metadata(), plan.logits_indices))
 
-    def step(self, plan: StepPlan, sampling: SamplingBatch, penalty_tokens=None) -> SampleResult:
-        """Run one step and sample a token per row; only the sampled results come back."""
+    def dispatch(self, plan: StepPlan, sampling: SamplingBatch, penalty_tokens=None) -> SampleResult:
+        """Enqueue one step (forward + sampling) and return at once with device-side results.
+
+        Token id -1 in the plan means "the token last sampled for this row's state slot".
+        `jax.device_get` on the result waits for the device; only sampled results come back.
+        """
         tokens, meta, idx = self._device_plan(plan)
         flags = sampling.static_flags()
         # Any top-n request computes the maximum n: one compiled variant instead of twenty.
         flags = flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
         with _count_traces(self):
-            result, self.cache = self._step_fn(self.params, self.cache, tokens, meta, idx, sampling, penalty_tokens, flags=flags)
-        return jax.device_get(result)
+            result, self.cache, self.sampled = self._step_fn(
+                self.params, self.cache, self.sampled, tokens, meta, idx, sampling, penalty_tokens, flags=flags
+            )
+        return result
+
+    def step(self, plan: StepPlan, sampling: SamplingBatch, penalty_tokens=None) -> SampleResult:
+        """Run one step and wait for its sampled tokens (numpy)."""
+        return jax.device_get(self.dispatch(plan, sampling, penalty_tokens))
 
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Run one step and return float32 logits [B, V] at each row's logits index."""
@@ -132,8 +145,10 @@ class ModelRunner:
         return np.asarray(logits)
 
 
-def _forward_sample(family, cfg, params, cache, tokens, meta, logits_indices, sampling, penalty_tokens, flags):
+def _forward_sample(family, cfg, params, cache, sampled, tokens, meta, logits_indices, sampling, penalty_tokens, flags):
     _TRACES.count += 1
+    slot_of_token = meta.state_slots[meta.token_rows]
+    tokens = jnp.where(tokens >= 0, tokens, sampled[jnp.maximum(slot_of_token, 0)])
     logits, cache = _forward_logits(family, cfg, params, cache, tokens, meta, logits_indices)
     penalty_ids, penalty_is_output = penalty_tokens if penalty_tokens is not None else (None, None)
     result = sample(
@@ -146,7 +161,9 @@ def _forward_sample(family, cfg, params, cache, tokens, meta, logits_indices, sa
         penalty_ids=penalty_ids,
         penalty_is_output=penalty_is_output,
     )
-    return result, cache
+    # Rows without a slot (padding) point past the end and are dropped.
+    slots = jnp.where(meta.state_slots >= 0, meta.state_slots, sampled.shape[0])
+    return result, cache, sampled.at[slots].set(result.tokens, mode="drop")
 
 
 class _TraceCounter(threading.local):

@@ -45,6 +45,7 @@ class Request:
     stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V (and recurrent state) are in the cache
+    pending: int = 0  # tokens sampled by a dispatched step that the host has not seen yet
     state_slot: int = -1
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -53,15 +54,23 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens that exist, on the host or (pending) on the device."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.pending
 
     @property
     def max_total_tokens(self) -> int:
         return len(self.prompt_ids) + self.params.max_tokens
 
     def token(self, position: int) -> int:
+        """The token at `position`; -1 for the pending one, which the device fills in itself."""
         n = len(self.prompt_ids)
-        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+        if position < n:
+            return self.prompt_ids[position]
+        return self.output_ids[position - n] if position - n < len(self.output_ids) else -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,11 +116,11 @@ class ScheduledRow:
     request: Request
     start: int  # first position fed this step
     num_tokens: int
+    samples: bool = dataclasses.field(init=False)  # frozen now: the request grows once dispatched
 
-    @property
-    def samples(self) -> bool:
-        """The row reaches the end of the known tokens, so its last logits pick the next one."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self):
+        # The row reaches the end of the known tokens, so its last logits pick the next one.
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
 
 
 class Scheduler:
@@ -149,8 +158,10 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRow]:
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
+        # A request whose last token is already pending has nothing left to run.
+        active = [r for r in self.running if r.num_generated < r.params.max_tokens]
+        decoding = [r for r in active if r.num_tokens - r.num_computed == 1]
+        prefilling = [r for r in active if r.num_tokens - r.num_computed > 1]
         for r in decoding + prefilling:
             if budget == 0:
                 break

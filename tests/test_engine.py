@@ -430,9 +430,9 @@ def test_compilation_count_is_bounded(qwen3):
     eng = make_engine(qwen3.path)
     runner = eng.runner
     variants, signatures = set(), set()
-    inner = runner.step
+    inner = runner.dispatch
 
-    def step(plan, sampling, penalty=None):
+    def dispatch(plan, sampling, penalty=None):
         flags = sampling.static_flags()
         flags = flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
         variants.add(flags)
@@ -440,7 +440,7 @@ def test_compilation_count_is_bounded(qwen3):
         signatures.add((plan.token_ids.shape, plan.block_tables.shape, flags, pen_len))
         return inner(plan, sampling, penalty)
 
-    runner.step = step
+    runner.dispatch = dispatch
     work = _compile_workload()
     prompts, params = [p for p, _ in work], [sp for _, sp in work]
 
@@ -643,3 +643,29 @@ def test_scheduler_order_and_budget_unit():
         steps += 1
         assert steps < 100
     assert pool.num_free_blocks == 30 and sched.free_slots and len(sched.free_slots) == 4
+
+
+def test_host_dispatches_next_step_before_waiting_for_the_previous(engine, monkeypatch):
+    """No host stalls: step N+1 is on the device queue before step N's tokens are fetched.
+
+    Decode rows of step N+1 feed step N's sampled tokens from device memory (token id -1),
+    so the tokens must still equal a lockstep run (the batch-invariance tests check that too).
+    """
+    import jax
+
+    log = []
+    inner_dispatch = engine.runner.dispatch
+    monkeypatch.setattr(engine.runner, "dispatch", lambda *a, **k: (log.append("dispatch"), inner_dispatch(*a, **k))[1])
+    real_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: (log.append("wait"), real_get(x))[1])
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    overlapped = engine.generate(prompts, params)
+    # Every wait but the last (the drain) comes after the next step was dispatched.
+    waits = [i for i, e in enumerate(log) if e == "wait"]
+    assert len(waits) >= 6
+    for w in waits[:-1]:
+        assert log[:w].count("dispatch") >= log[:w].count("wait") + 2, log
+    monkeypatch.undo()
+    solo = [engine.generate([p], params)[0].token_ids for p in prompts]
+    assert [c.token_ids for c in overlapped] == solo
