@@ -337,8 +337,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_args(args: argparse.Namespace) -> int:
     """Build the engine from parsed flags, run the batch, print the summary."""
-    from jtp.cli import _model_dir
-    from jtp.engine import Engine
+    from jtp.cli import _model_dir, engine_from_args
 
     if not Path(args.input).is_file():
         print(f"error: no such input file: {args.input}", file=sys.stderr)
@@ -349,9 +348,7 @@ def run_args(args: argparse.Namespace) -> int:
     model_dir, label = _model_dir(args)
     if label:
         print(f"[{label}]", file=sys.stderr)
-    engine = Engine(
-        model_dir, args.tensor_parallel_size, args.dtype, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks
-    )
+    engine = engine_from_args(args, model_dir)
     try:
         stats = run(engine, args.input, args.output, limit=args.limit)
     except KeyboardInterrupt:

@@ -23,6 +23,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from device memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of device memory jtp may use, weights included, when sizing the KV pool")
+
+
+def engine_from_args(args, model_dir: str):
+    from jtp.engine import Engine
+
+    return Engine(
+        model_dir, args.tensor_parallel_size, args.dtype, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
+        memory_utilization=args.gpu_memory_utilization,
+    )
 
 
 def _model_dir(args) -> tuple[str, str | None]:
@@ -34,13 +45,11 @@ def _model_dir(args) -> tuple[str, str | None]:
 
 
 def cmd_generate(args) -> int:
-    from jtp.engine import Engine, RequestError
+    from jtp.engine import RequestError
     from jtp.sampling import SamplingParams
 
     model_dir, label = _model_dir(args)
-    engine = Engine(
-        model_dir, args.tensor_parallel_size, args.dtype, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks
-    )
+    engine = engine_from_args(args, model_dir)
     tok = engine.tokenizer
     if tok is None:
         print(f"error: {model_dir} has no tokenizer.json", file=sys.stderr)
