@@ -11,10 +11,13 @@ reference implementation behind `paged_attention` without touching the model.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 # Masked scores use a large finite value, not -inf: a padding token whose row has no context
 # then yields a harmless uniform softmax instead of NaN.
@@ -81,6 +84,88 @@ def paged_attention_reference(q: jax.Array, cache: LayerKV, meta: AttentionMetad
     return out.reshape(T, num_q_heads, head_dim).astype(q.dtype)
 
 
+# ----------------------------------------------------------------------------- dispatch
+#
+# `paged_attention` picks, at trace time, the Pallas kernel (jtp/kernels) on GPUs and the reference
+# elsewhere. JTP_ATTENTION=reference|kernel forces one (on a CPU "kernel" runs Pallas' interpreter:
+# slow, for tests). A pallas_call is opaque to XLA's SPMD partitioner, so under tensor parallelism
+# the kernel runs inside shard_map over the mesh's "tp" axis (heads split, metadata replicated);
+# attention is head-local, so no collective is needed. The mesh comes from `attention_mesh(mesh)`
+# or, failing that, from the ambient `jax.set_mesh` context; without
+# either, the kernel is called unsharded, which is right for one device.
+
+_MESH = None
+
+
+@contextlib.contextmanager
+def attention_mesh(mesh):
+    """Within this block (wrap the *tracing* of a jitted step), attention shards over mesh's "tp"."""
+    global _MESH
+    prev, _MESH = _MESH, mesh
+    try:
+        yield
+    finally:
+        _MESH = prev
+
+
+def attention_impl() -> str:
+    """"kernel" or "reference": what paged_attention will trace right now."""
+    forced = os.environ.get("JTP_ATTENTION", "").strip().lower()
+    if forced in ("reference", "kernel"):
+        return forced
+    if forced not in ("", "auto"):
+        raise ValueError(f"JTP_ATTENTION={forced!r}: expected reference, kernel or auto")
+    return "kernel" if jax.default_backend() == "gpu" else "reference"
+
+
+def _tp_mesh():
+    mesh = _MESH
+    if mesh is None:
+        try:
+            mesh = jax.sharding.get_abstract_mesh()
+        except Exception:  # noqa: BLE001 - older jax has no ambient mesh
+            mesh = None
+    if mesh is None or "tp" not in getattr(mesh, "axis_names", ()) or mesh.shape["tp"] == 1:
+        return None
+    return mesh
+
+
+def paged_attention_kernel(q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float, mesh=None) -> jax.Array:
+    """The Pallas kernel, sharded over mesh's "tp" axis when given; interpreted off-GPU."""
+    from jtp.kernels import ragged_paged_attention
+
+    interpret = jax.default_backend() != "gpu"
+
+    def local(q, k, v, positions, block_tables, context_lens, row_starts, row_lens):
+        return ragged_paged_attention(
+            q, k, v, positions, block_tables, context_lens, row_starts, row_lens, scale=scale, interpret=interpret
+        )
+
+    args = (q, cache.k, cache.v, meta.positions, meta.block_tables, meta.context_lens, meta.row_starts, meta.row_lens)
+    if mesh is None:
+        return local(*args)
+    head, kv, rep = P(None, "tp", None), P(None, None, "tp", None), P()
+    in_specs = (head, kv, kv, rep, rep, rep, rep, rep)
+    smap = getattr(jax, "shard_map", None)
+    if smap is not None:
+        try:
+            fn = smap(local, mesh=mesh, in_specs=in_specs, out_specs=head, check_vma=False)
+        except TypeError:
+            fn = smap(local, mesh=mesh, in_specs=in_specs, out_specs=head, check_rep=False)
+    else:  # jax < 0.7
+        from jax.experimental.shard_map import shard_map
+
+        fn = shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=head, check_rep=False)
+    return fn(*args)
+
+
 def paged_attention(q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float) -> jax.Array:
-    """The attention the model calls. Today: the reference; a GPU kernel plugs in here."""
+    """The attention the model calls: the GPU kernel on GPUs, the reference elsewhere (see above)."""
+    from jtp.kernels import supported
+
+    if attention_impl() == "kernel" and supported(q.shape, cache.k.shape):
+        mesh = _tp_mesh()
+        tp = mesh.shape["tp"] if mesh is not None else 1
+        if q.shape[1] % tp == 0 and cache.k.shape[2] % tp == 0:
+            return paged_attention_kernel(q, cache, meta, scale, mesh)
     return paged_attention_reference(q, cache, meta, scale)

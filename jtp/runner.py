@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jtp.attention import AttentionMetadata
+from jtp.attention import AttentionMetadata, attention_mesh
 from jtp.config import ModelConfig
 from jtp.models import family_of
 from jtp.sampling import MAX_LOGPROBS, SampleResult, SamplingBatch, sample
@@ -128,7 +128,7 @@ class ModelRunner:
         flags = sampling.static_flags()
         # Any top-n request computes the maximum n: one compiled variant instead of twenty.
         flags = flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
-        with _count_traces(self):
+        with attention_mesh(self.mesh), _count_traces(self):
             result, self.cache, self.sampled = self._step_fn(
                 self.params, self.cache, self.sampled, tokens, meta, idx, sampling, penalty_tokens, flags=flags
             )
@@ -141,7 +141,8 @@ class ModelRunner:
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Run one step and return float32 logits [B, V] at each row's logits index."""
         tokens, meta, idx = self._device_plan(plan)
-        logits, self.cache = self._logits_fn(self.params, self.cache, tokens, meta, idx)
+        with attention_mesh(self.mesh):
+            logits, self.cache = self._logits_fn(self.params, self.cache, tokens, meta, idx)
         return np.asarray(logits)
 
 

@@ -29,10 +29,19 @@ PARTITION_RULES: list[tuple[str, P]] = [
     (r"\.(o_proj|down_proj)$", P(None, "tp")),  # row-parallel: XLA all-reduces the output
     (r"\.(experts_gate|experts_up)$", P(None, None, "tp")),  # [E, H, I]: split I
     (r"\.experts_down$", P(None, "tp", None)),  # [E, I, H]: split I, all-reduce after
+    # Hybrid families. Gated DeltaNet: q/k/v/z/b/a projections and the conv weights of the
+    # q/k/v channels are separate parameters, each split contiguously by (key or value) heads,
+    # which is the segment-wise split of the fused checkpoint tensors.
+    (r"\.gdn_(q|k|v|z|b|a|conv_q|conv_k|conv_v)$", P("tp", None)),
+    (r"\.gdn_(A_log|dt_bias)$", P("tp")),  # [Hv]
+    (r"\.(shared_gate|shared_up)$", P("tp", None)),  # shared expert, column-parallel
+    (r"\.(gdn_out|shared_down)$", P(None, "tp")),  # row-parallel: all-reduce after
     (r".*", P()),  # norms, router, o_bias: replicated
 ]
 
 KV_CACHE_SPEC = P(None, None, "tp", None)  # [blocks, block_size, kv_heads, head_dim]: split heads
+CONV_STATE_SPEC = P(None, "tp", None)  # [max_seqs, channels, K-1]: channels split like the conv weights
+RECURRENT_STATE_SPEC = P(None, "tp", None, None)  # [max_seqs, Hv, dk, dv]: split value heads
 
 
 class ShardingError(ValueError):
@@ -81,6 +90,12 @@ def validate_tp(cfg: ModelConfig, tp: int) -> None:
         checks.append(("intermediate_size", cfg.intermediate_size))
     if cfg.num_experts:
         checks.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+    if cfg.shared_expert_intermediate_size:
+        checks.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
+    if "linear_attention" in cfg.layer_types:
+        # Each rank keeps whole key heads and the value heads they serve (Hv is a multiple of Hk).
+        checks.append(("linear_num_key_heads", cfg.linear_num_key_heads))
+        checks.append(("linear_num_value_heads", cfg.linear_num_value_heads))
     for name, value in checks:
         if value % tp:
             raise ShardingError(f"{name} ({value}) is not divisible by tensor_parallel_size={tp}")

@@ -151,10 +151,113 @@ class StackedExperts:
         return np.stack([ckpt.read(self.names[e], (slice(o0, o1), slice(i0, i1))).T for e in range(e0, e1)])
 
 
-Source = Tensor | RepeatedHeads | StackedExperts
+@dataclasses.dataclass(frozen=True)
+class StridedRows:
+    """Rows of a fused checkpoint projection, taken in runs of `run` rows every `stride` rows.
+
+    Our row j is source row (j // run) * stride + offset + j % run. With run == rows it is one
+    contiguous segment (Qwen3.5's in_proj_qkv -> Q | K | V, conv1d likewise); with run = one
+    key-head group's share it de-interleaves Qwen3-Next's per-group in_proj_qkvz / in_proj_ba.
+    `squeeze` drops the singleton dim 1 of conv1d.weight [C, 1, K].
+    """
+
+    name: str
+    source_shape: tuple[int, ...]
+    rows: int
+    run: int
+    stride: int
+    offset: int
+    squeeze: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.source_shape[2 if self.squeeze else 1 :])
+
+    def expected(self):
+        return {self.name: self.source_shape}
+
+    def read(self, ckpt, index) -> np.ndarray:
+        (r0, r1), *rest = _bounds(index, self.shape)
+        tail = (slice(0, 1),) * self.squeeze + tuple(slice(a, b) for a, b in rest)
+        parts, j = [], r0
+        while j < r1:  # one read per run that the slice touches
+            end = min(r1, (j // self.run + 1) * self.run)
+            src = (j // self.run) * self.stride + self.offset + j % self.run
+            parts.append(ckpt.read(self.name, (slice(src, src + end - j), *tail)))
+            j = end
+        block = np.concatenate(parts, axis=0)
+        return block[:, 0] if self.squeeze else block
+
+
+def Segment(name: str, source_shape: tuple[int, ...], offset: int, rows: int, squeeze: bool = False) -> StridedRows:
+    """Rows [offset, offset + rows) of a fused checkpoint tensor."""
+    return StridedRows(name, source_shape, rows, rows, 0, offset, squeeze)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedExperts:
+    """Rows [offset, offset + rows) of a fused expert tensor [E, out, in], as [E, in, rows] for ragged_dot.
+
+    Qwen3.5-MoE stores gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I] on disk.
+    """
+
+    name: str
+    source_shape: tuple[int, int, int]
+    offset: int
+    rows: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.source_shape[0], self.source_shape[2], self.rows)
+
+    def expected(self):
+        return {self.name: self.source_shape}
+
+    def read(self, ckpt, index) -> np.ndarray:
+        (e0, e1), (i0, i1), (o0, o1) = _bounds(index, self.shape)
+        rows = slice(self.offset + o0, self.offset + o1)
+        return ckpt.read(self.name, (slice(e0, e1), rows, slice(i0, i1))).transpose(0, 2, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstPresent:
+    """Alternative checkpoint layouts of one parameter (e.g. fused vs per-expert MoE weights).
+
+    `resolve_layout` picks the first option whose tensors the checkpoint has; unresolved, it
+    behaves as the first option, so errors name the preferred layout.
+    """
+
+    options: tuple
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.options[0].shape
+
+    def expected(self):
+        return self.options[0].expected()
+
+    def read(self, ckpt, index) -> np.ndarray:
+        return self.options[0].read(ckpt, index)
+
+    def resolve(self, names: set[str]):
+        for option in self.options:
+            if option.expected().keys() <= names:
+                return option
+        return self.options[0]
+
+
+Source = Tensor | RepeatedHeads | StackedExperts | StridedRows | FusedExperts | FirstPresent
 
 # Checkpoint tensors that carry no parameter of ours.
 IGNORED_TENSORS = [r"\.rotary_emb\.inv_freq$"]
+# Whole parts of a checkpoint that jtp does not run (multi-token-prediction head, vision tower):
+# skipped with one log line, never an error.
+SKIPPED_TENSORS = [r"^mtp\.", r"^model\.visual\."]
+
+
+def resolve_layout(layout: dict[str, Source], ckpt: SafetensorsCheckpoint) -> dict[str, Source]:
+    names = ckpt.names
+    return {k: (s.resolve(names) if isinstance(s, FirstPresent) else s) for k, s in layout.items()}
 
 
 def check_checkpoint(ckpt: SafetensorsCheckpoint, layout: dict[str, Source], cfg: ModelConfig) -> None:
@@ -174,7 +277,11 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, layout: dict[str, Source], cfg
     ignored = list(IGNORED_TENSORS)
     if cfg.tie_word_embeddings:
         ignored.append(r"^lm_head\.weight$")  # tied: HF ignores a stored copy too
-    unexpected = sorted(n for n in ckpt.names - expected.keys() if not any(re.search(p, n) for p in ignored))
+    leftover = ckpt.names - expected.keys()
+    skipped = {n for n in leftover if any(re.search(p, n) for p in SKIPPED_TENSORS)}
+    if skipped:
+        log.info("skipping %d checkpoint tensor(s) jtp does not use (mtp.*, model.visual.*)", len(skipped))
+    unexpected = sorted(n for n in leftover - skipped if not any(re.search(p, n) for p in ignored))
     if unexpected:
         shown = ", ".join(repr(n) for n in unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
         problems.append(f"{len(unexpected)} unexpected tensor(s) for {cfg.model_type}: {shown}")
@@ -224,7 +331,7 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32
     if not any(model_dir.glob("*.safetensors")) and (model_dir / ORBAX_SUBDIR).is_dir():
         return restore_orbax(model_dir / ORBAX_SUBDIR, cfg, mesh, dtype)
     ckpt = SafetensorsCheckpoint(model_dir)
-    layout = model_family(cfg).param_layout(cfg, tp)
+    layout = resolve_layout(model_family(cfg).param_layout(cfg, tp), ckpt)
     check_checkpoint(ckpt, layout, cfg)
     host_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
     flat = {}

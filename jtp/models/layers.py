@@ -78,3 +78,17 @@ def moe_experts(
     h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * jax.lax.ragged_dot(xs, up, group_sizes)
     ys = jax.lax.ragged_dot(h, down, group_sizes) * weights.reshape(-1)[order][:, None]
     return jnp.zeros_like(x).at[token_of_pair].add(ys)
+
+
+def rms_norm_zero_centered(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Qwen3-Next / Qwen3.5 RMSNorm: the stored weight w is applied as (1 + w), in fp32, then cast."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Gated DeltaNet output norm: plain (not zero-centred) RMSNorm over the last dim, times silu(gate)."""
+    xf = x.astype(jnp.float32)
+    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return ((weight * normed).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)

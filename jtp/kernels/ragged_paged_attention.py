@@ -1,0 +1,287 @@
+"""Ragged paged attention as one Pallas (Triton backend) GPU kernel.
+
+Same function as `jtp.attention.paged_attention_reference`: T flat query tokens of B rows
+(decode tokens and prefill chunks mixed, each row's tokens contiguous), causal GQA over each
+row's pages of a [num_blocks, block_size, kv_heads, head_dim] cache.
+
+Work decomposition
+------------------
+* A row's tokens are cut into query tiles of TQ tokens. The tiles of all rows are listed
+  densely (`_tile_map`, plain jnp before the kernel): at most min(T, B + ceil(T / TQ)) tiles, so
+  the grid does not grow with rows x max_row_len, and a decode step has one tile per row.
+* Program (kv head h, tile j, split s) holds the tile's TQ tokens x G query heads of KV head h
+  as one [TQ*G, D] matrix (q is laid out [kv_heads, tokens*G, D] beforehand, so the tile is one
+  contiguous block), and streams the row's pages, `pages_per_iter` pages per iteration, only up
+  to the tile's causal limit min(context_len, last position + 1): decode tiles read the row's
+  context exactly once, prefill tiles skip pages past their last token.
+* For small batches the key range of each tile is split over `num_splits` programs (flash
+  decoding); partial (o, m, l) are merged in jnp afterwards. With num_splits == 1 the kernel
+  normalises and writes q.dtype output directly.
+* Online softmax in fp32 with exp2 (scale * log2 e folded into the scores), masked scores get a
+  large finite negative value: no inf - inf, no NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # the Triton backend's extras (masked loads/stores, compiler params)
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - very old jax
+    plgpu = None
+
+_MASKED = -1e30
+_LOG2E = math.log2(math.e)
+
+
+# ----------------------------------------------------------------------------- API shims
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+    for name in ("CompilerParams", "TritonCompilerParams"):
+        cls = getattr(plgpu, name, None) if plgpu is not None else None
+        if cls is not None:
+            return cls(num_warps=num_warps, num_stages=num_stages)
+    cls = getattr(pl, "TritonCompilerParams", None)
+    if cls is not None:
+        return cls(num_warps=num_warps, num_stages=num_stages)
+    return dict(triton=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def _store(ref, idx, val, mask):
+    """Masked store of `val` into ref[idx] across jax versions."""
+    store = getattr(plgpu, "store", None) if plgpu is not None else None
+    if store is not None:
+        try:
+            return store(ref.at[idx], val, mask=mask)
+        except TypeError:  # older signature store(ref, idx, val, mask=)
+            return store(ref, idx, val, mask=mask)
+    return pl.store(ref, idx, val, mask=mask)  # jax < 0.7
+
+
+def _shard_map():
+    fn = getattr(jax, "shard_map", None)
+    if fn is not None:
+        return fn, True
+    from jax.experimental.shard_map import shard_map  # jax < 0.7
+
+    return shard_map, False
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def choose_config(T: int, num_kv_heads: int, group: int, block_size: int):
+    """Static tile sizes for a step shape (T tokens, local kv heads); env vars override.
+
+    Decode-sized steps (T <= 128) use 16 query rows (TQ*G) per tile, so the MMA is the minimum
+    16 and a decode row wastes least; larger steps (prefill chunks) use 64 rows for K/V reuse.
+    Splits: enough programs for the 132 SMs when there are few rows (B=1: 8 kv heads x 8).
+    """
+    rows = int(os.environ.get("JTP_ATTN_ROWS", "16" if T <= 128 else "64"))
+    tq = max(1, _pow2_floor(rows // group)) if group <= rows else 1
+    keys = int(os.environ.get("JTP_ATTN_KEYS", "64"))
+    ppi = max(1, _pow2_floor(max(keys // block_size, 1)))
+    env_splits = os.environ.get("JTP_ATTN_SPLITS")
+    if env_splits:
+        splits = int(env_splits)
+    else:
+        splits = max(1, min(8, 1024 // max(1, num_kv_heads * T)))
+    warps = int(os.environ.get("JTP_ATTN_WARPS", "4"))
+    stages = int(os.environ.get("JTP_ATTN_STAGES", "2"))
+    return tq, ppi, splits, warps, stages
+
+
+def supported(q_shape, k_shape) -> bool:
+    """Shapes the kernel handles (Triton tiles must be powers of two)."""
+    _, hq, d = q_shape
+    _, bs, hkv, dk = k_shape
+    pow2 = lambda n: n >= 1 and n & (n - 1) == 0  # noqa: E731
+    return d == dk and hq % hkv == 0 and pow2(hq // hkv) and pow2(d) and d >= 16 and pow2(bs)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _kernel(
+    tile_row_ref, tile_start_ref, tile_len_ref,  # [NT] each
+    ctx_ref,  # [B]
+    bt_ref,  # [B, M_pad]
+    pos_ref,  # [(T+TQ)*G] position of each q row (token position repeated G times)
+    q_ref,  # [(T+TQ)*G, D] this kv head's query rows
+    k_ref, v_ref,  # [num_blocks, block_size, D] this kv head's pages
+    *out_refs,
+    tq: int, group: int, ppi: int, num_splits: int, scale_log2: float, precision,
+):
+    j = pl.program_id(1)
+    s = pl.program_id(2)
+    m_rows = tq * group
+    block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    n_keys = ppi * block_size
+
+    row = tile_row_ref[j]
+    q0 = tile_start_ref[j]
+    qn = tile_len_ref[j]
+    ctx = ctx_ref[row]
+
+    rows_sl = pl.ds(q0 * group, m_rows)
+    row_pos = pos_ref[rows_sl]  # [M]
+    row_valid = (lax.broadcasted_iota(jnp.int32, (m_rows,), 0) // group) < qn
+    last_pos = jnp.max(jnp.where(row_valid, row_pos, -1))
+    kv_end = jnp.minimum(ctx, last_pos + 1)  # keys this tile needs (0 for an empty tile)
+    n_iters = pl.cdiv(jnp.maximum(kv_end, 0), n_keys)
+    per_split = pl.cdiv(n_iters, num_splits)
+    it0 = s * per_split
+    it1 = jnp.minimum(it0 + per_split, n_iters)
+
+    q = q_ref[rows_sl, :]  # [M, D]
+    key_iota = lax.broadcasted_iota(jnp.int32, (1, n_keys), 1)
+    limit = jnp.minimum(row_pos, ctx - 1)[:, None]  # [M, 1] last visible key position
+
+    def body(it, carry):
+        acc, m_prev, l_prev = carry
+        pages = bt_ref[row, pl.ds(it * ppi, ppi)]  # [ppi]
+        k = k_ref[pages].reshape(n_keys, head_dim)
+        v = v_ref[pages].reshape(n_keys, head_dim)
+        scores = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+        ) * scale_log2  # [M, N], in log2 units
+        visible = (it * n_keys + key_iota) <= limit
+        scores = jnp.where(visible, scores, _MASKED)
+        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
+        corr = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(scores - m_next[:, None])
+        l_next = l_prev * corr + jnp.sum(p, axis=1)
+        pv = lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+        )
+        return acc * corr[:, None] + pv, m_next, l_next
+
+    init = (
+        jnp.zeros((m_rows, head_dim), jnp.float32),
+        jnp.full((m_rows,), _MASKED, jnp.float32),
+        jnp.zeros((m_rows,), jnp.float32),
+    )
+    acc, m_i, l_i = lax.fori_loop(it0, it1, body, init)
+
+    mask2d = jnp.broadcast_to(row_valid[:, None], (m_rows, head_dim))
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
+        _store(o_ref, (rows_sl, slice(None)), out.astype(o_ref.dtype), mask2d)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        _store(o_ref, (rows_sl, slice(None)), acc, mask2d)
+        _store(m_ref, (rows_sl,), m_i, row_valid)
+        _store(l_ref, (rows_sl,), l_i, row_valid)
+
+
+def _tile_map(row_starts, row_lens, tq: int, num_tiles: int):
+    """Dense list of (row, first token, tokens) query tiles; unused tiles have 0 tokens."""
+    B = row_lens.shape[0]
+    lens = jnp.maximum(row_lens, 0)
+    per_row = (lens + tq - 1) // tq
+    cum = jnp.cumsum(per_row)  # inclusive
+    j = jnp.arange(num_tiles, dtype=jnp.int32)
+    row = jnp.sum((cum[None, :] <= j[:, None]).astype(jnp.int32), axis=1)  # first row with cum > j
+    in_range = row < B
+    row = jnp.minimum(row, B - 1)
+    i = j - (cum[row] - per_row[row])
+    start = row_starts[row] + i * tq
+    n = jnp.clip(lens[row] - i * tq, 0, tq)
+    n = jnp.where(in_range, n, 0)
+    start = jnp.where(n > 0, start, 0)
+    return row.astype(jnp.int32), start.astype(jnp.int32), n.astype(jnp.int32)
+
+
+def ragged_paged_attention(
+    q, k_pages, v_pages, positions, block_tables, context_lens, row_starts, row_lens, *,
+    scale: float, config=None, interpret: bool = False,
+):
+    """q [T, Hq, D]; pages [num_blocks, block_size, Hkv, D] -> [T, Hq, D] in q.dtype.
+
+    Tokens outside every row's range get zeros.
+    """
+    T, hq, d = q.shape
+    num_blocks, block_size, hkv, _ = k_pages.shape
+    group = hq // hkv
+    B, max_blocks = block_tables.shape
+    tq, ppi, num_splits, warps, stages = config or choose_config(T, hkv, group, block_size)
+    num_tiles = max(1, min(T, B + -(-T // tq)))
+    m_pad = -(-max_blocks // ppi) * ppi
+    t_pad = T + tq
+
+    # [T, Hq, D] -> [Hkv, (T+TQ)*G, D]: a tile of TQ tokens x G heads is one contiguous block.
+    qh = q.reshape(T, hkv, group, d).transpose(1, 0, 2, 3)
+    qh = jnp.pad(qh, ((0, 0), (0, tq), (0, 0), (0, 0))).reshape(hkv, t_pad * group, d)
+    pos = jnp.repeat(jnp.pad(positions.astype(jnp.int32), (0, tq)), group)
+    bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, m_pad - max_blocks)))
+    tile_row, tile_start, tile_len = _tile_map(row_starts.astype(jnp.int32), row_lens.astype(jnp.int32), tq, num_tiles)
+
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    kernel = functools.partial(
+        _kernel, tq=tq, group=group, ppi=ppi, num_splits=num_splits,
+        scale_log2=float(scale) * _LOG2E, precision=precision,
+    )
+    full1 = lambda n: pl.BlockSpec((n,), lambda h, j, s: (0,))  # noqa: E731
+    in_specs = [
+        full1(num_tiles), full1(num_tiles), full1(num_tiles), full1(B),
+        pl.BlockSpec((B, m_pad), lambda h, j, s: (0, 0)),
+        full1(t_pad * group),
+        pl.BlockSpec((None, t_pad * group, d), lambda h, j, s: (h, 0, 0)),
+        pl.BlockSpec((num_blocks, block_size, None, d), lambda h, j, s: (0, 0, h, 0)),
+        pl.BlockSpec((num_blocks, block_size, None, d), lambda h, j, s: (0, 0, h, 0)),
+    ]
+    rows = t_pad * group
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((hkv, rows, d), q.dtype)]
+        out_specs = [pl.BlockSpec((None, rows, d), lambda h, j, s: (h, 0, 0))]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((num_splits, hkv, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, hkv, rows), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, hkv, rows), jnp.float32),
+        ]
+        out_specs = [
+            pl.BlockSpec((None, None, rows, d), lambda h, j, s: (s, h, 0, 0)),
+            pl.BlockSpec((None, None, rows), lambda h, j, s: (s, h, 0)),
+            pl.BlockSpec((None, None, rows), lambda h, j, s: (s, h, 0)),
+        ]
+    outs = pl.pallas_call(
+        kernel,
+        grid=(hkv, num_tiles, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compiler_params(warps, stages),
+        interpret=interpret,
+        name=f"jtp_ragged_paged_attention_tq{tq}_g{group}_p{ppi}_s{num_splits}",
+    )(tile_row, tile_start, tile_len, context_lens.astype(jnp.int32), bt, pos, qh, k_pages, v_pages)
+
+    if num_splits == 1:
+        o = outs[0]
+    else:
+        o_p, m_p, l_p = outs
+        m = jnp.max(m_p, axis=0)
+        w = jnp.exp2(m_p - m[None])  # [S, Hkv, rows]
+        l = jnp.sum(l_p * w, axis=0)
+        o = jnp.sum(o_p * w[..., None], axis=0) / jnp.where(l > 0, l, 1.0)[..., None]
+    o = o.reshape(hkv, t_pad, group, d)[:, :T].transpose(1, 0, 2, 3).reshape(T, hq, d)
+
+    # Tokens outside every row were never written (or hold stale partials): make them zero.
+    tok = jnp.arange(T, dtype=jnp.int32)
+    owner_start = row_starts[None, :]
+    owner_end = (row_starts + jnp.maximum(row_lens, 0))[None, :]
+    valid = jnp.any((tok[:, None] >= owner_start) & (tok[:, None] < owner_end), axis=1)
+    return jnp.where(valid[:, None, None], o, 0).astype(q.dtype)

@@ -1,0 +1,428 @@
+"""Qwen3-Next and Qwen3.5 (dense and MoE): hybrid Gated DeltaNet / gated attention layers.
+
+    x = Embed[ids]
+    per layer:  h = x + Mixer(Norm(x));   x = h + FFN(Norm(h))        Norm: zero-centred (1 + w)
+    logits = lm_head(Norm(x))
+
+Mixer is, per `cfg.layer_types`, either
+  * gated full attention: q_proj packs [q_h | gate_h] per head; zero-centred q/k norms, partial
+    RoPE, paged causal GQA; the output is multiplied by sigmoid(gate) before o_proj;
+  * Gated DeltaNet (linear attention): a causal depthwise conv over the q/k/v channels, then the
+    delta rule  S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,  o_t = S_t^T q_t  per value
+    head, run chunk-wise (64 tokens at a time, as in HF), and a gated RMSNorm on the output.
+FFN is a SwiGLU MLP or top-k routed experts plus a sigmoid-gated shared expert.
+
+A DeltaNet layer's memory of a sequence is its (conv, recurrent) state, kept in slot
+`meta.state_slots[b]` of per-layer arrays. A step gathers each row's tokens into a padded
+[B, L] layout, runs the row from its slot state (zero if the row starts at position 0), scatters
+the outputs back to the flat token order and writes the final state back to the slot.
+
+Sharding: q/k/v/z/b/a (and the conv weights of the q/k/v channels) are separate parameters,
+each split by heads, so the fused checkpoint tensors' segment-wise TP split is just a contiguous
+split of each; the whole DeltaNet is then head-local and XLA all-reduces once, after out_proj.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from jtp.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
+from jtp.config import ModelConfig
+from jtp.models.layers import (
+    apply_rope,
+    gated_rms_norm,
+    linear,
+    moe_experts,
+    rms_norm_zero_centered,
+    rope_cos_sin,
+    route_top_k,
+    swiglu_mlp,
+)
+from jtp.sharding import CONV_STATE_SPEC, KV_CACHE_SPEC, RECURRENT_STATE_SPEC, kv_head_replicas
+from jtp.weights import (
+    FirstPresent,
+    FusedExperts,
+    RepeatedHeads,
+    Segment,
+    Source,
+    StackedExperts,
+    StridedRows,
+    Tensor,
+)
+
+CHUNK = 64  # HF's chunk size for the chunked delta rule
+_HIGHEST = jax.lax.Precision.HIGHEST  # the recurrence is fp32 math; no TF32 shortcuts on GPUs
+
+
+class DeltaNetState(NamedTuple):
+    """Per-sequence state of one DeltaNet layer, `max_seqs` slots.
+
+    conv_*: the last K-1 pre-conv inputs of the q, k and v channels [slots, channels, K-1]
+    (oldest first; HF keeps K columns, only the last K-1 matter). recurrent: [slots, Hv, dk, dv] fp32.
+    """
+
+    conv_q: jax.Array
+    conv_k: jax.Array
+    conv_v: jax.Array
+    recurrent: jax.Array
+
+
+# ----------------------------------------------------------------------------- ragged rows
+
+
+class RowLayout(NamedTuple):
+    """Index maps between the flat token order [T] and the padded per-row layout [B, L]."""
+
+    gather: jax.Array  # i32[B, L] flat index of row b's t-th token (clipped for padding)
+    valid: jax.Array  # bool[B, L]
+    fresh: jax.Array  # bool[B] the row starts a sequence (position 0): zero state
+    read_slots: jax.Array  # i32[B]
+    write_slots: jax.Array  # i32[B] state slot to write, out of range for padding rows (dropped)
+    token_row: jax.Array  # i32[T] row of each flat token
+    token_t: jax.Array  # i32[T] its index within the row
+
+
+def row_layout(meta: AttentionMetadata, num_tokens: int, length: int, num_slots: int) -> RowLayout:
+    t = jnp.arange(length)
+    gather = jnp.clip(meta.row_starts[:, None] + t[None, :], 0, num_tokens - 1)
+    valid = t[None, :] < meta.row_lens[:, None]
+    real = (meta.row_lens > 0) & (meta.state_slots >= 0)
+    first_pos = meta.positions[jnp.clip(meta.row_starts, 0, num_tokens - 1)]
+    token_row = jnp.clip(meta.token_rows, 0, meta.row_starts.shape[0] - 1)
+    token_t = jnp.clip(jnp.arange(num_tokens) - meta.row_starts[token_row], 0, length - 1)
+    return RowLayout(
+        gather=gather,
+        valid=valid,
+        fresh=first_pos == 0,
+        read_slots=jnp.clip(meta.state_slots, 0, num_slots - 1),
+        write_slots=jnp.where(real, meta.state_slots, num_slots),
+        token_row=token_row,
+        token_t=token_t,
+    )
+
+
+def _slot_state(state: jax.Array, rows: RowLayout) -> jax.Array:
+    s = state[rows.read_slots]
+    return jnp.where(rows.fresh.reshape(-1, *(1,) * (s.ndim - 1)), jnp.zeros_like(s), s)
+
+
+# ----------------------------------------------------------------------------- DeltaNet math
+
+
+def causal_conv(x: jax.Array, weight: jax.Array, state: jax.Array, rows: RowLayout):
+    """Depthwise causal conv + silu of each row's channels, continuing from the slot state.
+
+    x [T, C] pre-conv inputs; weight [C, K]; state [slots, C, K-1].
+    Returns the outputs [B, L, C] and the updated state array.
+    """
+    K = weight.shape[1]
+    xs = jnp.where(rows.valid[..., None], x[rows.gather], 0)  # [B, L, C]
+    prev = _slot_state(state, rows).swapaxes(1, 2).astype(xs.dtype)  # [B, K-1, C]
+    full = jnp.concatenate([prev, xs], axis=1)  # [B, K-1+L, C]; full[:, s] is token s-(K-1)
+    L = xs.shape[1]
+    w = weight.astype(jnp.float32)
+    out = sum(full[:, j : j + L].astype(jnp.float32) * w[:, j] for j in range(K))
+    # The new state is the K-1 inputs before each row's end: full[len .. len+K-2].
+    lens = rows.valid.sum(axis=1)
+    tail = jnp.take_along_axis(full, (lens[:, None] + jnp.arange(K - 1))[:, :, None], axis=1)
+    state = state.at[rows.write_slots].set(tail.swapaxes(1, 2).astype(state.dtype), mode="drop")
+    return jax.nn.silu(out), state
+
+
+def _l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int):
+    """The gated delta rule over [B, L] rows, `chunk` tokens at a time (reference §2 step 7).
+
+    q, k [B, L, H, dk]; v [B, L, H, dv]; g (log decay), beta [B, L, H]; state [B, H, dk, dv];
+    all fp32, L a multiple of chunk. Padding tokens must have k = g = beta = 0 (no-ops).
+    Returns o [B, L, H, dv] and the final state.
+    """
+    B, L, H, dk = k.shape
+    n = L // chunk
+
+    def chunks(x):  # [B, L, H, ...] -> [n, B, H, chunk, ...]
+        x = x.reshape(B, n, chunk, H, *x.shape[3:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
+
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))  # j <= i
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)  # j < i
+    eye = jnp.eye(chunk, dtype=jnp.float32)
+
+    def step(S, c):
+        q, k, v, g, beta = c  # [B, H, C, d] / [B, H, C]
+        gamma = jnp.cumsum(g, axis=-1)
+        # exp(gamma_i - gamma_j) for j <= i; masked before exp so nothing overflows.
+        decay = jnp.exp(jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
+        kb = k * beta[..., None]
+        A = jnp.einsum("bhid,bhjd->bhij", kb, k, precision=_HIGHEST) * jnp.where(strict, decay, 0.0)
+        # (I + A) [U | W] = [beta v | beta k e^gamma]: forward substitution in one solve.
+        rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gamma)[..., None]], axis=-1)
+        UW = jax.lax.linalg.triangular_solve(eye + A, rhs, left_side=True, lower=True, unit_diagonal=True)
+        U, W = UW[..., : v.shape[-1]], UW[..., v.shape[-1] :]
+        V_new = U - jnp.einsum("bhik,bhkv->bhiv", W, S, precision=_HIGHEST)
+        P = jnp.einsum("bhid,bhjd->bhij", q, k, precision=_HIGHEST) * decay
+        o = jnp.einsum("bhik,bhkv->bhiv", q * jnp.exp(gamma)[..., None], S, precision=_HIGHEST)
+        o = o + jnp.einsum("bhij,bhjv->bhiv", P, V_new, precision=_HIGHEST)
+        last = gamma[..., -1:]
+        S = jnp.exp(last)[..., None] * S + jnp.einsum(
+            "bhjk,bhjv->bhkv", k * jnp.exp(last - gamma)[..., None], V_new, precision=_HIGHEST
+        )
+        return S, o
+
+    state, o = jax.lax.scan(step, state, tuple(chunks(x) for x in (q, k, v, g, beta)))
+    o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, L, H, -1)  # [n, B, H, C, dv] -> [B, L, H, dv]
+    return o, state
+
+
+def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: RowLayout, chunk: int):
+    T = x.shape[0]
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    B, L = rows.valid.shape
+
+    q, conv_q = causal_conv(linear(x, p["gdn_q"]), p["gdn_conv_q"], state.conv_q, rows)
+    k, conv_k = causal_conv(linear(x, p["gdn_k"]), p["gdn_conv_k"], state.conv_k, rows)
+    v, conv_v = causal_conv(linear(x, p["gdn_v"]), p["gdn_conv_v"], state.conv_v, rows)
+    # Activation-dtype conv outputs, as in HF, then fp32 for the recurrence.
+    q, k, v = (u.astype(x.dtype).astype(jnp.float32) for u in (q, k, v))
+
+    # Key head h serves value heads h*r .. h*r+r-1.
+    r = Hv // Hk
+    q = jnp.repeat(_l2_normalize(q.reshape(B, L, Hk, dk)) * dk**-0.5, r, axis=2)
+    k = jnp.repeat(_l2_normalize(k.reshape(B, L, Hk, dk)), r, axis=2)
+    v = v.reshape(B, L, Hv, dv)
+
+    beta = jax.nn.sigmoid(linear(x, p["gdn_b"]).astype(jnp.float32))  # [T, Hv]
+    a = linear(x, p["gdn_a"]).astype(jnp.float32)
+    g = -jnp.exp(p["gdn_A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["gdn_dt_bias"].astype(jnp.float32))
+    valid = rows.valid[..., None]
+    k = jnp.where(valid[..., None], k, 0.0)
+    beta = jnp.where(valid, beta[rows.gather], 0.0)
+    g = jnp.where(valid, g[rows.gather], 0.0)
+
+    o, final = chunked_gated_delta_rule(q, k, v, g, beta, _slot_state(state.recurrent, rows), chunk)
+    recurrent = state.recurrent.at[rows.write_slots].set(final, mode="drop")
+
+    o = o[rows.token_row, rows.token_t].astype(x.dtype)  # back to the flat order [T, Hv, dv]
+    z = linear(x, p["gdn_z"]).reshape(T, Hv, dv)
+    o = gated_rms_norm(o, z, p["gdn_norm"], cfg.rms_norm_eps).reshape(T, Hv * dv)
+    return linear(o, p["gdn_out"]), DeltaNetState(conv_q, conv_k, conv_v, recurrent)
+
+
+# ----------------------------------------------------------------------------- attention, FFN
+
+
+def gated_attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: AttentionMetadata):
+    T, D = x.shape[0], cfg.head_dim
+    qg = linear(x, p["q_proj"]).reshape(T, -1, 2 * D)  # per head [q_h | gate_h]
+    q, gate = qg[..., :D], qg[..., D:]
+    k = linear(x, p["k_proj"]).reshape(T, -1, D)
+    v = linear(x, p["v_proj"]).reshape(T, -1, D)
+    q = apply_rope(rms_norm_zero_centered(q, p["q_norm"], cfg.rms_norm_eps), cos, sin)
+    k = apply_rope(rms_norm_zero_centered(k, p["k_norm"], cfg.rms_norm_eps), cos, sin)
+    kv = write_kv(kv, k, v, meta.slot_mapping)
+    o = paged_attention(q, kv, meta, scale=D**-0.5) * jax.nn.sigmoid(gate)
+    return linear(o.reshape(T, -1), p["o_proj"]), kv
+
+
+def feed_forward(p: dict, cfg: ModelConfig, layer: int, x):
+    if not cfg.is_moe_layer(layer):
+        return swiglu_mlp(x, p["gate_proj"], p["up_proj"], p["down_proj"])
+    weights, experts = route_top_k(x, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    y = moe_experts(x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"])
+    if "shared_gate" in p:
+        shared = swiglu_mlp(x, p["shared_gate"], p["shared_up"], p["shared_down"])
+        y = y + jax.nn.sigmoid(linear(x, p["shared_expert_gate"])) * shared
+    return y
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def forward(params: dict, cfg: ModelConfig, tokens, cache: list, meta: AttentionMetadata):
+    """tokens [T] -> final hidden states [T, H] and the updated cache (K/V pages and slot states)."""
+    T = tokens.shape[0]
+    x = params["embed"][tokens]
+    cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+    # Rows are padded to L = T tokens (the static bound), in chunks of at most 64.
+    chunk = min(CHUNK, T)
+    length = -(-T // chunk) * chunk
+    rows = None
+    new_cache = []
+    for i, p in enumerate(params["layers"]):
+        h = rms_norm_zero_centered(x, p["input_norm"], cfg.rms_norm_eps)
+        if cfg.is_linear_layer(i):
+            if rows is None:
+                rows = row_layout(meta, T, length, cache[i].recurrent.shape[0])
+            a, layer_cache = gated_deltanet(p, cfg, h, cache[i], rows, chunk)
+        else:
+            a, layer_cache = gated_attention(p, cfg, h, cos, sin, cache[i], meta)
+        h = x + a
+        x = h + feed_forward(p, cfg, i, rms_norm_zero_centered(h, p["post_norm"], cfg.rms_norm_eps))
+        new_cache.append(layer_cache)
+    return rms_norm_zero_centered(x, params["final_norm"], cfg.rms_norm_eps), new_cache
+
+
+def compute_logits(params: dict, hidden) -> jax.Array:
+    head = params.get("lm_head", params["embed"])
+    return linear(hidden, head).astype(jnp.float32)
+
+
+def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, max_seqs: int, dtype) -> list:
+    """Paged K/V for full-attention layers; zeroed slot states for DeltaNet layers."""
+
+    def zeros(shape, dt, spec):
+        return jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=NamedSharding(mesh, spec))()
+
+    heads = cfg.num_kv_heads * kv_head_replicas(cfg, mesh.shape["tp"])
+    kv_shape = (num_blocks, block_size, heads, cfg.head_dim)
+    K = cfg.linear_conv_kernel_dim
+    cache = []
+    for i in range(cfg.num_layers):
+        if cfg.is_linear_layer(i):
+            cache.append(
+                DeltaNetState(
+                    conv_q=zeros((max_seqs, cfg.linear_key_dim, K - 1), dtype, CONV_STATE_SPEC),
+                    conv_k=zeros((max_seqs, cfg.linear_key_dim, K - 1), dtype, CONV_STATE_SPEC),
+                    conv_v=zeros((max_seqs, cfg.linear_value_dim, K - 1), dtype, CONV_STATE_SPEC),
+                    recurrent=zeros(
+                        (max_seqs, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                        jnp.float32,
+                        RECURRENT_STATE_SPEC,
+                    ),
+                )
+            )
+        else:
+            cache.append(LayerKV(zeros(kv_shape, dtype, KV_CACHE_SPEC), zeros(kv_shape, dtype, KV_CACHE_SPEC)))
+    return cache
+
+
+def _deltanet_layout(cfg: ModelConfig, la: str) -> dict[str, Source]:
+    """The DeltaNet projections, split out of the fused checkpoint tensors into q|k|v|z|b|a."""
+    H, K = cfg.hidden_size, cfg.linear_conv_kernel_dim
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    kd, vd, r = cfg.linear_key_dim, cfg.linear_value_dim, Hv // Hk
+    C = 2 * kd + vd
+    conv = (la + "conv1d.weight", (C, 1, K))
+    entries: dict[str, Source] = {
+        # conv1d channels are [Q | K | V] in both families.
+        "gdn_conv_q": Segment(*conv, 0, kd, squeeze=True),
+        "gdn_conv_k": Segment(*conv, kd, kd, squeeze=True),
+        "gdn_conv_v": Segment(*conv, 2 * kd, vd, squeeze=True),
+        "gdn_A_log": Tensor(la + "A_log", (Hv,)),
+        "gdn_dt_bias": Tensor(la + "dt_bias", (Hv,)),
+        "gdn_norm": Tensor(la + "norm.weight", (dv,)),
+        "gdn_out": Tensor(la + "out_proj.weight", (H, vd)),
+    }
+    if cfg.model_type == "qwen3_next":
+        # Grouped per key head g: qkvz rows [q_g (dk) | k_g (dk) | v_g (r dv) | z_g (r dv)], ba rows [b_g (r) | a_g (r)].
+        G = 2 * dk + 2 * r * dv
+        qkvz = (la + "in_proj_qkvz.weight", (Hk * G, H))
+        ba = (la + "in_proj_ba.weight", (2 * Hv, H))
+        entries |= {
+            "gdn_q": StridedRows(*qkvz, rows=kd, run=dk, stride=G, offset=0),
+            "gdn_k": StridedRows(*qkvz, rows=kd, run=dk, stride=G, offset=dk),
+            "gdn_v": StridedRows(*qkvz, rows=vd, run=r * dv, stride=G, offset=2 * dk),
+            "gdn_z": StridedRows(*qkvz, rows=vd, run=r * dv, stride=G, offset=2 * dk + r * dv),
+            "gdn_b": StridedRows(*ba, rows=Hv, run=r, stride=2 * r, offset=0),
+            "gdn_a": StridedRows(*ba, rows=Hv, run=r, stride=2 * r, offset=r),
+        }
+    else:
+        qkv = (la + "in_proj_qkv.weight", (C, H))
+        entries |= {
+            "gdn_q": Segment(*qkv, 0, kd),
+            "gdn_k": Segment(*qkv, kd, kd),
+            "gdn_v": Segment(*qkv, 2 * kd, vd),
+            "gdn_z": Tensor(la + "in_proj_z.weight", (vd, H)),
+            "gdn_b": Tensor(la + "in_proj_b.weight", (Hv, H)),
+            "gdn_a": Tensor(la + "in_proj_a.weight", (Hv, H)),
+        }
+    return entries
+
+
+def _moe_layout(cfg: ModelConfig, mlp: str) -> dict[str, Source]:
+    H, E, I, Is = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    expert = [f"{mlp}experts.{e}." for e in range(E)]
+
+    def per_expert(proj, shape):
+        return StackedExperts(tuple(x + proj + ".weight" for x in expert), shape)
+
+    # Qwen3.5-MoE checkpoints fuse the experts on disk; Qwen3-Next (and HF's save_pretrained) write
+    # them one by one. Accept both, preferring the family's usual form.
+    fused = {
+        "experts_gate": FusedExperts(mlp + "experts.gate_up_proj", (E, 2 * I, H), 0, I),
+        "experts_up": FusedExperts(mlp + "experts.gate_up_proj", (E, 2 * I, H), I, I),
+        "experts_down": FusedExperts(mlp + "experts.down_proj", (E, H, I), 0, H),
+    }
+    split = {
+        "experts_gate": per_expert("gate_proj", (I, H)),
+        "experts_up": per_expert("up_proj", (I, H)),
+        "experts_down": per_expert("down_proj", (H, I)),
+    }
+    first, second = (split, fused) if cfg.model_type == "qwen3_next" else (fused, split)
+    entries: dict[str, Source] = {k: FirstPresent((first[k], second[k])) for k in fused}
+    entries["router"] = Tensor(mlp + "gate.weight", (E, H))
+    if Is:
+        entries |= {
+            "shared_gate": Tensor(mlp + "shared_expert.gate_proj.weight", (Is, H)),
+            "shared_up": Tensor(mlp + "shared_expert.up_proj.weight", (Is, H)),
+            "shared_down": Tensor(mlp + "shared_expert.down_proj.weight", (H, Is)),
+            "shared_expert_gate": Tensor(mlp + "shared_expert_gate.weight", (1, H)),
+        }
+    return entries
+
+
+def param_layout(cfg: ModelConfig, tp: int = 1) -> dict[str, Source]:
+    """Parameter path -> where it comes from in a HF Qwen3-Next / Qwen3.5 checkpoint."""
+    H, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    prefix = cfg.checkpoint_prefix
+    replicas = kv_head_replicas(cfg, tp)
+    layout: dict[str, Source] = {
+        "embed": Tensor(prefix + "embed_tokens.weight", (V, H)),
+        "final_norm": Tensor(prefix + "norm.weight", (H,)),
+    }
+    if not cfg.tie_word_embeddings:
+        layout["lm_head"] = Tensor("lm_head.weight", (V, H))
+
+    def kv(name):
+        shape = (cfg.kv_size, H)
+        return Tensor(name, shape) if replicas == 1 else RepeatedHeads(name, shape, D, replicas)
+
+    for i in range(cfg.num_layers):
+        hf = f"{prefix}layers.{i}."
+        entries: dict[str, Source] = {
+            "input_norm": Tensor(hf + "input_layernorm.weight", (H,)),
+            "post_norm": Tensor(hf + "post_attention_layernorm.weight", (H,)),
+        }
+        if cfg.is_linear_layer(i):
+            entries |= _deltanet_layout(cfg, hf + "linear_attn.")
+        else:
+            attn = hf + "self_attn."
+            entries |= {
+                "q_proj": Tensor(attn + "q_proj.weight", (2 * cfg.q_size, H)),  # [q_h | gate_h] per head
+                "k_proj": kv(attn + "k_proj.weight"),
+                "v_proj": kv(attn + "v_proj.weight"),
+                "o_proj": Tensor(attn + "o_proj.weight", (H, cfg.q_size)),
+                "q_norm": Tensor(attn + "q_norm.weight", (D,)),
+                "k_norm": Tensor(attn + "k_norm.weight", (D,)),
+            }
+        mlp = hf + "mlp."
+        if cfg.is_moe_layer(i):
+            entries |= _moe_layout(cfg, mlp)
+        else:
+            I = cfg.intermediate_size
+            entries |= {
+                "gate_proj": Tensor(mlp + "gate_proj.weight", (I, H)),
+                "up_proj": Tensor(mlp + "up_proj.weight", (I, H)),
+                "down_proj": Tensor(mlp + "down_proj.weight", (H, I)),
+            }
+        layout.update({f"layers.{i}.{k}": v for k, v in entries.items()})
+    return layout

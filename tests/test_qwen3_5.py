@@ -1,0 +1,340 @@
+"""Qwen3-Next / Qwen3.5 hybrid family: HF parity, ragged rows and state slots, TP, loading, config.
+
+Tiny float32 models from tests/hf_hybrid.py; HF transformers (pure-torch fallback kernels) is the
+reference. Runners are shared per model kind so each (T, B) shape compiles once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hf_hybrid as hh
+
+PROMPT_LEN = 150  # > two 64-token chunks, not a multiple of 64
+GEN = 32
+BUCKET_T, BUCKET_B = 65, 2  # the shape of the ragged-batch tests
+# tp > 1 sums partial products in another order. These random tiny models amplify fp32 round-off
+# (where a DeltaNet head's output is near zero its gated RMSNorm scales it up ~1000x; HF's own
+# fp32 logits are up to ~1e-4 off its fp64 ones for some seeds). Measured tp=2 vs tp=1: 6e-6 and
+# 1.2e-5; tp=4 vs tp=1 (4 key heads, 8 value heads): 4e-5..1e-4, each as close to HF fp64 as
+# tp=1 is. A wrong split is O(1), so this still catches every sharding bug.
+TP_TOL = 1e-4
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 128, n).tolist()
+
+
+def make_runner(path, tp=1, max_seqs=4):
+    from jtp.runner import ModelRunner
+
+    return ModelRunner(path, tensor_parallel_size=tp, num_blocks=128, block_size=16, max_seqs=max_seqs)
+
+
+def state_of(runner, slot: int) -> dict[str, np.ndarray]:
+    """The slot's DeltaNet state of every linear layer, in HF's layout (conv channels Q|K|V)."""
+    out = {}
+    for i, layer in enumerate(runner.cache):
+        if runner.cfg.is_linear_layer(i):
+            conv = np.concatenate([np.asarray(layer.conv_q[slot]), np.asarray(layer.conv_k[slot]), np.asarray(layer.conv_v[slot])])
+            out[f"{i}.conv"] = conv
+            out[f"{i}.recurrent"] = np.asarray(layer.recurrent[slot])
+    return out
+
+
+def hf_state(model, ids) -> dict[str, np.ndarray]:
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        if hasattr(layer, "recurrent_states"):
+            out[f"{i}.conv"] = layer.conv_states[0][0, :, 1:].numpy()  # only the last K-1 columns matter
+            out[f"{i}.recurrent"] = layer.recurrent_states[0][0].numpy()
+    return out
+
+
+def assert_states_close(a: dict, b: dict, tol=1e-4):
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert rel(a[k], b[k]) < tol, k
+
+
+def run_compiled(runner, plan) -> tuple[np.ndarray, str]:
+    """One step through an explicitly lowered and compiled executable: its logits and HLO text."""
+    toks, meta, idx = runner._device_plan(plan)
+    compiled = runner._logits_fn.lower(runner.params, runner.cache, toks, meta, idx).compile()
+    logits, runner.cache = compiled(runner.params, runner.cache, toks, meta, idx)
+    return np.asarray(logits), compiled.as_text()
+
+
+def all_reduces(hlo: str) -> int:
+    return len(re.findall(r"\ball-reduce(?:-start)?\(", hlo))
+
+
+class Case:
+    """One tiny model: HF references, a tp=1 runner, its prefill logits/state and greedy decode."""
+
+    def __init__(self, kind: str, root: Path):
+        self.kind = kind
+        self.model = hh.build_model(kind)
+        self.path = hh.save(self.model, root / kind, fuse_experts=kind == "qwen3_5_moe")
+        self.prompt = tokens(1, PROMPT_LEN)
+        self.hf_generated = hh.hf_generate(self.model, self.prompt, GEN)
+        self.model64 = hh.double(self.model)
+        self.hf_logits = hh.hf_logits(self.model64, self.prompt + self.hf_generated[:-1])
+        self.runner = make_runner(self.path)
+
+        planner = hh.Planner()
+        plan = planner.plan([(0, 0, self.prompt)])
+        plan.logits_indices = np.arange(PROMPT_LEN, dtype=np.int32)  # every prompt position
+        self.prefill_logits = self.runner.logits(plan)
+        self.prefill_state = state_of(self.runner, 0)
+        self.generated, self.decode_logits = [], []
+        nxt = int(self.prefill_logits[-1].argmax())
+        for step in range(GEN):
+            self.generated.append(nxt)
+            if step == GEN - 1:
+                break
+            out = self.runner.logits(planner.plan([(0, 0, [nxt])]))[0]
+            self.decode_logits.append(out)
+            nxt = int(out.argmax())
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid")
+    return functools.lru_cache(maxsize=None)(lambda kind: Case(kind, root))
+
+
+# ----------------------------------------------------------------------------- HF parity
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_hf_parity_prefill_decode_and_greedy(case, kind):
+    c = case(kind)
+    assert rel(c.prefill_logits, c.hf_logits[:PROMPT_LEN]) < 1e-4
+    # 31 single-token decode steps continue from the slot state and the paged K/V.
+    assert rel(np.stack(c.decode_logits), c.hf_logits[PROMPT_LEN:]) < 1e-4
+    assert c.generated == c.hf_generated
+
+
+def test_hf_state_after_prefill(case):
+    c = case("qwen3_next")
+    assert_states_close(c.prefill_state, hf_state(c.model, c.prompt))
+
+
+# ----------------------------------------------------------------------------- ragged rows and slots
+
+
+def test_chunked_prefill_anywhere_equals_one_shot_and_token_by_token(case):
+    c = case("qwen3_5_text")
+    ids = tokens(2, 1 + 37 + 64 + 65)
+    ref = hh.hf_logits(c.model64, ids)
+    r, planner = c.runner, hh.Planner()
+
+    # Chunks of 1, 37, 64 and 65 tokens in slot 1 (chunk boundaries mid-64, all padded to one bucket).
+    start = 0
+    for n in (1, 37, 64, 65):
+        out = r.logits(planner.plan([(1, 1, ids[start : start + n])], BUCKET_T, BUCKET_B))
+        start += n
+        assert rel(out[0], ref[start - 1]) < 1e-4, n
+    chunked = state_of(r, 1)
+
+    # The same tokens one at a time in slot 2.
+    steps = [r.logits(planner.plan([(2, 2, [t])]))[0] for t in ids]
+    assert rel(np.stack(steps), ref) < 1e-4
+    assert_states_close(state_of(r, 2), chunked, 1e-5)
+    assert_states_close(chunked, hf_state(c.model, ids))
+
+
+def test_mixed_batch_and_reused_slot(case):
+    c = case("qwen3_5_text")
+    a, b, d = tokens(3, 41), tokens(4, 38), tokens(5, 50)
+    ref_a, ref_b, ref_d = (hh.hf_logits(c.model64, x) for x in (a, b, d))
+    r, planner = c.runner, hh.Planner()
+
+    r.logits(planner.plan([(0, 2, a[:40])], BUCKET_T, BUCKET_B))
+    # One step: a's decode token and b's first prefill chunk, different slots.
+    out = r.logits(planner.plan([(0, 2, a[40:]), (1, 3, b[:37])], BUCKET_T, BUCKET_B))
+    assert rel(out[0], ref_a[40]) < 1e-4
+    assert rel(out[1], ref_b[36]) < 1e-4
+    # b decodes while d starts at position 0 in a's old slot: it must see a zero state.
+    out = r.logits(planner.plan([(1, 3, b[37:]), (2, 2, d)], BUCKET_T, BUCKET_B))
+    assert rel(out[0], ref_b[37]) < 1e-4
+    assert rel(out[1], ref_d[49]) < 1e-4
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_tp2_equals_tp1_with_one_all_reduce_per_block(case, kind):
+    c = case(kind)
+    r = make_runner(c.path, tp=2)
+    planner = hh.Planner()
+    plan = planner.plan([(0, 0, c.prompt)])
+    plan.logits_indices = np.arange(PROMPT_LEN, dtype=np.int32)
+    out = r.logits(plan)
+    assert rel(out, c.prefill_logits) < TP_TOL
+    assert_states_close(state_of(r, 0), c.prefill_state, TP_TOL)
+
+    logits, hlo = run_compiled(r, planner.plan([(0, 0, [c.generated[0]])]))
+    assert rel(logits[0], c.decode_logits[0]) < TP_TOL
+    # One all-reduce after each mixer (out_proj / o_proj) and one per FFN (down projections;
+    # XLA combines the routed experts' and the shared expert's partial sums into one), plus
+    # one for the vocab-parallel embedding lookup.
+    assert all_reduces(hlo) == 1 + 2 * r.cfg.num_layers
+
+
+def test_tp4_with_replicated_kv_heads(tmp_path):
+    model = hh.build_model("qwen3_5_text_hk4", seed=1)  # Hk 4, Hv 8, 2 KV heads: replicated twice over 4 ranks
+    path = hh.save(model, tmp_path / "hk4")
+    ids = tokens(6, 100)
+    ref = hh.hf_logits(hh.double(model), ids)
+    outs, hlo = [], ""
+    for tp in (1, 4):
+        r = make_runner(path, tp=tp)
+        plan = hh.Planner().plan([(0, 0, ids)])
+        plan.logits_indices = np.arange(len(ids), dtype=np.int32)
+        logits, hlo = run_compiled(r, plan)
+        outs.append((logits, state_of(r, 0)))
+    assert rel(outs[0][0], ref) < 1e-4
+    assert rel(outs[1][0], outs[0][0]) < TP_TOL
+    assert_states_close(outs[1][1], outs[0][1], TP_TOL)
+    assert all_reduces(hlo) == 1 + 2 * r.cfg.num_layers
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def test_skips_mtp_and_vision_tensors_with_one_log_line(case, tmp_path, caplog):
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    from jtp.config import ModelConfig
+    from jtp.sharding import make_mesh
+    from jtp.weights import load_params
+
+    c = case("qwen3_5")
+    fake = {"mtp.fc.weight": np.ones((64, 128), np.float32), "mtp.layers.0.mlp.experts.0.up_proj.weight": np.ones((4, 4), np.float32)}
+    path = hh.save(c.model, tmp_path / "mtp", extra=fake)
+    visual = [n for n in load_file(path / "model.safetensors") if n.startswith("model.visual.")]
+    assert visual
+    cfg = ModelConfig.from_dir(path)
+    with caplog.at_level(logging.INFO, logger="jtp.weights"):
+        params = load_params(path, cfg, make_mesh(1), jnp.float32)
+    lines = [m for m in caplog.messages if "skipping" in m]
+    assert lines == [f"skipping {len(visual) + len(fake)} checkpoint tensor(s) jtp does not use (mtp.*, model.visual.*)"]
+    assert len(params["layers"]) == cfg.num_layers
+
+
+def test_missing_tensor_is_named(case, tmp_path):
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file, save_file
+
+    from jtp.config import ModelConfig
+    from jtp.sharding import make_mesh
+    from jtp.weights import CheckpointError, load_params
+
+    c = case("qwen3_5")
+    path = hh.save(c.model, tmp_path / "missing")
+    tensors = load_file(path / "model.safetensors")
+    name = "model.language_model.layers.2.linear_attn.in_proj_qkv.weight"
+    del tensors[name]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(repr(name))):
+        load_params(path, ModelConfig.from_dir(path), make_mesh(1), jnp.float32)
+
+
+def test_fused_and_per_expert_checkpoints_load_the_same(case, tmp_path):
+    import jax.numpy as jnp
+
+    from jtp.config import ModelConfig
+    from jtp.sharding import make_mesh
+    from jtp.weights import load_params
+
+    c = case("qwen3_5_moe")  # its checkpoint has fused gate_up_proj [E, 2I, H] / down_proj [E, H, I]
+    per_expert = hh.save(c.model, tmp_path / "per_expert")
+    cfg = ModelConfig.from_dir(per_expert)
+    mesh = make_mesh(2)
+    a = load_params(c.path, cfg, mesh, jnp.float32)
+    b = load_params(per_expert, cfg, mesh, jnp.float32)
+    for name in ("experts_gate", "experts_up", "experts_down"):
+        np.testing.assert_array_equal(np.asarray(a["layers"][0][name]), np.asarray(b["layers"][0][name]))
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_parsing(case):
+    from jtp.config import ModelConfig
+
+    c = case("qwen3_5")
+    cfg = ModelConfig.from_dir(c.path)
+    assert cfg.checkpoint_prefix == "model.language_model."
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim) == (2, 6, 8, 12)
+    assert cfg.rotary_dim == 8 and cfg.rope_theta == 1e7 and cfg.num_experts == 0
+
+    raw = hh.config_json(c.path)["text_config"]
+    legacy = {k: v for k, v in raw.items() if k not in ("layer_types", "rope_parameters")}
+    legacy |= dict(model_type="qwen3_5_text", full_attention_interval=2, rope_theta=5e6, partial_rotary_factor=0.5)
+    cfg = ModelConfig.from_hf(legacy)
+    assert cfg.checkpoint_prefix == "model." and cfg.rotary_dim == 16 and cfg.rope_theta == 5e6
+    assert cfg.layer_types == ("linear_attention", "full_attention") * 2
+
+    moe = {k: v for k, v in raw.items() if k != "intermediate_size"} | dict(
+        model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, norm_topk_prob=False
+    )
+    cfg = ModelConfig.from_hf(moe)
+    assert cfg.norm_topk_prob and all(cfg.moe_layers) and cfg.shared_expert_intermediate_size == 512
+
+    nxt = dict(raw, model_type="qwen3_next", num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], decoder_sparse_step=2)
+    cfg = ModelConfig.from_hf(nxt)
+    assert cfg.moe_layers == (False, True, False, True) and cfg.norm_topk_prob
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(linear_num_value_heads=5), "linear_num_value_heads"),
+        (dict(layer_types=["linear_attention"] * 3), "layer_types"),
+        (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "sliding_attention"),
+        (dict(rope_parameters=dict(rope_theta=1e7, partial_rotary_factor=0.1)), "partial_rotary_factor"),
+        (dict(hidden_size=None), "hidden_size"),
+    ],
+)
+def test_config_errors_name_the_field(case, change, field):
+    from jtp.config import ConfigError, ModelConfig
+
+    raw = hh.config_json(case("qwen3_5").path)
+    raw["text_config"] = {k: v for k, v in {**raw["text_config"], **change}.items() if v is not None}
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf(raw)
+    with pytest.raises(ConfigError, match="text_config"):
+        ModelConfig.from_hf({"model_type": "qwen3_5"})
+
+
+def test_qwen3_still_rejects_partial_rotary():
+    from jtp.config import ConfigError, ModelConfig
+
+    raw = dict(model_type="qwen3", vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8)
+    assert ModelConfig.from_hf(raw).partial_rotary_factor == 1.0
+    with pytest.raises(ConfigError, match="partial_rotary_factor"):
+        ModelConfig.from_hf(raw | {"partial_rotary_factor": 0.5})
