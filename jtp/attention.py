@@ -34,6 +34,9 @@ class AttentionMetadata(NamedTuple):
     row_starts: jax.Array  # i32[B] index in T of each row's first query token
     row_lens: jax.Array  # i32[B] query tokens of each row in this step (0 = padding row)
     state_slots: jax.Array  # i32[B] recurrent-state slot of each row (-1 = padding row)
+    # i32[L] = arange(L): only its static length matters, a bucketed bound on row_lens (L = 1 in a
+    # pure decode step), so per-row layouts can be [B, L] instead of [B, T]. None: no bound known.
+    query_bound: jax.Array | None = None
 
 
 class LayerKV(NamedTuple):

@@ -41,6 +41,7 @@ class StepPlan:
     row_lens: np.ndarray  # i32[B]
     state_slots: np.ndarray  # i32[B]
     logits_indices: np.ndarray  # i32[B] index (into T) of the token whose logits each row samples from
+    max_row_len: int | None = None  # static bound on tokens per row (a bucket); None = T
 
     def metadata(self) -> AttentionMetadata:
         return AttentionMetadata(
@@ -52,6 +53,7 @@ class StepPlan:
             row_starts=self.row_starts,
             row_lens=self.row_lens,
             state_slots=self.state_slots,
+            query_bound=np.arange(self.max_row_len or len(self.token_ids), dtype=np.int32),
         )
 
 

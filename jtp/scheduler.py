@@ -79,12 +79,14 @@ class Buckets:
 
     tokens: powers of two from 16 to max_num_batched_tokens (plus that value itself);
     rows: powers of two from 8 to max_num_seqs (and never more than the token bucket);
+    tokens per row: powers of two from 1 up to the token bucket (1 in a pure decode step);
     blocks per row: powers of two up to the blocks of max_model_len.
     """
 
     tokens: tuple[int, ...]
     rows: tuple[int, ...]
     blocks: tuple[int, ...]
+    row_lens: tuple[int, ...] = ()
 
     @classmethod
     def make(cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> "Buckets":
@@ -92,6 +94,7 @@ class Buckets:
             tokens=_powers_of_two(16, max_num_batched_tokens),
             rows=_powers_of_two(8, max_num_seqs),
             blocks=_powers_of_two(1, max_blocks_per_seq),
+            row_lens=_powers_of_two(1, max_num_batched_tokens),
         )
 
     @staticmethod
@@ -99,8 +102,16 @@ class Buckets:
         return next(b for b in buckets if b >= n)
 
     def num_shapes(self) -> int:
-        pairs = sum(1 for t in self.tokens for r in self.rows if r <= max(t, self.rows[0]))
-        return pairs * len(self.blocks)
+        """How many distinct step shapes the buckets allow (rows and tokens per row <= tokens)."""
+        triples = sum(
+            1
+            for t in self.tokens
+            for r in self.rows
+            if r <= max(t, self.rows[0])
+            for q in self.row_lens
+            if q <= t
+        )
+        return triples * len(self.blocks)
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -215,4 +226,5 @@ class Scheduler:
         return StepPlan(
             token_ids, positions, slot_mapping, token_rows, block_tables, context_lens,
             row_starts, row_lens, state_slots, logits_indices,
+            max_row_len=Buckets.pick(self.buckets.row_lens, max(r.num_tokens for r in rows)),
         )

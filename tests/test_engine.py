@@ -437,7 +437,7 @@ def test_compilation_count_is_bounded(qwen3):
         flags = flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
         variants.add(flags)
         pen_len = None if penalty is None else penalty[0].shape[1]
-        signatures.add((plan.token_ids.shape, plan.block_tables.shape, flags, pen_len))
+        signatures.add((plan.token_ids.shape, plan.block_tables.shape, plan.max_row_len, flags, pen_len))
         return inner(plan, sampling, penalty)
 
     runner.dispatch = dispatch
