@@ -138,17 +138,23 @@ def paged_attention_kernel(q: jax.Array, cache: LayerKV, meta: AttentionMetadata
     from jtp.kernels import ragged_paged_attention
 
     interpret = jax.default_backend() != "gpu"
+    # Static bound on tokens per row: 1 in a pure decode step, which then runs the decode kernel.
+    max_row_len = meta.query_bound.shape[0] if meta.query_bound is not None else None
 
-    def local(q, k, v, positions, block_tables, context_lens, row_starts, row_lens):
+    def local(q, k, v, positions, token_rows, block_tables, context_lens, row_starts, row_lens):
         return ragged_paged_attention(
-            q, k, v, positions, block_tables, context_lens, row_starts, row_lens, scale=scale, interpret=interpret
+            q, k, v, positions, block_tables, context_lens, row_starts, row_lens, scale=scale, interpret=interpret,
+            max_row_len=max_row_len, token_rows=token_rows,
         )
 
-    args = (q, cache.k, cache.v, meta.positions, meta.block_tables, meta.context_lens, meta.row_starts, meta.row_lens)
+    args = (
+        q, cache.k, cache.v, meta.positions, meta.token_rows, meta.block_tables, meta.context_lens,
+        meta.row_starts, meta.row_lens,
+    )
     if mesh is None:
         return local(*args)
     head, kv, rep = P(None, "tp", None), P(None, None, "tp", None), P()
-    in_specs = (head, kv, kv, rep, rep, rep, rep, rep)
+    in_specs = (head, kv, kv, rep, rep, rep, rep, rep, rep)
     smap = getattr(jax, "shard_map", None)
     if smap is not None:
         try:

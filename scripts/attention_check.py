@@ -11,7 +11,9 @@
    JAX's bundled Pallas `paged_attention` (fed q pre-scaled by 1/sqrt(D), which it needs, and its
    own [kv_heads, pages, page, D] layout) for decode; kernel vs reference for prefill/mixed.
    Bytes moved = K/V bytes the rows must read; TB/s = those bytes / time.
-3. A few kernel configurations (tile rows, keys per iteration, splits, warps) per shape.
+3. A few kernel configurations (tile rows, keys per iteration, splits, warps) per shape. Decode
+   cases carry query_bound of length 1 (like the runner), so "kernel" is the dedicated decode kernel
+   (its config ignores the tile rows); "kernel general" times the general tiled kernel on the same step.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jtp.attention import AttentionMetadata, LayerKV, paged_attention_reference  # noqa: E402
-from jtp.kernels.ragged_paged_attention import choose_config, ragged_paged_attention  # noqa: E402
+from jtp.kernels.ragged_paged_attention import choose_config, choose_decode_config, ragged_paged_attention  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 DTYPE = jnp.bfloat16
@@ -70,16 +72,21 @@ def make_plan(rng, rows, num_blocks, max_blocks=None, first_block=0):
     meta = AttentionMetadata(
         jnp.asarray(positions), jnp.full(T, -1, jnp.int32), jnp.asarray(token_rows), jnp.asarray(tables),
         jnp.asarray(ctx), jnp.asarray(starts), jnp.asarray(lens), jnp.full(B, -1, jnp.int32),
+        jnp.arange(bucket(max(n for n, _ in rows), 1), dtype=jnp.int32),  # query_bound, as the runner
     )
     kv_bytes = int(sum(c for _, c in rows)) * HKV * D * 2 * 2
     return meta, total, kv_bytes
 
 
 def kernel_fn(config=None):
+    general = config == "general"  # the general tiled kernel even for a decode step
+    config = None if general else config
+
     def f(q, cache, m):
         return ragged_paged_attention(
             q, cache.k, cache.v, m.positions, m.block_tables, m.context_lens, m.row_starts, m.row_lens,
             scale=SCALE, config=config, interpret=INTERPRET,
+            max_row_len=None if general else m.query_bound.shape[0], token_rows=m.token_rows,
         )
 
     return f
@@ -163,7 +170,7 @@ def main():
          lambda: [(1, c) for c in ctxs(48)] + [(1000, 1500), (952, 952)], False),
     ]
     variants = {
-        True: [None, (4, 8, 1, 4, 2), (4, 4, 2, 4, 2), (4, 8, 4, 4, 3), (4, 8, 8, 4, 3), (4, 4, 1, 8, 2)],
+        True: [None, "general", (4, 8, 1, 4, 2), (4, 4, 2, 4, 2), (4, 8, 4, 4, 3), (4, 8, 8, 4, 3), (4, 4, 1, 8, 2)],
         False: [None, (16, 4, 1, 4, 2), (16, 8, 1, 8, 2), (32, 4, 1, 8, 2)],
     }
     if args.quick:
@@ -178,7 +185,9 @@ def main():
         T = meta.positions.shape[0]
         q = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), (T, HQ, D), DTYPE)
         entry = {"case": name, "T": T, "B": int(meta.block_tables.shape[0]), "tokens": n_real, "kv_bytes": kv_bytes,
-                 "default_config": list(choose_config(T, HKV, HQ // HKV, BS))}
+                 "default_config": list(
+                     choose_decode_config(T, meta.block_tables.shape[0], HKV, HQ // HKV, BS, meta.block_tables.shape[1])
+                     if is_decode else choose_config(T, HKV, HQ // HKV, BS))}
         try:
             ref = jax.jit(reference_fn)(q, cache, meta)
             out = jax.jit(kernel_fn())(q, cache, meta)
@@ -212,7 +221,7 @@ def main():
             except Exception as e:  # noqa: BLE001
                 timings["bundled_error"] = str(e)[:500]
         for cfg in variants[is_decode]:
-            key = "kernel" if cfg is None else "kernel " + "x".join(map(str, cfg))
+            key = "kernel" if cfg is None else "kernel general" if cfg == "general" else "kernel " + "x".join(map(str, cfg))
             if time.time() - t_start > args.max_seconds:
                 break
             try:

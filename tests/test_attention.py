@@ -22,11 +22,12 @@ def _rng(case: int) -> tuple[np.random.Generator, str]:
     return np.random.default_rng(seq), f"entropy={_ENTROPY} case={case}"
 
 
-def make_batch(rng, rows, T, B, hkv, group, D, dtype, block_size=16, num_blocks=48, max_blocks=8):
+def make_batch(rng, rows, T, B, hkv, group, D, dtype, block_size=16, num_blocks=48, max_blocks=8, bound=None):
     """rows: list of (query tokens, context after this step); the rest of B are padding rows.
 
     Pages are scattered over the pool; K/V of this step are written through write_kv like the
-    model does; tokens past the rows (T - sum) are padding (slot -1).
+    model does; tokens past the rows (T - sum) are padding (slot -1). bound: the static bound L on
+    tokens per row (metadata.query_bound = arange(L), like the runner; 1 = pure decode), or None.
     """
     positions = np.zeros(T, np.int32)
     token_rows = np.zeros(T, np.int32)
@@ -58,7 +59,9 @@ def make_batch(rng, rows, T, B, hkv, group, D, dtype, block_size=16, num_blocks=
     meta = AttentionMetadata(
         jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(token_rows), jnp.asarray(tables),
         jnp.asarray(ctx), jnp.asarray(starts), jnp.asarray(lens), jnp.full(B, -1, jnp.int32),
+        None if bound is None else jnp.arange(bound, dtype=jnp.int32),
     )
+    assert bound is None or all(n <= bound for n, _ in rows)
     cache = write_kv(cache, k_new, v_new, meta.slot_mapping)
     return q, cache, meta, cursor
 
@@ -138,6 +141,122 @@ def test_decode_only_and_long_prefill():
         assert np.all(np.asarray(out[n_real:], np.float32) == 0), "padding tokens should be zero"
 
 
+DECODE_CASES = [
+    # (B real rows, group, hkv, D, dtype, config)  config = (unused, pages/iter, splits, warps, stages)
+    (1, 4, 2, 128, jnp.bfloat16, None),  # B=1: default splits + merge kernel
+    (1, 8, 1, 64, jnp.float32, (1, 1, 4, 4, 2)),
+    (3, 1, 2, 64, jnp.float32, None),
+    (3, 2, 2, 128, jnp.bfloat16, (1, 2, 1, 4, 2)),  # no splits: the kernel writes the output
+    (8, 4, 2, 64, jnp.bfloat16, (1, 4, 2, 4, 2)),
+    (8, 8, 2, 128, jnp.float32, None),
+    (64, 2, 2, 64, jnp.bfloat16, None),  # B=64: one pass
+    (64, 4, 1, 128, jnp.float32, (1, 2, 2, 4, 2)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(DECODE_CASES)))
+def test_decode_kernel_matches_reference(monkeypatch, case):
+    """Pure decode steps (query_bound of length 1) through paged_attention take the decode kernel.
+
+    Contexts are random (mostly not multiples of the page), pages scattered, T and B padded to
+    buckets like the scheduler (padding tokens and rows), plus a context-1 row.
+    """
+    B, group, hkv, D, dtype, config = DECODE_CASES[case]
+    rng, tag = _rng(400 + case)
+    T = max(16, 1 << (B - 1).bit_length())
+    B_pad = max(8, T if B > 8 else 8)
+    max_ctx = 120 if B <= 8 else 60
+    ctxs = [int(c) for c in rng.integers(1, max_ctx + 1, B)]
+    ctxs[0] = 1 if B > 2 else ctxs[0]
+    rows = [(1, c) for c in ctxs]
+    q, cache, meta, n_real = make_batch(
+        rng, rows, T, B_pad, hkv, group, D, dtype, num_blocks=B * 8 + 8, bound=1
+    )
+    scale = D**-0.5
+    ref = paged_attention_reference(q, cache, meta, scale)
+    monkeypatch.setenv("JTP_ATTENTION", "kernel")
+    if config is not None:
+        _, ppi, splits, _, _ = config
+        monkeypatch.setenv("JTP_ATTN_DECODE_KEYS", str(ppi * 16))
+        monkeypatch.setenv("JTP_ATTN_DECODE_SPLITS", str(splits))
+    f = jax.jit(lambda q, c, m: paged_attention(q, c, m, scale))
+    names = [str(e.params.get("name")) for e in f.trace(q, cache, meta).jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert any("jtp_paged_decode_attention" in n for n in names), names
+    out = f(q, cache, meta)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _check(out, ref, n_real, dtype, f"{tag} ctxs={ctxs} case={DECODE_CASES[case]}")
+    assert np.all(np.asarray(out[n_real:], np.float32) == 0), "padding tokens should be zero"
+    # The same step without the bound (general tiled kernel) agrees too.
+    gen = jax.jit(lambda q, c, m: paged_attention(q, c, m._replace(query_bound=None), scale))(q, cache, meta)
+    _check(gen, ref, n_real, dtype, f"{tag} general kernel")
+
+
+def _ops_around_kernel(jaxpr) -> tuple[list[str], int]:
+    """Primitive names outside pallas_calls (nested jits/shard_maps opened) and the pallas_call count."""
+    ops, kernels = [], 0
+
+    def walk(j):
+        nonlocal kernels
+        for e in j.eqns:
+            if e.primitive.name == "pallas_call":
+                kernels += 1
+                continue
+            subs = [getattr(v, "jaxpr", v) for v in e.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+            if subs:
+                for sub in subs:
+                    walk(sub)
+            else:
+                ops.append(e.primitive.name)
+
+    walk(jaxpr)
+    return ops, kernels
+
+
+# Ops that are free on GPU (bitcasts / no data movement) around the kernel.
+_FREE_OPS = {"reshape", "squeeze", "expand_dims", "bitcast_convert_type"}
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+def test_decode_path_op_count(monkeypatch, splits):
+    """The decode step's fixed overhead stays small: at most 2 pallas_calls (kernel + split merge)
+    and at most 4 non-trivial XLA ops around them (today: none, only free reshapes).
+
+    Before the decode kernel, this step was 1 pallas_call among ~106 jaxpr ops (q transpose + pad,
+    positions repeat, tile map, split merge, output transpose, padding mask).
+    """
+    monkeypatch.setenv("JTP_ATTENTION", "kernel")
+    monkeypatch.setenv("JTP_ATTN_DECODE_SPLITS", str(splits))
+    S = jax.ShapeDtypeStruct
+    T, B, hq, hkv, D, M = 16, 8, 32, 8, 128, 64  # Qwen3-8B, decode B <= 8
+    i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
+    meta = AttentionMetadata(i32(T), i32(T), i32(T), i32(B, M), i32(B), i32(B), i32(B), i32(B), i32(1))
+    cache = LayerKV(S((256, 16, hkv, D), jnp.bfloat16), S((256, 16, hkv, D), jnp.bfloat16))
+    jaxpr = jax.make_jaxpr(lambda q, c, m: paged_attention(q, c, m, D**-0.5))(S((T, hq, D), jnp.bfloat16), cache, meta)
+    ops, kernels = _ops_around_kernel(jaxpr.jaxpr)
+    heavy = [o for o in ops if o not in _FREE_OPS]
+    assert kernels == (1 if splits == 1 else 2), (kernels, ops)
+    assert len(heavy) <= 4, f"decode path grew XLA ops around the kernel: {heavy}"
+    assert len(ops) <= 8, ops
+    # Mixed steps keep the general kernel.
+    meta_mixed = meta._replace(query_bound=i32(16))
+    jaxpr = jax.make_jaxpr(lambda q, c, m: paged_attention(q, c, m, D**-0.5))(
+        S((T, hq, D), jnp.bfloat16), cache, meta_mixed
+    )
+    assert "jtp_ragged_paged_attention" in str(jaxpr) and "jtp_paged_decode" not in str(jaxpr)
+
+
+def test_general_kernel_with_row_bound(monkeypatch):
+    """Mixed steps with query_bound (L > 1): the tile map is sized from L, results unchanged."""
+    monkeypatch.setenv("JTP_ATTENTION", "kernel")
+    for i, (rows, L) in enumerate((([(1, 50), (7, 7), (3, 90), (1, 1)], 8), ([(16, 40), (2, 100)], 16))):
+        rng, tag = _rng(500 + i)
+        q, cache, meta, n_real = make_batch(rng, rows, 32, 8, 2, 4, 64, jnp.float32, bound=L)
+        ref = paged_attention_reference(q, cache, meta, 0.125)
+        out = jax.jit(lambda q, c, m: paged_attention(q, c, m, 0.125))(q, cache, meta)
+        _check(out, ref, n_real, jnp.float32, f"{tag} rows={rows} L={L}")
+        assert np.all(np.asarray(out[n_real:], np.float32) == 0), "padding tokens should be zero"
+
+
 def test_dispatch(monkeypatch):
     """JTP_ATTENTION forces either path; the default on CPU is the reference."""
     rng, tag = _rng(200)
@@ -155,27 +274,46 @@ def test_dispatch(monkeypatch):
         attention_impl()
 
 
-def test_lowers_to_triton_for_cuda():
+LOWER_CASES = [
+    # (T, B, hq, hkv, D, max_row_len, config); max_row_len 1 = the decode kernel (+ merge if splits)
+    (16, 8, 32, 8, 128, None, None),
+    (2048, 64, 16, 8, 128, None, None),
+    (2048, 64, 16, 8, 128, 512, None),
+    (16, 8, 32, 8, 128, 1, None),  # Qwen3-8B decode B<=8: splits + merge kernel
+    (64, 64, 32, 8, 128, 1, None),  # B=64: one pass, no merge
+    (16, 8, 8, 8, 64, 1, None),  # group 1
+    (16, 8, 64, 8, 128, 1, (1, 8, 4, 4, 3)),  # group 8, 128 keys per iteration
+    (16, 8, 12, 3, 128, 1, (1, 4, 1, 4, 2)),  # Hq not a power of two
+]
+
+
+@pytest.mark.parametrize("case", LOWER_CASES)
+def test_lowers_to_triton_for_cuda(case):
     """The Pallas -> Triton lowering runs on CPU too: catches unsupported ops before a GPU is lent."""
     S = jax.ShapeDtypeStruct
-    for T, B, hq, hkv, D in ((16, 8, 32, 8, 128), (2048, 64, 16, 8, 128)):
-        f = jax.jit(
-            lambda q, k, v, p, bt, c, rs, rl: ragged_paged_attention(q, k, v, p, bt, c, rs, rl, scale=D**-0.5)
+    T, B, hq, hkv, D, L, config = case
+    f = jax.jit(
+        lambda q, k, v, p, tr, bt, c, rs, rl: ragged_paged_attention(
+            q, k, v, p, bt, c, rs, rl, scale=D**-0.5, max_row_len=L, token_rows=tr, config=config
         )
-        args = (
-            S((T, hq, D), jnp.bfloat16), S((64, 16, hkv, D), jnp.bfloat16), S((64, 16, hkv, D), jnp.bfloat16),
-            S((T,), jnp.int32), S((B, 32), jnp.int32), S((B,), jnp.int32), S((B,), jnp.int32), S((B,), jnp.int32),
-        )
-        try:
-            text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        except Exception as e:  # noqa: BLE001
-            if "cuda" in str(e).lower() and "platform" in str(e).lower():
-                pytest.skip(f"this jax cannot lower for cuda here: {e}")
-            raise
-        assert "triton" in text
+    )
+    args = (
+        S((T, hq, D), jnp.bfloat16), S((64, 16, hkv, D), jnp.bfloat16), S((64, 16, hkv, D), jnp.bfloat16),
+        S((T,), jnp.int32), S((T,), jnp.int32), S((B, 32), jnp.int32), S((B,), jnp.int32), S((B,), jnp.int32),
+        S((B,), jnp.int32),
+    )
+    try:
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # noqa: BLE001
+        if "cuda" in str(e).lower() and "platform" in str(e).lower():
+            pytest.skip(f"this jax cannot lower for cuda here: {e}")
+        raise
+    assert "triton" in text
+    assert ("jtp_paged_decode_attention" in text) == (L == 1)
 
 
-def test_kernel_under_tensor_parallelism(monkeypatch):
+@pytest.mark.parametrize("decode", [False, True])
+def test_kernel_under_tensor_parallelism(monkeypatch, decode):
     """tp=2 (conftest forces 8 CPU devices): the kernel runs per head shard inside shard_map."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -185,9 +323,10 @@ def test_kernel_under_tensor_parallelism(monkeypatch):
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices")
     monkeypatch.setenv("JTP_ATTENTION", "kernel")
-    rng, tag = _rng(300)
+    rng, tag = _rng(300 + decode)
     mesh = make_mesh(2)
-    q, cache, meta, n_real = make_batch(rng, [(1, 70), (9, 9), (4, 40), (1, 3)], 32, 8, 4, 2, 64, jnp.bfloat16)
+    rows = [(1, 70), (1, 9), (1, 40), (1, 3)] if decode else [(1, 70), (9, 9), (4, 40), (1, 3)]
+    q, cache, meta, n_real = make_batch(rng, rows, 32, 8, 4, 2, 64, jnp.bfloat16, bound=1 if decode else 16)
     ref = paged_attention_reference(q, cache, meta, 0.125)
     q = jax.device_put(q, NamedSharding(mesh, P(None, "tp", None)))
     cache = jax.device_put(cache, NamedSharding(mesh, P(None, None, "tp", None)))
@@ -195,7 +334,10 @@ def test_kernel_under_tensor_parallelism(monkeypatch):
     f = jax.jit(lambda q, c, m: paged_attention(q, c, m, 0.125))
     with attention_mesh(mesh):
         text = f.lower(q, cache, meta).as_text()
+        jaxpr_text = str(f.trace(q, cache, meta).jaxpr)
         out = f(q, cache, meta)
     assert "manual" in text.lower(), "expected a shard_map (manual computation) around the kernel"
     assert out.sharding.spec[1] == "tp" if hasattr(out.sharding, "spec") else True
+    assert ("jtp_paged_decode_attention" in jaxpr_text) == decode, "decode steps must take the decode kernel"
     _check(out, ref, n_real, jnp.bfloat16, tag)
+    assert np.all(np.asarray(out[n_real:], np.float32) == 0), "padding tokens should be zero"

@@ -17,6 +17,11 @@ Work decomposition
 * For small batches the key range of each tile is split over `num_splits` programs (flash
   decoding); partial (o, m, l) are merged in jnp afterwards. With num_splits == 1 the kernel
   normalises and writes q.dtype output directly.
+* Pure decode steps (every row has at most one token: `max_row_len == 1`) take a dedicated path,
+  `paged_decode_attention`: one program per (token, kv head, split) reads its G query heads straight
+  from the [T, Hq, D] layout and writes the output in place, no tile map, no transposes, no
+  padding mask; with splits a second tiny Pallas kernel merges the partials. Around the kernel(s)
+  only free reshapes remain (see tests/test_attention.py::test_decode_path_op_count).
 * Online softmax in fp32 with exp2 (scale * log2 e folded into the scores), masked scores get a
   large finite negative value: no inf - inf, no NaN.
 """
@@ -207,18 +212,28 @@ def _tile_map(row_starts, row_lens, tq: int, num_tiles: int):
 
 def ragged_paged_attention(
     q, k_pages, v_pages, positions, block_tables, context_lens, row_starts, row_lens, *,
-    scale: float, config=None, interpret: bool = False,
+    scale: float, config=None, interpret: bool = False, max_row_len: int | None = None, token_rows=None,
 ):
     """q [T, Hq, D]; pages [num_blocks, block_size, Hkv, D] -> [T, Hq, D] in q.dtype.
 
-    Tokens outside every row's range get zeros.
+    Tokens outside every row's range get zeros. `max_row_len` (static, optional): a bound on
+    row_lens (the length of AttentionMetadata.query_bound); it shrinks the tile map, and with
+    max_row_len == 1 and `token_rows` (i32[T], the row of each token) given, the step runs the
+    dedicated decode kernel (`paged_decode_attention`; `config` then means its config too).
     """
     T, hq, d = q.shape
     num_blocks, block_size, hkv, _ = k_pages.shape
     group = hq // hkv
     B, max_blocks = block_tables.shape
+    if max_row_len == 1 and token_rows is not None and decode_supported(q.shape, k_pages.shape):
+        return paged_decode_attention(
+            q, k_pages, v_pages, positions, token_rows, block_tables, context_lens, row_starts, row_lens,
+            scale=scale, config=config, interpret=interpret,
+        )
     tq, ppi, num_splits, warps, stages = config or choose_config(T, hkv, group, block_size)
     num_tiles = max(1, min(T, B + -(-T // tq)))
+    if max_row_len is not None:  # each row has at most ceil(L / tq) tiles
+        num_tiles = max(1, min(num_tiles, B * -(-int(max_row_len) // tq)))
     m_pad = -(-max_blocks // ppi) * ppi
     t_pad = T + tq
 
@@ -285,3 +300,247 @@ def ragged_paged_attention(
     owner_end = (row_starts + jnp.maximum(row_lens, 0))[None, :]
     valid = jnp.any((tok[:, None] >= owner_start) & (tok[:, None] < owner_end), axis=1)
     return jnp.where(valid[:, None, None], o, 0).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- decode path
+#
+# A pure decode step (AttentionMetadata.query_bound of length 1) needs none of the tiling above:
+# every real token is alone in its row. The grid runs over (token, kv head, split) of the flat
+# [T, Hq, D] q: a program takes the G query heads of kv head h of token t as a window of
+# M = max(16, G) consecutive rows of q viewed as [T*Hq, D] (16 = the smallest MMA; the window is
+# shifted left at the end of the array, the G real rows are a mask), streams the row's pages and
+# writes its G output rows in place. Tokens that belong to no row (padding) get an empty key range
+# and so write zeros. The only XLA ops around the kernel are the free [T, Hq, D] <-> [T*Hq, D]
+# reshapes. With splits (few rows: not enough programs to pull HBM bandwidth) each program writes
+# fp32 partials (o, m, l) only for a non-empty key range, and `_decode_merge_kernel`, one program
+# per (token, kv head), combines the splits that ran and writes [T, Hq, D] in q.dtype.
+
+
+def _decode_rows(group: int) -> int:
+    return max(16, group)
+
+
+def decode_supported(q_shape, k_shape) -> bool:
+    """The decode kernel's extra constraint: the q window of M rows fits in [T*Hq, D]."""
+    T, hq, _ = q_shape
+    hkv = k_shape[2]
+    return supported(q_shape, k_shape) and T * hq >= _decode_rows(hq // hkv)
+
+
+def choose_decode_config(T: int, B: int, num_kv_heads: int, group: int, block_size: int, max_blocks: int):
+    """(unused, pages per iteration, splits, warps, stages) of the decode kernel; env vars override.
+
+    Splits: at most min(T, B) tokens are real; aim at ~512 programs (H200: 132 SMs) and at most 8
+    splits. Only splits that get keys write partials, so an over-estimate costs little.
+    """
+    keys = int(os.environ.get("JTP_ATTN_DECODE_KEYS", "64"))
+    ppi = max(1, _pow2_floor(max(keys // block_size, 1)))
+    ppi = math.gcd(ppi, max(1, max_blocks))  # tile the (unpadded) block table exactly
+    env_splits = os.environ.get("JTP_ATTN_DECODE_SPLITS")
+    if env_splits:
+        splits = int(env_splits)
+    else:
+        splits = min(8, _pow2_floor(max(1, 512 // max(1, min(T, B) * num_kv_heads))))
+    warps = int(os.environ.get("JTP_ATTN_WARPS", "4"))
+    stages = int(os.environ.get("JTP_ATTN_STAGES", "2"))
+    return 1, ppi, splits, warps, stages
+
+
+def _decode_key_range(t, tok_row_ref, pos_ref, starts_ref, lens_ref, ctx_ref, n_keys: int, num_splits: int):
+    """(row, position, ctx, iterations, iterations per split) of token t; 0 iterations if padding."""
+    row = tok_row_ref[t]
+    valid = (lens_ref[row] > 0) & (starts_ref[row] == t)  # rows hold <= 1 token here
+    pos = pos_ref[t]
+    ctx = ctx_ref[row]
+    kv_end = jnp.where(valid, jnp.minimum(ctx, pos + 1), 0)
+    n_iters = pl.cdiv(jnp.maximum(kv_end, 0), n_keys)
+    per_split = pl.cdiv(n_iters, num_splits)
+    return row, pos, ctx, n_iters, per_split
+
+
+def _decode_kernel(
+    tok_row_ref, pos_ref, starts_ref, lens_ref,  # [T], [T], [B], [B]
+    ctx_ref,  # [B]
+    bt_ref,  # [B, max_blocks]
+    q_ref,  # [T*Hq, D]
+    k_ref, v_ref,  # [num_blocks, block_size, D] this kv head's pages
+    *out_refs,
+    group: int, hq: int, m_rows: int, ppi: int, num_splits: int, scale_log2: float, precision,
+):
+    t = pl.program_id(0)
+    h = pl.program_id(1)
+    s = pl.program_id(2)
+    block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    n_keys = ppi * block_size
+    total_rows = q_ref.shape[0]
+
+    row, pos, ctx, n_iters, per_split = _decode_key_range(
+        t, tok_row_ref, pos_ref, starts_ref, lens_ref, ctx_ref, n_keys, num_splits
+    )
+    it0 = s * per_split
+    it1 = jnp.minimum(it0 + per_split, n_iters)
+
+    first = t * hq + h * group  # this program's G rows of the [T*Hq, D] view
+    start = jnp.minimum(first, total_rows - m_rows)
+    off = first - start
+    ri = lax.broadcasted_iota(jnp.int32, (m_rows,), 0)
+    row_mask = (ri >= off) & (ri < off + group)
+    rows_sl = pl.ds(start, m_rows)
+
+    q = q_ref[rows_sl, :]  # [M, D]
+    key_iota = lax.broadcasted_iota(jnp.int32, (1, n_keys), 1)
+    limit = jnp.minimum(pos, ctx - 1)  # last visible key (same for all M rows)
+
+    def body(it, carry):
+        acc, m_prev, l_prev = carry
+        pages = bt_ref[row, pl.ds(it * ppi, ppi)]  # [ppi]
+        k = k_ref[pages].reshape(n_keys, head_dim)
+        v = v_ref[pages].reshape(n_keys, head_dim)
+        scores = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+        ) * scale_log2  # [M, N], log2 units
+        scores = jnp.where((it * n_keys + key_iota) <= limit, scores, _MASKED)
+        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
+        corr = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(scores - m_next[:, None])
+        l_next = l_prev * corr + jnp.sum(p, axis=1)
+        pv = lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+        )
+        return acc * corr[:, None] + pv, m_next, l_next
+
+    init = (
+        jnp.zeros((m_rows, head_dim), jnp.float32),
+        jnp.full((m_rows,), _MASKED, jnp.float32),
+        jnp.zeros((m_rows,), jnp.float32),
+    )
+    acc, m_i, l_i = lax.fori_loop(it0, it1, body, init)
+    mask2d = jnp.broadcast_to(row_mask[:, None], (m_rows, head_dim))
+    if num_splits == 1:  # normalise and write q.dtype (zeros for padding tokens: acc = 0, l = 0)
+        (o_ref,) = out_refs
+        out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
+        _store(o_ref, (rows_sl, slice(None)), out.astype(o_ref.dtype), mask2d)
+    else:  # partials, only where this split had keys; the merge reads only those
+
+        @pl.when(it1 > it0)
+        def _():
+            o_ref, m_ref, l_ref = out_refs
+            _store(o_ref, (rows_sl, slice(None)), acc, mask2d)
+            _store(m_ref, (rows_sl,), m_i, row_mask)
+            _store(l_ref, (rows_sl,), l_i, row_mask)
+
+
+def _decode_merge_kernel(
+    tok_row_ref, pos_ref, starts_ref, lens_ref, ctx_ref,
+    o_p_ref,  # [S, G, D] block of [S, T, Hq, D]
+    m_p_ref, l_p_ref,  # [S, G] blocks of [S, T, Hq]
+    o_ref,  # [G, D] block of [T, Hq, D]
+    *, n_keys: int, num_splits: int,
+):
+    t = pl.program_id(0)
+    _, _, _, n_iters, per_split = _decode_key_range(
+        t, tok_row_ref, pos_ref, starts_ref, lens_ref, ctx_ref, n_keys, num_splits
+    )
+    n_used = pl.cdiv(n_iters, jnp.maximum(per_split, 1))  # splits that wrote partials (0: padding)
+    group, head_dim = o_ref.shape
+    used = lax.broadcasted_iota(jnp.int32, (num_splits, group), 0) < n_used  # [S, G]
+    used3 = jnp.broadcast_to(used[:, :, None], (num_splits, group, head_dim))
+    load = getattr(plgpu, "load", None) if plgpu is not None else None
+    if load is not None:
+        m_p = load(m_p_ref, mask=used, other=_MASKED)
+        l_p = load(l_p_ref, mask=used, other=0.0)
+        o_p = load(o_p_ref, mask=used3, other=0.0)
+    else:  # pragma: no cover - jax < 0.7
+        m_p, l_p, o_p = m_p_ref[...], l_p_ref[...], o_p_ref[...]
+    m_p = jnp.where(used, m_p, _MASKED)  # unwritten partials may hold anything, even NaN
+    m = jnp.max(m_p, axis=0)  # [G]
+    w = jnp.where(used, jnp.exp2(m_p - m[None, :]), 0.0)  # [S, G]
+    l = jnp.sum(jnp.where(used, l_p, 0.0) * w, axis=0)
+    o = jnp.sum(jnp.where(used3, o_p, 0.0) * w[:, :, None], axis=0)
+    o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def paged_decode_attention(
+    q, k_pages, v_pages, positions, token_rows, block_tables, context_lens, row_starts, row_lens, *,
+    scale: float, config=None, interpret: bool = False,
+):
+    """`ragged_paged_attention` for a step whose rows hold at most one token each (pure decode).
+
+    q [T, Hq, D]; pages [num_blocks, block_size, Hkv, D] -> [T, Hq, D] in q.dtype; a token that is
+    not its row's (row_starts, row_lens) token gets zeros. config = (ignored, pages per iteration,
+    splits, warps, stages), default `choose_decode_config`.
+    """
+    T, hq, d = q.shape
+    num_blocks, block_size, hkv, _ = k_pages.shape
+    group = hq // hkv
+    B, max_blocks = block_tables.shape
+    _, ppi, num_splits, warps, stages = config or choose_decode_config(T, B, hkv, group, block_size, max_blocks)
+    ppi = math.gcd(int(ppi), max_blocks)  # pl.ds over the block table must stay in bounds
+    num_splits = _pow2_floor(num_splits)  # the merge's [S, G, D] block: Triton shapes are powers of 2
+    m_rows = _decode_rows(group)
+    assert T * hq >= m_rows, "decode kernel needs T * Hq >= max(16, group); see decode_supported"
+    n_keys = ppi * block_size
+    i32 = lambda x: x if x.dtype == jnp.int32 else x.astype(jnp.int32)  # noqa: E731
+    meta = (i32(token_rows), i32(positions), i32(row_starts), i32(row_lens), i32(context_lens))
+
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    kernel = functools.partial(
+        _decode_kernel, group=group, hq=hq, m_rows=m_rows, ppi=ppi, num_splits=num_splits,
+        scale_log2=float(scale) * _LOG2E, precision=precision,
+    )
+    full1 = lambda n: pl.BlockSpec((n,), lambda t, h, s: (0,))  # noqa: E731
+    rows = T * hq
+    in_specs = [
+        full1(T), full1(T), full1(B), full1(B), full1(B),
+        pl.BlockSpec((B, max_blocks), lambda t, h, s: (0, 0)),
+        pl.BlockSpec((rows, d), lambda t, h, s: (0, 0)),
+        pl.BlockSpec((num_blocks, block_size, None, d), lambda t, h, s: (0, 0, h, 0)),
+        pl.BlockSpec((num_blocks, block_size, None, d), lambda t, h, s: (0, 0, h, 0)),
+    ]
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((rows, d), q.dtype)]
+        out_specs = [pl.BlockSpec((rows, d), lambda t, h, s: (0, 0))]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((num_splits, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, rows), jnp.float32),
+        ]
+        out_specs = [
+            pl.BlockSpec((None, rows, d), lambda t, h, s: (s, 0, 0)),
+            pl.BlockSpec((None, rows), lambda t, h, s: (s, 0)),
+            pl.BlockSpec((None, rows), lambda t, h, s: (s, 0)),
+        ]
+    outs = pl.pallas_call(
+        kernel,
+        grid=(T, hkv, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compiler_params(warps, stages),
+        interpret=interpret,
+        name=f"jtp_paged_decode_attention_g{group}_p{ppi}_s{num_splits}",
+    )(*meta, block_tables if block_tables.dtype == jnp.int32 else block_tables.astype(jnp.int32),
+      q.reshape(rows, d), k_pages, v_pages)
+    if num_splits == 1:
+        return outs[0].reshape(T, hq, d)
+
+    o_p, m_p, l_p = outs
+    full1m = lambda n: pl.BlockSpec((n,), lambda t, h: (0,))  # noqa: E731
+    merge = functools.partial(_decode_merge_kernel, n_keys=n_keys, num_splits=num_splits)
+    out = pl.pallas_call(
+        merge,
+        grid=(T, hkv),
+        in_specs=[
+            full1m(T), full1m(T), full1m(B), full1m(B), full1m(B),
+            pl.BlockSpec((num_splits, None, group, d), lambda t, h: (0, t, h, 0)),
+            pl.BlockSpec((num_splits, None, group), lambda t, h: (0, t, h)),
+            pl.BlockSpec((num_splits, None, group), lambda t, h: (0, t, h)),
+        ],
+        out_specs=pl.BlockSpec((None, group, d), lambda t, h: (t, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((T, hq, d), q.dtype),
+        compiler_params=_compiler_params(1 if group * d <= 512 else 2, 1),
+        interpret=interpret,
+        name=f"jtp_paged_decode_merge_g{group}_s{num_splits}",
+    )(*meta, o_p.reshape(num_splits, T, hq, d), m_p.reshape(num_splits, T, hq), l_p.reshape(num_splits, T, hq))
+    return out
