@@ -1,13 +1,17 @@
 #!/usr/bin/env python
-"""Write a Hugging Face-format Qwen3 model directory with random weights (for benchmarks).
+"""Write a Hugging Face-format Qwen3 / Qwen3.5 model directory with random weights (for benchmarks).
 
     python scripts/make_random_checkpoint.py --preset qwen3-0.6b --out /tmp/qwen3-0.6b
     python scripts/make_random_checkpoint.py --preset qwen3-8b --out /tmp/qwen3-8b --generator jax
+    python scripts/make_random_checkpoint.py --preset qwen3.5-9b --out /tmp/qwen3.5-9b --generator jax
 
-config.json carries the published shapes of the preset (the real Qwen3 configs), and the
-weights are random: N(0, 0.02) for matrices and embeddings, 1 + N(0, 0.02) for norm weights.
-So the model's output is meaningless but its cost is exactly the real model's. Nothing is
-downloaded: this is how benchmark machines without network access get weights.
+config.json carries the published shapes of the preset (the real Qwen3 configs; for the
+hybrid Qwen3.5 presets, model_type `qwen3_5_text`, the text-only model a `qwen3_5` checkpoint
+holds), and the weights are random: N(0, 0.02) for matrices and embeddings, 1 + N(0, 0.02) for
+plain norm weights (Qwen3's RMSNorm, the DeltaNet gated norm), N(0, 0.02) for Qwen3.5's
+zero-centred (1 + w) norms, A_log ~ N(0, 0.02) and dt_bias ~ 1 + N(0, 0.02). So the model's
+output is meaningless but its cost is exactly the real model's. Nothing is downloaded: this is
+how benchmark machines without network access get weights.
 
 Tensors are generated one at a time, split into chunks that a pool of threads fills (numpy's
 generators release the GIL), and written with `safetensors.numpy.save_file` in the requested
@@ -69,6 +73,61 @@ PRESETS: dict[str, dict] = {
                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=8191),
 }
 
+# Qwen3.5 (Gated DeltaNet + gated attention, dense MLP), written as the text-only
+# `qwen3_5_text` model (Qwen3_5ForCausalLM, tensors under `model.`). Defaults are the HF class
+# defaults of Qwen3_5TextConfig (the architecture reference §1), i.e. the 9B-class shape.
+_QWEN3_5_COMMON = dict(
+    architectures=["Qwen3_5ForCausalLM"],
+    model_type="qwen3_5_text",
+    attention_bias=False,
+    attention_dropout=0.0,
+    attn_output_gate=True,  # ignored by HF (always on); real checkpoints carry it
+    bos_token_id=None,
+    eos_token_id=248044,
+    full_attention_interval=4,
+    head_dim=256,
+    hidden_act="silu",
+    hidden_size=4096,
+    initializer_range=0.02,
+    intermediate_size=12288,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_value_head_dim=128,
+    max_position_embeddings=262144,
+    num_attention_heads=16,
+    num_hidden_layers=32,
+    num_key_value_heads=4,
+    rms_norm_eps=1e-6,
+    rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                         mrope_section=[11, 11, 10], mrope_interleaved=True),
+    tie_word_embeddings=False,
+    use_cache=True,
+    vocab_size=248320,
+)
+
+HYBRID_PRESETS: dict[str, dict] = {
+    # Qwen3.5-0.8B text model (reference §1: 24 layers, H 1024, 8/2 heads, Hk = Hv = 16; 0.75 B
+    # parameters, the rest of "0.8B" being the vision tower). intermediate_size
+    # 3584 is ASSUMED (not in the reference); head_dim 256 and dk = dv = 128 as the family.
+    "qwen3.5-0.8b": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                         num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16,
+                         tie_word_embeddings=True),
+    # The qwen3_5_text class defaults (reference §1): H 4096, 32 layers, 16/4 heads, D 256,
+    # intermediate 12288, Hk 16, Hv 32, untied. 8.95 B parameters, 17.9 GB in bf16.
+    "qwen3.5-9b": dict(),
+    # CPU-sized, same structure: 3 DeltaNet layers + 1 full-attention layer, r = Hv/Hk = 2,
+    # dk != dv, rotary dim 16 (mrope sections sum to 8), untied head. Seconds to run.
+    "qwen3.5-tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=16, linear_value_head_dim=24, vocab_size=1024,
+                         max_position_embeddings=4096, eos_token_id=1023,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                                              mrope_section=[4, 2, 2], mrope_interleaved=True)),
+}
+PRESETS.update(HYBRID_PRESETS)
+
 WEIGHT_STD = 0.02
 CHUNK = 1 << 24  # elements per generator call
 
@@ -76,8 +135,15 @@ CHUNK = 1 << 24  # elements per generator call
 def make_config(preset: str, dtype: str) -> dict:
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    cfg = {**_COMMON, **PRESETS[preset]}
-    cfg["max_window_layers"] = cfg["num_hidden_layers"]
+    if preset in HYBRID_PRESETS:
+        cfg = {**_QWEN3_5_COMMON, **HYBRID_PRESETS[preset]}
+        # Real Qwen3.5 configs list the layer kinds explicitly: full attention every 4th layer.
+        interval = cfg.pop("full_attention_interval")
+        cfg["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                              for i in range(cfg["num_hidden_layers"])]
+    else:
+        cfg = {**_COMMON, **PRESETS[preset]}
+        cfg["max_window_layers"] = cfg["num_hidden_layers"]
     cfg["torch_dtype"] = dtype  # transformers 4 name; 5 reads "dtype" and accepts both
     cfg["dtype"] = dtype
     cfg["jtp_random_weights"] = f"preset {preset}: random weights, output is meaningless"
@@ -85,7 +151,9 @@ def make_config(preset: str, dtype: str) -> dict:
 
 
 def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, kind) in checkpoint order; kind is 'weight' or 'norm'."""
+    """(name, shape, kind) in checkpoint order; kind is 'weight', 'norm' (mean 1) or 'zero' (mean 0)."""
+    if cfg["model_type"] == "qwen3_5_text":
+        return _qwen3_5_specs(cfg)
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     D = cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * D, cfg["num_key_value_heads"] * D
@@ -106,6 +174,53 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
             (p + "mlp.down_proj.weight", (H, I), "weight"),
         ]
     specs.append(("model.norm.weight", (H,), "norm"))
+    if not cfg["tie_word_embeddings"]:
+        specs.append(("lm_head.weight", (V, H), "weight"))
+    return specs
+
+
+def _qwen3_5_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """Qwen3_5ForCausalLM's tensors (reference §3): zero-centred norms are 'zero' (y = x(1 + w))."""
+    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    D, Nq, Nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    Hk, Hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, K = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
+    key_dim, value_dim = Hk * dk, Hv * dv
+    conv_dim = 2 * key_dim + value_dim
+    specs = [("model.embed_tokens.weight", (V, H), "weight")]
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        specs.append((p + "input_layernorm.weight", (H,), "zero"))
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            specs += [
+                (a + "in_proj_qkv.weight", (conv_dim, H), "weight"),  # [Q | K | V]
+                (a + "in_proj_z.weight", (value_dim, H), "weight"),
+                (a + "in_proj_b.weight", (Hv, H), "weight"),
+                (a + "in_proj_a.weight", (Hv, H), "weight"),
+                (a + "conv1d.weight", (conv_dim, 1, K), "weight"),
+                (a + "dt_bias", (Hv,), "norm"),
+                (a + "A_log", (Hv,), "zero"),
+                (a + "norm.weight", (dv,), "norm"),  # gated RMSNorm: plain w, not zero-centred
+                (a + "out_proj.weight", (H, value_dim), "weight"),
+            ]
+        else:
+            a = p + "self_attn."
+            specs += [
+                (a + "q_proj.weight", (2 * Nq * D, H), "weight"),  # per head [q_h | gate_h]
+                (a + "k_proj.weight", (Nkv * D, H), "weight"),
+                (a + "v_proj.weight", (Nkv * D, H), "weight"),
+                (a + "o_proj.weight", (H, Nq * D), "weight"),
+                (a + "q_norm.weight", (D,), "zero"),
+                (a + "k_norm.weight", (D,), "zero"),
+            ]
+        specs += [
+            (p + "post_attention_layernorm.weight", (H,), "zero"),
+            (p + "mlp.gate_proj.weight", (I, H), "weight"),
+            (p + "mlp.up_proj.weight", (I, H), "weight"),
+            (p + "mlp.down_proj.weight", (H, I), "weight"),
+        ]
+    specs.append(("model.norm.weight", (H,), "zero"))
     if not cfg["tie_word_embeddings"]:
         specs.append(("lm_head.weight", (V, H), "weight"))
     return specs

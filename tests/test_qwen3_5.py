@@ -180,6 +180,115 @@ def test_mixed_batch_and_reused_slot(case):
     assert rel(out[1], ref_d[49]) < 1e-4
 
 
+# ----------------------------------------------------------------------------- per-row padding (query_bound)
+
+
+def test_single_step_rule_equals_chunked_rule():
+    """The L = 1 decode recurrence, token after token, is the chunked rule over the same tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from jtp.models.qwen3_5 import chunked_gated_delta_rule, gated_delta_step
+
+    B, L, H, dk, dv = 3, 8, 2, 4, 5
+    ks = jax.random.split(jax.random.PRNGKey(0), 6)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q, k = unit(jax.random.normal(ks[0], (B, L, H, dk))), unit(jax.random.normal(ks[1], (B, L, H, dk)))
+    v = jax.random.normal(ks[2], (B, L, H, dv))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, L, H)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, L, H)))
+    S0 = jax.random.normal(ks[5], (B, H, dk, dv))
+    # Row 2 is empty from t = 5 on: k = g = beta = 0 must leave its state alone in both paths.
+    pad = (jnp.arange(B)[:, None] == 2) & (jnp.arange(L)[None, :] >= 5)
+    k, g, beta = jnp.where(pad[..., None, None], 0.0, k), jnp.where(pad[..., None], 0.0, g), jnp.where(pad[..., None], 0.0, beta)
+    o_ref, S_ref = jax.jit(chunked_gated_delta_rule, static_argnums=6)(q, k, v, g, beta, S0, 4)
+    S, outs, step = S0, [], jax.jit(gated_delta_step)
+    for t in range(L):
+        o, S = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
+        outs.append(o)
+    assert rel(jnp.stack(outs, 1), o_ref) < 1e-5
+    assert rel(S, S_ref) < 1e-5
+
+
+def test_row_length_follows_query_bound():
+    from jtp.attention import AttentionMetadata
+    from jtp.models.qwen3_5 import deltanet_row_length
+
+    meta = AttentionMetadata(*(np.zeros(1, np.int32) for _ in range(8)))
+    assert deltanet_row_length(meta, 48) == (48, 48)  # no bound: L = T
+    assert deltanet_row_length(meta, 150) == (192, 64)
+    for bound, T, want in [(1, 16, (1, 1)), (2, 16, (2, 2)), (16, 48, (16, 16)), (100, 128, (128, 64)), (64, 48, (48, 48))]:
+        assert deltanet_row_length(meta._replace(query_bound=np.arange(bound)), T) == want, (bound, T)
+
+
+def drive_scheduler(runner, prompts, arrivals, max_tokens, general: bool):
+    """Run requests through the real Scheduler's plans (query_bound set: L = 1 in pure decode
+    steps), greedy. `general`: drop the bound (L = T), forcing the chunked path everywhere.
+    Returns per-request outputs and, per step, (bound, row lengths, the rows' logits,
+    [(request, position, logits) of each row that sampled])."""
+    from jtp.page_pool import PagePool
+    from jtp.sampling import SamplingParams
+    from jtp.scheduler import Request, Scheduler
+
+    sched = Scheduler(PagePool(runner.num_blocks, runner.block_size), 4, 16, max_model_len=64)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [Request(str(i), p, params, 0, frozenset()) for i, p in enumerate(prompts)]
+    steps = []
+    while len(steps) < 100 and (sched.has_work() or len(steps) <= max(arrivals)):
+        for r, at in zip(reqs, arrivals):
+            if at == len(steps):
+                sched.add(r)
+        rows = sched.schedule()
+        plan = sched.build_plan(rows)
+        bound = plan.max_row_len
+        if general:
+            plan.max_row_len = None
+        logits = runner.logits(plan)[: len(rows)]
+        sampled = []
+        for row, out in zip(rows, logits):
+            row.request.num_computed += row.num_tokens
+            if row.samples:
+                sampled.append((int(row.request.id), row.request.num_computed - 1, out))
+                row.request.output_ids.append(int(out.argmax()))
+        steps.append((bound, [row.num_tokens for row in rows], logits, sampled))
+        for r in list(sched.running):
+            if len(r.output_ids) >= max_tokens:
+                sched.remove(r)
+    return [r.output_ids for r in reqs], steps
+
+
+def test_scheduler_plans_decode_path_equals_general_path_and_hf(case):
+    """Scheduler-built steps: pure-decode steps (L = 1, the single-step recurrence) and mixed
+    steps (L a bucket, rows of 1 token next to prefill chunks) equal the same steps run with
+    L = T through the chunked path, and HF."""
+    c = case("qwen3_5_text")
+    # Contexts stay within one 16-token page and every prefill row within the 16-token bucket, so
+    # the whole run compiles two step shapes: L = 16 (mixed) and L = 1 (pure decode).
+    prompts, arrivals = [tokens(10, 10), tokens(11, 9), tokens(12, 10), tokens(13, 9)], [0, 1, 3, 5]
+    outs, steps = drive_scheduler(c.runner, prompts, arrivals, 6, general=False)
+    states = [state_of(c.runner, s) for s in range(4)]
+    outs_general, steps_general = drive_scheduler(c.runner, prompts, arrivals, 6, general=True)
+
+    bounds = [b for b, _, _, _ in steps]
+    assert bounds.count(1) >= 3 and set(bounds) == {1, 16}
+    assert any(b > 1 and 1 in lens for b, lens, _, _ in steps)  # a decode row inside a mixed step
+    assert outs == outs_general and all(len(o) == 6 for o in outs)
+    assert [lens for _, lens, _, _ in steps] == [lens for _, lens, _, _ in steps_general]
+    for (bound, _, a, _), (_, _, b, _) in zip(steps, steps_general):
+        assert rel(a, b) < 1e-5, bound
+    for s in range(4):  # every request got its own slot; the general run rewrote them
+        assert_states_close(state_of(c.runner, s), states[s], 1e-5)
+
+    refs = [hh.hf_logits(c.model64, p + o[:-1]) for p, o in zip(prompts, outs)]
+    got = {i: [] for i in range(len(prompts))}
+    for _, _, _, sampled in steps:
+        for req, pos, out in sampled:
+            got[req].append((out, refs[req][pos]))
+    for req, pairs in got.items():
+        assert len(pairs) == 6
+        assert rel(np.stack([o for o, _ in pairs]), np.stack([r for _, r in pairs])) < 1e-4, req
+
+
 # ----------------------------------------------------------------------------- tensor parallelism
 
 
@@ -277,6 +386,70 @@ def test_fused_and_per_expert_checkpoints_load_the_same(case, tmp_path):
     b = load_params(per_expert, cfg, mesh, jnp.float32)
     for name in ("experts_gate", "experts_up", "experts_down"):
         np.testing.assert_array_equal(np.asarray(a["layers"][0][name]), np.asarray(b["layers"][0][name]))
+
+
+# ----------------------------------------------------------------------------- random-weight presets
+
+
+def checkpoint_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "make_random_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_random_checkpoint", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("preset, billions", [("qwen3.5-0.8b", 0.752), ("qwen3.5-9b", 8.954), ("qwen3.5-tiny", 0.000928)])
+def test_hybrid_presets_have_every_tensor_jtp_and_hf_expect(tmp_path, preset, billions):
+    """Names and shapes of the presets' tensors equal what jtp's layout and HF's model (built on
+    the meta device: nothing allocated) expect, and nothing else."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from jtp.config import ModelConfig
+    from jtp.models.qwen3_5 import param_layout
+
+    mk = checkpoint_script()
+    raw = mk.make_config(preset, "bfloat16")
+    specs = {name: tuple(shape) for name, shape, _ in mk.tensor_specs(raw)}
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.model_type == "qwen3_5_text" and cfg.num_layers == len(raw["layer_types"])
+    assert [cfg.is_linear_layer(i) for i in range(cfg.num_layers)] == [(i + 1) % 4 != 0 for i in range(cfg.num_layers)]
+    assert cfg.rope_theta == 1e7 and cfg.rotary_dim == cfg.head_dim // 4
+    expected = {}
+    for source in param_layout(cfg).values():
+        expected |= source.expected()
+    assert expected == specs
+
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    hf = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if raw["tie_word_embeddings"]:
+        assert hf.pop("lm_head.weight") == specs["model.embed_tokens.weight"]
+    assert hf == specs
+    assert sum(int(np.prod(s)) for s in specs.values()) == pytest.approx(billions * 1e9, rel=1e-3)
+
+
+def test_tiny_hybrid_preset_loads_in_jtp_and_hf(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    mk = checkpoint_script()
+    path = tmp_path / "qwen3.5-tiny"
+    mk.write_checkpoint("qwen3.5-tiny", path, dtype="float32", quiet=True)
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    ids = np.random.default_rng(7).integers(0, 1024, 70).tolist()
+    ref = hh.hf_logits(hh.double(model.eval()), ids)
+    runner = make_runner(path)
+    plan = hh.Planner().plan([(0, 0, ids)])
+    plan.logits_indices = np.arange(len(ids), dtype=np.int32)
+    out = runner.logits(plan)
+    assert np.isfinite(out).all() and rel(out, ref) < 1e-4
 
 
 # ----------------------------------------------------------------------------- config

@@ -15,7 +15,10 @@ FFN is a SwiGLU MLP or top-k routed experts plus a sigmoid-gated shared expert.
 A DeltaNet layer's memory of a sequence is its (conv, recurrent) state, kept in slot
 `meta.state_slots[b]` of per-layer arrays. A step gathers each row's tokens into a padded
 [B, L] layout, runs the row from its slot state (zero if the row starts at position 0), scatters
-the outputs back to the flat token order and writes the final state back to the slot.
+the outputs back to the flat token order and writes the final state back to the slot. L is the
+static bound `meta.query_bound` on tokens per row (T when unknown). L = 1 (a pure decode step)
+takes the single-token recurrence (conv-state update + one delta-rule step, HF's decode path);
+L > 1 the chunked rule, min(64, L) tokens per chunk, rows padded to a multiple of the chunk.
 
 Sharding: q/k/v/z/b/a (and the conv weights of the q/k/v channels) are separate parameters,
 each split by heads, so the fused checkpoint tensors' segment-wise TP split is just a contiguous
@@ -133,6 +136,22 @@ def causal_conv(x: jax.Array, weight: jax.Array, state: jax.Array, rows: RowLayo
     return jax.nn.silu(out), state
 
 
+def conv_step(x: jax.Array, weight: jax.Array, state: jax.Array, rows: RowLayout):
+    """`causal_conv` for rows of at most one token (L = 1): a conv-state update.
+
+    x [T, C]; weight [C, K]; state [slots, C, K-1]. Returns the outputs [B, 1, C] and the state.
+    Same arithmetic, in the same order, as `causal_conv`.
+    """
+    K = weight.shape[1]
+    xs = jnp.where(rows.valid, x[rows.gather[:, 0]], 0)  # [B, C]; zero for empty rows
+    full = jnp.concatenate([_slot_state(state, rows).astype(xs.dtype), xs[:, :, None]], axis=2)  # [B, C, K]
+    w = weight.astype(jnp.float32)
+    out = sum(full[:, :, j].astype(jnp.float32) * w[:, j] for j in range(K))
+    # Empty rows are never written (write_slots), so the K-1 newest inputs are the new state.
+    state = state.at[rows.write_slots].set(full[:, :, 1:].astype(state.dtype), mode="drop")
+    return jax.nn.silu(out)[:, None], state
+
+
 def _l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
@@ -181,15 +200,30 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int):
     return o, state
 
 
+def gated_delta_step(q, k, v, g, beta, state):
+    """One token of the gated delta rule per row (reference §2 step 6; the L = 1 decode path).
+
+    q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H]; state [B, H, dk, dv]; all fp32. An empty row
+    has k = g = beta = 0, which leaves its state unchanged. Returns o [B, H, dv] and the state.
+    """
+    S = jnp.exp(g)[..., None, None] * state
+    pred = jnp.einsum("bhkv,bhk->bhv", S, k, precision=_HIGHEST)  # S^T k
+    S = S + k[..., :, None] * (beta[..., None] * (v - pred))[..., None, :]
+    return jnp.einsum("bhkv,bhk->bhv", S, q, precision=_HIGHEST), S
+
+
 def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: RowLayout, chunk: int):
+    """One DeltaNet mixer over the flat tokens x [T, H]. rows.valid is [B, L]: L = 1 takes the
+    single-step recurrence, L > 1 the chunked rule (L a multiple of chunk)."""
     T = x.shape[0]
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     B, L = rows.valid.shape
+    conv = conv_step if L == 1 else causal_conv
 
-    q, conv_q = causal_conv(linear(x, p["gdn_q"]), p["gdn_conv_q"], state.conv_q, rows)
-    k, conv_k = causal_conv(linear(x, p["gdn_k"]), p["gdn_conv_k"], state.conv_k, rows)
-    v, conv_v = causal_conv(linear(x, p["gdn_v"]), p["gdn_conv_v"], state.conv_v, rows)
+    q, conv_q = conv(linear(x, p["gdn_q"]), p["gdn_conv_q"], state.conv_q, rows)
+    k, conv_k = conv(linear(x, p["gdn_k"]), p["gdn_conv_k"], state.conv_k, rows)
+    v, conv_v = conv(linear(x, p["gdn_v"]), p["gdn_conv_v"], state.conv_v, rows)
     # Activation-dtype conv outputs, as in HF, then fp32 for the recurrence.
     q, k, v = (u.astype(x.dtype).astype(jnp.float32) for u in (q, k, v))
 
@@ -207,7 +241,12 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: Row
     beta = jnp.where(valid, beta[rows.gather], 0.0)
     g = jnp.where(valid, g[rows.gather], 0.0)
 
-    o, final = chunked_gated_delta_rule(q, k, v, g, beta, _slot_state(state.recurrent, rows), chunk)
+    initial = _slot_state(state.recurrent, rows)
+    if L == 1:
+        o, final = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial)
+        o = o[:, None]
+    else:
+        o, final = chunked_gated_delta_rule(q, k, v, g, beta, initial, chunk)
     recurrent = state.recurrent.at[rows.write_slots].set(final, mode="drop")
 
     o = o[rows.token_row, rows.token_t].astype(x.dtype)  # back to the flat order [T, Hv, dv]
@@ -246,14 +285,27 @@ def feed_forward(p: dict, cfg: ModelConfig, layer: int, x):
 # ----------------------------------------------------------------------------- the model
 
 
+def deltanet_row_length(meta: AttentionMetadata, num_tokens: int) -> tuple[int, int]:
+    """Static (L, chunk) of the padded per-row DeltaNet layout.
+
+    The bound on tokens per row is `meta.query_bound`'s static length (T when unknown, never
+    more than T). L = 1: the single-step path (chunk unused). Otherwise rows run in chunks of
+    min(64, bound) tokens and L is the bound rounded up to a multiple of the chunk.
+    """
+    bound = num_tokens if meta.query_bound is None else min(meta.query_bound.shape[0], num_tokens)
+    bound = max(bound, 1)
+    if bound == 1:
+        return 1, 1
+    chunk = min(CHUNK, bound)
+    return -(-bound // chunk) * chunk, chunk
+
+
 def forward(params: dict, cfg: ModelConfig, tokens, cache: list, meta: AttentionMetadata):
     """tokens [T] -> final hidden states [T, H] and the updated cache (K/V pages and slot states)."""
     T = tokens.shape[0]
     x = params["embed"][tokens]
     cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
-    # Rows are padded to L = T tokens (the static bound), in chunks of at most 64.
-    chunk = min(CHUNK, T)
-    length = -(-T // chunk) * chunk
+    length, chunk = deltanet_row_length(meta, T)
     rows = None
     new_cache = []
     for i, p in enumerate(params["layers"]):
