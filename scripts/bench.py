@@ -185,8 +185,15 @@ def measure_ceilings(device, dtype, copy_bytes: int, matmul_n: int, repeats: int
 
 
 def model_figures(runner, dtype_bytes: int) -> dict:
-    """Parameter counts and the bytes a decode step must read (per whole model, all devices)."""
+    """Parameter counts and the bytes a decode step must read (per whole model, all devices).
+
+    Works for every family: matmul parameters are counted from the parameter tree (gated q_proj,
+    DeltaNet projections, active experts only), K/V only for full-attention layers, and a
+    hybrid's per-sequence recurrent state, which each decode step reads and writes.
+    """
     import jax
+
+    from jtp.attention import LayerKV
 
     cfg = runner.cfg
     leaves = jax.tree_util.tree_leaves_with_path(runner.params)
@@ -196,25 +203,34 @@ def model_figures(runner, dtype_bytes: int) -> dict:
     tied = "lm_head" not in runner.params
     # Untied: the embedding table is only gathered (B rows) in decode; the lm_head is read whole.
     weight_bytes_read = param_bytes - (0 if tied else embed.nbytes)
-    H, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    matmul_params_per_layer = H * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * H + 3 * H * I
-    kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * D * dtype_bytes
+    active_share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
+    matmul_params = 0
+    for layer in runner.params["layers"]:
+        for name, w in layer.items():
+            if w.ndim >= 2:
+                matmul_params += w.size * (active_share if name.startswith("experts_") else 1.0)
+    attention_layers = sum(isinstance(c, LayerKV) for c in runner.cache)
+    state_bytes = sum(x.nbytes for c in runner.cache if not isinstance(c, LayerKV) for x in jax.tree.leaves(c))
+    H, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     return dict(
         model_type=cfg.model_type,
         hidden_size=H,
         num_layers=cfg.num_layers,
+        attention_layers=attention_layers,
         num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=D,
-        intermediate_size=I,
+        intermediate_size=cfg.intermediate_size,
         vocab_size=V,
         tie_word_embeddings=tied,
         params=int(params),
         param_bytes=int(param_bytes),
         weight_bytes_read_per_decode_step=int(weight_bytes_read),
-        matmul_params_per_token=int(cfg.num_layers * matmul_params_per_layer),
+        matmul_params_per_token=int(matmul_params),
         lm_head_params=int(V * H),
-        kv_bytes_per_token=int(kv_bytes_per_token),
+        kv_bytes_per_token=int(attention_layers * 2 * cfg.num_kv_heads * D * dtype_bytes),
+        # Read and written once per decode step by every running sequence (0 for Qwen3).
+        state_bytes_per_seq_step=int(2 * state_bytes // runner.max_seqs),
     )
 
 
@@ -222,7 +238,7 @@ def prefill_flops(fig: dict, prompt_len: int) -> float:
     """Useful FLOPs of one prompt: projections and MLP, causal attention, one lm_head row."""
     L = prompt_len
     dense = 2 * fig["matmul_params_per_token"] * L
-    attn = fig["num_layers"] * 2 * 2 * fig["num_heads"] * fig["head_dim"] * L * (L + 1) / 2
+    attn = fig["attention_layers"] * 2 * 2 * fig["num_heads"] * fig["head_dim"] * L * (L + 1) / 2
     return dense + attn + 2 * fig["lm_head_params"]
 
 
@@ -350,7 +366,7 @@ def attention_probe(runner, batch: int, context: int, shape, iters: int = 20, se
     from jtp.attention import AttentionMetadata, LayerKV, paged_attention
 
     cfg = runner.cfg
-    kv = runner.cache[0] if isinstance(runner.cache, (list, tuple)) else None
+    kv = next((c for c in runner.cache if isinstance(c, LayerKV)), None)
     if runner.tp != 1 or not isinstance(kv, LayerKV):
         return None
     T, B_pad, M = shape
@@ -368,8 +384,8 @@ def attention_probe(runner, batch: int, context: int, shape, iters: int = 20, se
     row_starts[:batch] = np.arange(batch)
     row_lens = (context_lens > 0).astype(np.int32)
     meta = AttentionMetadata(positions, np.full(T, -1, np.int32), token_rows, tables, context_lens, row_starts,
-                             row_lens, np.full(B_pad, -1, np.int32))
-    meta = jax.tree.map(jnp.asarray, meta)
+                             row_lens, np.full(B_pad, -1, np.int32), np.arange(1, dtype=np.int32))
+    meta = jax.tree.map(jnp.asarray, meta)  # query_bound of length 1: a decode step, like the runner's
     q = jax.random.normal(jax.random.PRNGKey(seed), (T, cfg.num_heads, cfg.head_dim), jnp.float32).astype(kv.k.dtype)
     fn = jax.jit(lambda q, k, v, meta: paged_attention(q, LayerKV(k, v), meta, scale=cfg.head_dim**-0.5))
     fn(q, kv.k, kv.v, meta).block_until_ready()
@@ -534,7 +550,8 @@ def add_rooflines(res: dict) -> None:
     fig, ceil, tp = res["model"], res["ceilings"], res["engine"]["tensor_parallel_size"]
     bw, rate = ceil["copy_bandwidth_Bps"] * tp, ceil["matmul_flops_per_s"] * tp  # all devices together
     for d in res["decode"]:
-        nbytes = fig["weight_bytes_read_per_decode_step"] + d["batch"] * d["context_mean"] * fig["kv_bytes_per_token"]
+        nbytes = fig["weight_bytes_read_per_decode_step"] + d["batch"] * (
+            d["context_mean"] * fig["kv_bytes_per_token"] + fig.get("state_bytes_per_seq_step", 0))
         d["roofline_bytes_per_step"] = nbytes
         d["roofline_ms_per_step"] = 1e3 * nbytes / bw
         d["roofline_tokens_per_s"] = d["batch"] / (nbytes / bw)
