@@ -116,9 +116,11 @@ class ModelRunner:
         except Exception:  # noqa: BLE001 - some backends raise instead of returning None
             return None
 
-    def _device_plan(self, plan: StepPlan):
-        rep = replicated(self.mesh)
-        return jax.tree.map(lambda a: jax.device_put(np.asarray(a, np.int32), rep), (plan.token_ids, plan.metadata(), plan.logits_indices))
+    @staticmethod
+    def _step_inputs(plan: StepPlan):
+        """The plan as int32 numpy arrays. They go to the jitted call as numpy: its C++ path
+        transfers them (replicated) far faster than one `jax.device_put` per array (~0.2 ms each)."""
+        return jax.tree.map(lambda a: np.asarray(a, np.int32), (plan.token_ids, plan.metadata(), plan.logits_indices))
 
     def dispatch(self, plan: StepPlan, sampling: SamplingBatch, penalty_tokens=None) -> SampleResult:
         """Enqueue one step (forward + sampling) and return at once with device-side results.
@@ -126,7 +128,7 @@ class ModelRunner:
         Token id -1 in the plan means "the token last sampled for this row's state slot".
         `jax.device_get` on the result waits for the device; only sampled results come back.
         """
-        tokens, meta, idx = self._device_plan(plan)
+        tokens, meta, idx = self._step_inputs(plan)
         flags = sampling.static_flags()
         # Any top-n request computes the maximum n: one compiled variant instead of twenty.
         flags = flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
@@ -140,9 +142,15 @@ class ModelRunner:
         """Run one step and wait for its sampled tokens (numpy)."""
         return jax.device_get(self.dispatch(plan, sampling, penalty_tokens))
 
+    def compiled_text(self, plan: StepPlan) -> str:
+        """The optimized HLO of the forward step for this plan's shapes (to inspect its collectives)."""
+        tokens, meta, idx = self._step_inputs(plan)
+        with attention_mesh(self.mesh):
+            return self._logits_fn.lower(self.params, self.cache, tokens, meta, idx).compile().as_text()
+
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Run one step and return float32 logits [B, V] at each row's logits index."""
-        tokens, meta, idx = self._device_plan(plan)
+        tokens, meta, idx = self._step_inputs(plan)
         with attention_mesh(self.mesh):
             logits, self.cache = self._logits_fn(self.params, self.cache, tokens, meta, idx)
         return np.asarray(logits)

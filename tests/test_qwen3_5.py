@@ -77,10 +77,7 @@ def assert_states_close(a: dict, b: dict, tol=1e-4):
 
 def run_compiled(runner, plan) -> tuple[np.ndarray, str]:
     """One step through an explicitly lowered and compiled executable: its logits and HLO text."""
-    toks, meta, idx = runner._device_plan(plan)
-    compiled = runner._logits_fn.lower(runner.params, runner.cache, toks, meta, idx).compile()
-    logits, runner.cache = compiled(runner.params, runner.cache, toks, meta, idx)
-    return np.asarray(logits), compiled.as_text()
+    return runner.logits(plan), runner.compiled_text(plan)
 
 
 def all_reduces(hlo: str) -> int:

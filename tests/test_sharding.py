@@ -53,8 +53,7 @@ def test_tp_invariance(checkpoint):
 
 def collective_counts(runner: ModelRunner) -> Counter:
     plan = one_row_plan([1], 5, [0, 1, 2], runner.block_size)
-    tokens, meta, idx = runner._device_plan(plan)
-    hlo = runner._logits_fn.lower(runner.params, runner.cache, tokens, meta, idx).compile().as_text()
+    hlo = runner.compiled_text(plan)
     ops = re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", hlo)
     return Counter(ops)
 
