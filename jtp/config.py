@@ -183,8 +183,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
             moe_layers=layers,
         )
 
-    eos = f.get("eos_token_id", None)
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = _token_ids(f.get("eos_token_id", None))
     return ModelConfig(
         model_type=model_type,
         vocab_size=f.int("vocab_size", positive=True),
@@ -215,6 +214,13 @@ def _rope_params(raw: dict[str, Any], source: str) -> dict[str, Any]:
     if rope_type != "default":
         raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported (only 'default' RoPE)")
     return params
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    """eos_token_id may be one id, a list of ids or absent."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
 
 
 def _rope_theta(raw: dict[str, Any], source: str) -> float:
@@ -378,8 +384,7 @@ def _parse_hybrid(raw: dict[str, Any], source: str) -> ModelConfig:
 
     # The multimodal wrapper's own flags win (HF ties by the outer config).
     tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    eos = text.get("eos_token_id", raw.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = _token_ids(text.get("eos_token_id", raw.get("eos_token_id")))
     dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype") or "float32"
     return ModelConfig(
         model_type=outer_type,

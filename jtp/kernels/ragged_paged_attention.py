@@ -49,6 +49,42 @@ _LOG2E = math.log2(math.e)
 # ----------------------------------------------------------------------------- API shims
 
 
+
+def _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, limit, scale_log2, precision):
+    """Online softmax of q [M, D] over the row's pages it0*ppi .. it1*ppi (ppi pages per iteration).
+
+    Keys past `limit` (the last visible position, per query row or shared) are masked. Returns the
+    unnormalised accumulator [M, D], the running max (log2 units) and the running denominator.
+    """
+    m_rows, head_dim = q.shape
+    n_keys = ppi * k_ref.shape[1]
+    key_iota = lax.broadcasted_iota(jnp.int32, (1, n_keys), 1)
+
+    def body(it, carry):
+        acc, m_prev, l_prev = carry
+        pages = bt_ref[row, pl.ds(it * ppi, ppi)]  # [ppi]
+        k = k_ref[pages].reshape(n_keys, head_dim)
+        v = v_ref[pages].reshape(n_keys, head_dim)
+        scores = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+        ) * scale_log2  # [M, N], in log2 units
+        scores = jnp.where((it * n_keys + key_iota) <= limit, scores, _MASKED)
+        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
+        corr = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(scores - m_next[:, None])
+        l_next = l_prev * corr + jnp.sum(p, axis=1)
+        pv = lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+        )
+        return acc * corr[:, None] + pv, m_next, l_next
+
+    init = (
+        jnp.zeros((m_rows, head_dim), jnp.float32),
+        jnp.full((m_rows,), _MASKED, jnp.float32),
+        jnp.zeros((m_rows,), jnp.float32),
+    )
+    return lax.fori_loop(it0, it1, body, init)
+
 def _compiler_params(num_warps: int, num_stages: int):
     for name in ("CompilerParams", "TritonCompilerParams"):
         cls = getattr(plgpu, name, None) if plgpu is not None else None
@@ -151,34 +187,9 @@ def _kernel(
     it1 = jnp.minimum(it0 + per_split, n_iters)
 
     q = q_ref[rows_sl, :]  # [M, D]
-    key_iota = lax.broadcasted_iota(jnp.int32, (1, n_keys), 1)
     limit = jnp.minimum(row_pos, ctx - 1)[:, None]  # [M, 1] last visible key position
 
-    def body(it, carry):
-        acc, m_prev, l_prev = carry
-        pages = bt_ref[row, pl.ds(it * ppi, ppi)]  # [ppi]
-        k = k_ref[pages].reshape(n_keys, head_dim)
-        v = v_ref[pages].reshape(n_keys, head_dim)
-        scores = lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
-        ) * scale_log2  # [M, N], in log2 units
-        visible = (it * n_keys + key_iota) <= limit
-        scores = jnp.where(visible, scores, _MASKED)
-        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
-        corr = jnp.exp2(m_prev - m_next)
-        p = jnp.exp2(scores - m_next[:, None])
-        l_next = l_prev * corr + jnp.sum(p, axis=1)
-        pv = lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
-        )
-        return acc * corr[:, None] + pv, m_next, l_next
-
-    init = (
-        jnp.zeros((m_rows, head_dim), jnp.float32),
-        jnp.full((m_rows,), _MASKED, jnp.float32),
-        jnp.zeros((m_rows,), jnp.float32),
-    )
-    acc, m_i, l_i = lax.fori_loop(it0, it1, body, init)
+    acc, m_i, l_i = _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, limit, scale_log2, precision)
 
     mask2d = jnp.broadcast_to(row_valid[:, None], (m_rows, head_dim))
     if num_splits == 1:
@@ -388,33 +399,9 @@ def _decode_kernel(
     rows_sl = pl.ds(start, m_rows)
 
     q = q_ref[rows_sl, :]  # [M, D]
-    key_iota = lax.broadcasted_iota(jnp.int32, (1, n_keys), 1)
     limit = jnp.minimum(pos, ctx - 1)  # last visible key (same for all M rows)
 
-    def body(it, carry):
-        acc, m_prev, l_prev = carry
-        pages = bt_ref[row, pl.ds(it * ppi, ppi)]  # [ppi]
-        k = k_ref[pages].reshape(n_keys, head_dim)
-        v = v_ref[pages].reshape(n_keys, head_dim)
-        scores = lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
-        ) * scale_log2  # [M, N], log2 units
-        scores = jnp.where((it * n_keys + key_iota) <= limit, scores, _MASKED)
-        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
-        corr = jnp.exp2(m_prev - m_next)
-        p = jnp.exp2(scores - m_next[:, None])
-        l_next = l_prev * corr + jnp.sum(p, axis=1)
-        pv = lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
-        )
-        return acc * corr[:, None] + pv, m_next, l_next
-
-    init = (
-        jnp.zeros((m_rows, head_dim), jnp.float32),
-        jnp.full((m_rows,), _MASKED, jnp.float32),
-        jnp.zeros((m_rows,), jnp.float32),
-    )
-    acc, m_i, l_i = lax.fori_loop(it0, it1, body, init)
+    acc, m_i, l_i = _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, limit, scale_log2, precision)
     mask2d = jnp.broadcast_to(row_mask[:, None], (m_rows, head_dim))
     if num_splits == 1:  # normalise and write q.dtype (zeros for padding tokens: acc = 0, l = 0)
         (o_ref,) = out_refs
