@@ -64,13 +64,18 @@ def compute_logits(params: dict, hidden) -> jax.Array:
     return linear(hidden, head).astype(jnp.float32)
 
 
-def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, max_seqs: int, dtype) -> list[LayerKV]:
-    """Zeroed paged K/V for every layer, heads split over tp (replicated heads counted)."""
-    del max_seqs  # no per-sequence state beyond the pages
+def zeroed_layer_kv(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, dtype) -> LayerKV:
+    """One attention layer's paged K/V, zeroed, heads split over tp (replicated heads counted)."""
     heads = cfg.num_kv_heads * kv_head_replicas(cfg, mesh.shape["tp"])
     shape = (num_blocks, block_size, heads, cfg.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, KV_CACHE_SPEC))
-    return [LayerKV(zeros(), zeros()) for _ in range(cfg.num_layers)]
+    return LayerKV(zeros(), zeros())
+
+
+def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, max_seqs: int, dtype) -> list[LayerKV]:
+    """Zeroed paged K/V for every layer."""
+    del max_seqs  # no per-sequence state beyond the pages
+    return [zeroed_layer_kv(cfg, mesh, num_blocks, block_size, dtype) for _ in range(cfg.num_layers)]
 
 
 def param_layout(cfg: ModelConfig, tp: int = 1) -> dict[str, Source]:

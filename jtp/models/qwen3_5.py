@@ -45,7 +45,8 @@ from jtp.models.layers import (
     route_top_k,
     swiglu_mlp,
 )
-from jtp.sharding import CONV_STATE_SPEC, KV_CACHE_SPEC, RECURRENT_STATE_SPEC, kv_head_replicas
+from jtp.models.qwen3 import compute_logits, zeroed_layer_kv  # noqa: F401 - compute_logits is part of the family API
+from jtp.sharding import CONV_STATE_SPEC, RECURRENT_STATE_SPEC, kv_head_replicas
 from jtp.weights import (
     FirstPresent,
     FusedExperts,
@@ -322,19 +323,12 @@ def forward(params: dict, cfg: ModelConfig, tokens, cache: list, meta: Attention
     return rms_norm_zero_centered(x, params["final_norm"], cfg.rms_norm_eps), new_cache
 
 
-def compute_logits(params: dict, hidden) -> jax.Array:
-    head = params.get("lm_head", params["embed"])
-    return linear(hidden, head).astype(jnp.float32)
-
-
 def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, max_seqs: int, dtype) -> list:
     """Paged K/V for full-attention layers; zeroed slot states for DeltaNet layers."""
 
     def zeros(shape, dt, spec):
         return jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=NamedSharding(mesh, spec))()
 
-    heads = cfg.num_kv_heads * kv_head_replicas(cfg, mesh.shape["tp"])
-    kv_shape = (num_blocks, block_size, heads, cfg.head_dim)
     K = cfg.linear_conv_kernel_dim
     cache = []
     for i in range(cfg.num_layers):
@@ -352,7 +346,7 @@ def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, max_seq
                 )
             )
         else:
-            cache.append(LayerKV(zeros(kv_shape, dtype, KV_CACHE_SPEC), zeros(kv_shape, dtype, KV_CACHE_SPEC)))
+            cache.append(zeroed_layer_kv(cfg, mesh, num_blocks, block_size, dtype))
     return cache
 
 
