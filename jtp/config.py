@@ -18,8 +18,7 @@ HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "q
 COMPOSITE_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
-class ConfigError(ValueError):
-    """config.json describes something jtp cannot (or should not) run."""
+from jtp.errors import ConfigError  # noqa: E402 - re-exported: config.json describes something jtp cannot run
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,116 @@
+"""EngineArgs: the one description of an engine that every surface builds from.
+
+The CLI (`jtp serve|generate|batch`), the HTTP server, the offline batch script and the
+notebook all make an `EngineArgs` and call `.create_engine()`, so a setting means the same
+thing everywhere. Field names follow vLLM's EngineArgs / command-line flags.
+
+    from jtp.engine_args import EngineArgs
+    engine = EngineArgs(model="path/to/Qwen3-8B", tensor_parallel_size=2).create_engine()
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from jtp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from jtp.engine import Engine
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    model: str | None = None  # HF (or `jtp convert`) model directory; None = the embedded demo
+    served_model_name: str | None = None  # the name clients use; default: the directory's name
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_blocks: int | None = None  # KV blocks; None = sized from device memory
+    max_waiting_requests: int = 1024  # submit past this raises QueueFullError (HTTP 429)
+    seed: int | None = None  # seeds requests that bring none, so a whole run is reproducible
+    warmup: bool = True  # compile the step shapes before the engine reports ready
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first setting that cannot work."""
+
+        def need(ok: bool, flag: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"--{flag.replace('_', '-')} {getattr(self, flag)!r}: {why}")
+
+        need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
+        need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be at least 1")
+        need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        need(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
+        need(
+            self.max_num_batched_tokens > self.max_num_seqs,
+            "max_num_batched_tokens",
+            f"must exceed --max-num-seqs ({self.max_num_seqs}) so prefill always gets tokens beside a full decode batch",
+        )
+        need(self.block_size >= 1, "block_size", "must be at least 1")
+        need(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", "must be at least 1 (omit it to size the pool from memory)")
+        need(self.max_waiting_requests >= 1, "max_waiting_requests", "must be at least 1")
+        if self.model is not None and not Path(self.model).is_dir():
+            raise ConfigError(f"--model {self.model}: no such directory")
+
+    def model_dir(self) -> str:
+        """The model directory; builds the demo checkpoint on first use when `model` is None."""
+        if self.model is not None:
+            return self.model
+        from jtp.demo import ensure_demo_checkpoint
+
+        return str(ensure_demo_checkpoint())
+
+    @property
+    def is_demo(self) -> bool:
+        return self.model is None
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model).resolve().name if self.model else "jtp-demo"
+
+    def create_engine(self) -> "Engine":
+        from jtp.engine import Engine
+
+        self.validate()
+        return Engine.from_args(self)
+
+    # ------------------------------------------------------------------ command line
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        d = EngineArgs()
+        p.add_argument("--model", help="Hugging Face model directory (default: the embedded demo checkpoint)")
+        p.add_argument("--served-model-name", help="model name reported to API clients (default: the directory's name)")
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                       help="devices to shard the weights over (tensor parallelism)")
+        p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="weight/activation dtype (auto: the checkpoint's)")
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")
+        p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                       help="fraction of device memory jtp may use, weights included, when sizing the KV pool")
+        p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests decoded in one step")
+        p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="most tokens (decode + prefill chunks) in one step")
+        p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV page")
+        p.add_argument("--num-blocks", type=int, default=None, help="KV pages (default: sized from device memory)")
+        p.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                       help="queued requests beyond which new ones are refused (HTTP 429)")
+        p.add_argument("--seed", type=int, default=None, help="seed for requests that bring none (reproducible runs)")
+        p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                       help="skip compiling the step shapes at start-up (the first requests compile them)")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})

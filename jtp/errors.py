@@ -1,0 +1,48 @@
+"""The errors jtp raises on purpose. Each says what is wrong and why, in one line.
+
+`JtpError` is what the CLI prints as one line (no traceback); the HTTP server maps
+`RequestError` and its kinds onto OpenAI-shaped error bodies and status codes.
+"""
+
+from __future__ import annotations
+
+
+class JtpError(Exception):
+    """An error whose message is meant for the user as it is."""
+
+
+class ConfigError(JtpError, ValueError):
+    """A model directory, config.json or engine setting jtp cannot serve."""
+
+
+class RequestError(JtpError, ValueError):
+    """A request that can never be served (bad parameters, too long, larger than the pool).
+
+    `code` follows the OpenAI error body's `code` field where one applies.
+    """
+
+    status = 400
+    code: str | None = None
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class ContextLengthError(RequestError):
+    code = "context_length_exceeded"
+
+
+class QueueFullError(RequestError):
+    """The waiting queue is full: try again later (HTTP 429)."""
+
+    status = 429
+    code = "queue_full"
+
+
+class EngineClosedError(RequestError):
+    """The engine was stopped or closed and takes no new requests (HTTP 503)."""
+
+    status = 503
+    code = "engine_closed"
