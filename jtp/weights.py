@@ -61,7 +61,10 @@ class SafetensorsCheckpoint:
             path = model_dir / file
             if not path.is_file():
                 raise CheckpointError(f"{index}: lists {file}, which does not exist")
-            handle = safe_open(str(path), framework="numpy")
+            try:
+                handle = safe_open(str(path), framework="numpy")
+            except Exception as e:  # safetensors' own error type names no file: name it here
+                raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
             self._handles[file] = handle
             for name in handle.keys():
                 self._file_of[name] = file
