@@ -10,15 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+from jtp.errors import ConfigError  # raised here; importable from jtp.config as before
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 # Hybrid (Gated DeltaNet + gated attention) types; the composite ones nest the LM in `text_config`.
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 COMPOSITE_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-
-
-from jtp.errors import ConfigError  # noqa: E402 - re-exported: config.json describes something jtp cannot run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,77 +111,88 @@ class ModelConfig:
         return _parse(raw, source)
 
 
+# ----------------------------------------------------------------------------- parsing
+
+# HF class defaults for fields a config.json may leave out, per (text) model_type. head_dim None:
+# hidden_size // num_attention_heads. intermediate_size None: required when a layer is dense.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(head_dim=128, intermediate_size=None, partial_rotary_factor=1.0),
+    "qwen2": dict(head_dim=None, intermediate_size=None, partial_rotary_factor=1.0),
+    "qwen3_moe": dict(head_dim=None, intermediate_size=None, partial_rotary_factor=1.0),
+    "qwen3_next": dict(head_dim=256, intermediate_size=5632, partial_rotary_factor=0.25),
+    "qwen3_5_text": dict(head_dim=256, intermediate_size=12288, partial_rotary_factor=0.25),
+    "qwen3_5_moe_text": dict(head_dim=256, intermediate_size=None, partial_rotary_factor=0.25),
+}
+
+
+class _Moe(NamedTuple):
+    """How a family places and configures its experts (HF class defaults)."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int
+    every_layer: bool  # else: decoder_sparse_step and mlp_only_layers choose the MoE layers
+    norm_topk_prob: bool | None  # the default; None: always renormalise
+    shared_expert: bool
+
+
+_MOE = {
+    "qwen3_moe": _Moe(128, 8, 768, every_layer=False, norm_topk_prob=False, shared_expert=False),
+    "qwen3_next": _Moe(512, 10, 512, every_layer=False, norm_topk_prob=True, shared_expert=True),
+    "qwen3_5_moe_text": _Moe(256, 8, 512, every_layer=True, norm_topk_prob=None, shared_expert=True),
+}
+
+_LINEAR_DEFAULTS = dict(
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+)
+_LAYER_KINDS = ("linear_attention", "full_attention")
+
+
 def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{source}: model_type {model_type!r} is not supported; jtp runs {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    if model_type in HYBRID_MODEL_TYPES:
-        return _parse_hybrid(raw, source)
-    f = _Fields(raw, source)
+    text, source, prefix = _text_config(raw, source)
+    text_type = text["model_type"]
+    f = _Fields(text, source)
 
     hidden = f.int("hidden_size", positive=True)
+    num_layers = f.int("num_hidden_layers", positive=True)
     num_heads = f.int("num_attention_heads", positive=True)
     num_kv_heads = f.int("num_key_value_heads", default=num_heads, positive=True)
     if num_heads % num_kv_heads:
         raise ConfigError(
             f"{source}: num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
         )
-    # Qwen3's class default is 128 whatever the hidden size; qwen2 / qwen3_moe fall back to H / heads.
-    if model_type == "qwen3":
-        head_dim = f.int("head_dim", default=128, positive=True)
-    else:
-        head_dim = f.int("head_dim", default=None, positive=True, allow_none=True)
-        if head_dim is None:
-            if hidden % num_heads:
-                raise ConfigError(
-                    f"{source}: head_dim is missing and hidden_size ({hidden}) is not divisible by "
-                    f"num_attention_heads ({num_heads})"
-                )
-            head_dim = hidden // num_heads
-
-    if f.get("use_sliding_window", False):
-        raise ConfigError(f"{source}: use_sliding_window=true is not supported (sliding-window attention)")
+    head_dim = f.int("head_dim", default=_DEFAULTS[text_type]["head_dim"], positive=True, allow_none=True)
+    if head_dim is None:
+        if hidden % num_heads:
+            raise ConfigError(
+                f"{source}: head_dim is missing and hidden_size ({hidden}) is not divisible by "
+                f"num_attention_heads ({num_heads})"
+            )
+        head_dim = hidden // num_heads
     hidden_act = f.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ConfigError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
+    theta, factor = _rope(f, _DEFAULTS[text_type]["partial_rotary_factor"], head_dim)
 
-    rope_theta = _rope_theta(raw, source)
-    num_layers = f.int("num_hidden_layers", positive=True)
+    layers = _hybrid_fields(f, num_layers) if model_type in HYBRID_MODEL_TYPES else _dense_fields(f)
+    moe = _moe_fields(f, _MOE.get(text_type), num_layers)
+    intermediate = f.int("intermediate_size", default=_DEFAULTS[text_type]["intermediate_size"], allow_none=True)
+    if not (intermediate or 0) > 0 and not all(moe.get("moe_layers", ())):
+        raise ConfigError(f"{source}: field 'intermediate_size' is missing or not positive, and some layers are dense")
 
-    if model_type == "qwen2":
-        qkv_bias, o_bias, qk_norm = True, False, False
-    else:
-        attention_bias = bool(f.get("attention_bias", False))
-        qkv_bias, o_bias, qk_norm = attention_bias, attention_bias, True
-
-    moe: dict[str, Any] = {}
-    intermediate = f.int("intermediate_size", positive=True)
-    if model_type == "qwen3_moe":
-        # save_pretrained writes num_local_experts (attribute_map); hand-written configs use num_experts.
-        num_experts = f.int("num_experts", default=None, allow_none=True)
-        local = f.int("num_local_experts", default=None, allow_none=True)
-        if num_experts is not None and local is not None and num_experts != local:
-            raise ConfigError(f"{source}: num_experts ({num_experts}) contradicts num_local_experts ({local})")
-        num_experts = num_experts if num_experts is not None else (local if local is not None else 128)
-        top_k = f.int("num_experts_per_tok", default=8, positive=True)
-        if num_experts > 0 and top_k > num_experts:
-            raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})")
-        step = f.int("decoder_sparse_step", default=1, positive=True)
-        dense_only = set(f.get("mlp_only_layers", []) or [])
-        layers = tuple(
-            num_experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(num_layers)
-        )
-        moe = dict(
-            num_experts=num_experts,
-            num_experts_per_tok=top_k,
-            moe_intermediate_size=f.int("moe_intermediate_size", default=768, positive=True),
-            norm_topk_prob=bool(f.get("norm_topk_prob", False)),
-            moe_layers=layers,
-        )
-
-    eos_ids = _token_ids(f.get("eos_token_id", None))
+    # A multimodal wrapper's own flags win (HF ties by the outer config); token ids and dtype
+    # come from the text config first.
+    tie = _first(raw, text, key="tie_word_embeddings", default=False)
+    dtype = next((c[k] for c in (text, raw) for k in ("dtype", "torch_dtype") if c.get(k)), "float32")
     return ModelConfig(
         model_type=model_type,
         vocab_size=f.int("vocab_size", positive=True),
@@ -191,28 +201,134 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        intermediate_size=intermediate,
+        intermediate_size=intermediate or 0,
         rms_norm_eps=f.float("rms_norm_eps", default=1e-6),
-        rope_theta=rope_theta,
-        tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        qk_norm=qk_norm,
+        rope_theta=theta,
+        partial_rotary_factor=factor,
+        tie_word_embeddings=bool(tie),
         max_position_embeddings=f.int("max_position_embeddings", default=32768, positive=True),
-        eos_token_ids=eos_ids,
-        bos_token_id=f.get("bos_token_id", None),
-        dtype=str(f.get("dtype", f.get("torch_dtype", "float32")) or "float32"),
+        eos_token_ids=_token_ids(_first(text, raw, key="eos_token_id")),
+        bos_token_id=_first(text, raw, key="bos_token_id"),
+        dtype=str(dtype),
+        checkpoint_prefix=prefix,
+        **layers,
         **moe,
     )
 
 
-def _rope_params(raw: dict[str, Any], source: str) -> dict[str, Any]:
-    params = dict(raw.get("rope_scaling") or {})
-    params.update(raw.get("rope_parameters") or {})
+def _text_config(raw: dict[str, Any], source: str) -> tuple[dict[str, Any], str, str]:
+    """The language model's config: (fields, source for messages, checkpoint tensor prefix).
+
+    The multimodal Qwen3.5 wrappers nest it in `text_config`; every other type is flat."""
+    outer_type = raw["model_type"]
+    if outer_type not in COMPOSITE_TEXT_TYPES:
+        return raw, source, "model."
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: {outer_type} config has no 'text_config' object")
+    want = COMPOSITE_TEXT_TYPES[outer_type]
+    if text.get("model_type", want) != want:
+        raise ConfigError(f"{source}: text_config.model_type is {text.get('model_type')!r}, expected {want!r}")
+    return {"model_type": want, **text}, f"{source} (text_config)", "model.language_model."
+
+
+def _first(*configs: dict[str, Any], key: str, default: Any = None) -> Any:
+    """The first config's non-null value of key."""
+    return next((c[key] for c in configs if c.get(key) is not None), default)
+
+
+def _dense_fields(f: "_Fields") -> dict[str, Any]:
+    """Qwen3 / Qwen3-MoE / Qwen2 layers: attention biases and q/k norms."""
+    if f.get("use_sliding_window", False):
+        raise ConfigError(f"{f.source}: use_sliding_window=true is not supported (sliding-window attention)")
+    if f.raw["model_type"] == "qwen2":
+        return dict(qkv_bias=True, o_bias=False, qk_norm=False)
+    attention_bias = bool(f.get("attention_bias", False))
+    return dict(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
+
+
+def _hybrid_fields(f: "_Fields", num_layers: int) -> dict[str, Any]:
+    """qwen3_next / qwen3_5[_moe]: the layer pattern and the Gated DeltaNet dimensions."""
+    source = f.source
+    if f.get("attention_bias", False):
+        raise ConfigError(f"{source}: attention_bias=true is not supported for {f.raw['model_type']}")
+    layer_types = f.raw.get("layer_types")
+    if layer_types is None:
+        interval = f.int("full_attention_interval", default=4, positive=True)
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise ConfigError(f"{source}: layer_types must be a list of num_hidden_layers ({num_layers}) entries")
+    for kind in layer_types:
+        if kind not in _LAYER_KINDS:
+            raise ConfigError(f"{source}: layer_types entry {kind!r} is not one of {', '.join(_LAYER_KINDS)}")
+
+    linear = {k: f.int(k, default=v, positive=True) for k, v in _LINEAR_DEFAULTS.items()}
+    if linear["linear_num_value_heads"] % linear["linear_num_key_heads"]:
+        raise ConfigError(
+            f"{source}: linear_num_value_heads ({linear['linear_num_value_heads']}) must be a multiple of "
+            f"linear_num_key_heads ({linear['linear_num_key_heads']})"
+        )
+    return dict(qkv_bias=False, o_bias=False, qk_norm=True, layer_types=tuple(layer_types), **linear)
+
+
+def _moe_fields(f: "_Fields", moe: _Moe | None, num_layers: int) -> dict[str, Any]:
+    """Expert count, routing and which layers are MoE; empty for dense families or 0 experts."""
+    if moe is None:
+        return {}
+    # save_pretrained writes num_local_experts (attribute_map); hand-written configs use num_experts.
+    num_experts = f.int("num_experts", default=None, allow_none=True)
+    local = f.int("num_local_experts", default=None, allow_none=True)
+    if num_experts is not None and local is not None and num_experts != local:
+        raise ConfigError(f"{f.source}: num_experts ({num_experts}) contradicts num_local_experts ({local})")
+    num_experts = next((n for n in (num_experts, local) if n is not None), moe.num_experts)
+    if num_experts <= 0:
+        return {}
+    top_k = f.int("num_experts_per_tok", default=moe.top_k, positive=True)
+    if top_k > num_experts:
+        raise ConfigError(f"{f.source}: num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})")
+    if moe.every_layer:
+        layers = (True,) * num_layers
+    else:
+        step = f.int("decoder_sparse_step", default=1, positive=True)
+        dense_only = set(f.get("mlp_only_layers", []) or [])
+        layers = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(num_layers))
+    fields = dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=f.int("moe_intermediate_size", default=moe.intermediate, positive=True),
+        norm_topk_prob=True if moe.norm_topk_prob is None else bool(f.get("norm_topk_prob", moe.norm_topk_prob)),
+        moe_layers=layers,
+    )
+    if moe.shared_expert:
+        fields["shared_expert_intermediate_size"] = f.int("shared_expert_intermediate_size", default=512, positive=True)
+    return fields
+
+
+def _rope(f: "_Fields", default_factor: float, head_dim: int) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) from `rope_parameters` (transformers 5), `rope_scaling`
+    or the legacy top-level keys. Only default RoPE; a partial factor only where the family has one."""
+    params = dict(f.raw.get("rope_scaling") or {})
+    params.update(f.raw.get("rope_parameters") or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-        raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported (only 'default' RoPE)")
-    return params
+        raise ConfigError(f"{f.source}: rope_type {rope_type!r} is not supported (only 'default' RoPE)")
+    theta = params.get("rope_theta", f.raw.get("rope_theta", 10000.0))  # HF's default_theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"{f.source}: rope_theta must be a positive number, got {theta!r}")
+    factor = params.get("partial_rotary_factor", f.raw.get("partial_rotary_factor", default_factor))
+    if default_factor == 1.0:
+        if factor != 1.0:
+            raise ConfigError(f"{f.source}: partial_rotary_factor != 1 is not supported for {f.raw['model_type']}")
+        return float(theta), 1.0
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ConfigError(f"{f.source}: partial_rotary_factor must be in (0, 1], got {factor!r}")
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ConfigError(
+            f"{f.source}: partial_rotary_factor {factor} gives rotary dim {rotary_dim} of head_dim {head_dim}; "
+            "it must be even and positive"
+        )
+    return float(theta), float(factor)
 
 
 def _token_ids(value) -> tuple[int, ...]:
@@ -220,17 +336,6 @@ def _token_ids(value) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
-
-
-def _rope_theta(raw: dict[str, Any], source: str) -> float:
-    """RoPE settings live in `rope_parameters` (transformers 5) or legacy top-level keys."""
-    params = _rope_params(raw, source)
-    if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError(f"{source}: partial_rotary_factor != 1 is not supported for {raw.get('model_type')}")
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))  # HF's default_theta
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
-    return float(theta)
 
 
 class _Fields:
@@ -263,150 +368,3 @@ class _Fields:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{self.source}: field {key!r} must be a number, got {value!r}")
         return float(value)
-
-
-# ----------------------------------------------------------------------------- hybrid families
-
-# HF class defaults (reference §1) for fields a hybrid config.json may leave out.
-_HYBRID_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen3_next": dict(head_dim=256, intermediate_size=5632, num_experts=512, num_experts_per_tok=10),
-    "qwen3_5_text": dict(head_dim=256, intermediate_size=12288, num_experts=0, num_experts_per_tok=0),
-    "qwen3_5_moe_text": dict(head_dim=256, intermediate_size=0, num_experts=256, num_experts_per_tok=8),
-}
-_LINEAR_DEFAULTS = dict(
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-)
-_LAYER_KINDS = ("linear_attention", "full_attention")
-
-
-def _parse_hybrid(raw: dict[str, Any], source: str) -> ModelConfig:
-    """qwen3_next / qwen3_5[_text] / qwen3_5_moe[_text]: Gated DeltaNet + gated attention layers."""
-    outer_type = raw["model_type"]
-    text, prefix = raw, "model."
-    if outer_type in COMPOSITE_TEXT_TYPES:
-        text = raw.get("text_config")
-        if not isinstance(text, dict):
-            raise ConfigError(f"{source}: {outer_type} config has no 'text_config' object")
-        want = COMPOSITE_TEXT_TYPES[outer_type]
-        if text.get("model_type", want) != want:
-            raise ConfigError(f"{source}: text_config.model_type is {text.get('model_type')!r}, expected {want!r}")
-        text = {"model_type": want, **text}
-        source = f"{source} (text_config)"
-        prefix = "model.language_model."
-    text_type = text["model_type"]
-    defaults = _HYBRID_DEFAULTS[text_type]
-    f = _Fields(text, source)
-
-    hidden = f.int("hidden_size", positive=True)
-    num_layers = f.int("num_hidden_layers", positive=True)
-    num_heads = f.int("num_attention_heads", positive=True)
-    num_kv_heads = f.int("num_key_value_heads", default=num_heads, positive=True)
-    if num_heads % num_kv_heads:
-        raise ConfigError(
-            f"{source}: num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
-        )
-    head_dim = f.int("head_dim", default=defaults["head_dim"], positive=True)
-    if f.get("attention_bias", False):
-        raise ConfigError(f"{source}: attention_bias=true is not supported for {outer_type}")
-    hidden_act = f.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ConfigError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
-
-    rope = _rope_params(text, source)
-    theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
-    factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-        raise ConfigError(f"{source}: partial_rotary_factor must be in (0, 1], got {factor!r}")
-    rotary_dim = int(head_dim * factor)
-    if rotary_dim < 2 or rotary_dim % 2:
-        raise ConfigError(
-            f"{source}: partial_rotary_factor {factor} gives rotary dim {rotary_dim} of head_dim {head_dim}; "
-            "it must be even and positive"
-        )
-
-    layer_types = text.get("layer_types")
-    if layer_types is None:
-        interval = f.int("full_attention_interval", default=4, positive=True)
-        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
-    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
-        raise ConfigError(f"{source}: layer_types must be a list of num_hidden_layers ({num_layers}) entries")
-    for kind in layer_types:
-        if kind not in _LAYER_KINDS:
-            raise ConfigError(f"{source}: layer_types entry {kind!r} is not one of {', '.join(_LAYER_KINDS)}")
-
-    linear = {k: f.int(k, default=v, positive=True) for k, v in _LINEAR_DEFAULTS.items()}
-    if linear["linear_num_value_heads"] % linear["linear_num_key_heads"]:
-        raise ConfigError(
-            f"{source}: linear_num_value_heads ({linear['linear_num_value_heads']}) must be a multiple of "
-            f"linear_num_key_heads ({linear['linear_num_key_heads']})"
-        )
-
-    # MoE placement: qwen3_next follows qwen3_moe's rule; qwen3_5_moe_text is MoE everywhere and
-    # always renormalises the top-k weights; qwen3_5_text has no experts.
-    intermediate = f.int("intermediate_size", default=defaults["intermediate_size"] or None, allow_none=True)
-    num_experts = defaults["num_experts"]
-    if text_type != "qwen3_5_text":
-        num_experts = f.int("num_experts", default=num_experts)
-        local = f.int("num_local_experts", default=None, allow_none=True)
-        if local is not None and "num_experts" in text and local != num_experts:
-            raise ConfigError(f"{source}: num_experts ({num_experts}) contradicts num_local_experts ({local})")
-        num_experts = local if local is not None and "num_experts" not in text else num_experts
-    moe: dict[str, Any] = {}
-    if num_experts > 0:
-        if text_type == "qwen3_next":
-            step = f.int("decoder_sparse_step", default=1, positive=True)
-            dense_only = set(f.get("mlp_only_layers", []) or [])
-            layers = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(num_layers))
-            normalize = bool(f.get("norm_topk_prob", True))
-        else:
-            layers, normalize = (True,) * num_layers, True
-        top_k = f.int("num_experts_per_tok", default=defaults["num_experts_per_tok"], positive=True)
-        if top_k > num_experts:
-            raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})")
-        moe = dict(
-            num_experts=num_experts,
-            num_experts_per_tok=top_k,
-            moe_intermediate_size=f.int("moe_intermediate_size", default=512, positive=True),
-            norm_topk_prob=normalize,
-            moe_layers=layers,
-            shared_expert_intermediate_size=f.int("shared_expert_intermediate_size", default=512, positive=True),
-        )
-    has_dense = not moe or not all(moe["moe_layers"])
-    if has_dense and not intermediate:
-        raise ConfigError(f"{source}: required field 'intermediate_size' is missing (some layers are dense)")
-
-    # The multimodal wrapper's own flags win (HF ties by the outer config).
-    tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    eos_ids = _token_ids(text.get("eos_token_id", raw.get("eos_token_id")))
-    dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    return ModelConfig(
-        model_type=outer_type,
-        vocab_size=f.int("vocab_size", positive=True),
-        hidden_size=hidden,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate or 0,
-        rms_norm_eps=f.float("rms_norm_eps", default=1e-6),
-        rope_theta=float(theta),
-        tie_word_embeddings=bool(tie),
-        qkv_bias=False,
-        o_bias=False,
-        qk_norm=True,
-        max_position_embeddings=f.int("max_position_embeddings", default=32768, positive=True),
-        eos_token_ids=eos_ids,
-        bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
-        dtype=str(dtype),
-        layer_types=tuple(layer_types),
-        partial_rotary_factor=float(factor),
-        checkpoint_prefix=prefix,
-        **linear,
-        **moe,
-    )

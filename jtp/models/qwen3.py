@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jtp.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
 from jtp.config import ModelConfig
 from jtp.sharding import KV_CACHE_SPEC, kv_head_replicas
-from jtp.weights import RepeatedHeads, Source, StackedExperts, Tensor
+from jtp.sources import RepeatedHeads, Source, StackedExperts, Tensor
 from jtp.models.layers import apply_rope, linear, moe_experts, rms_norm, rope_cos_sin, route_top_k, swiglu_mlp
 
 

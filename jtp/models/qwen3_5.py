@@ -47,7 +47,7 @@ from jtp.models.layers import (
 )
 from jtp.models.qwen3 import compute_logits, zeroed_layer_kv  # noqa: F401 - compute_logits is part of the family API
 from jtp.sharding import CONV_STATE_SPEC, RECURRENT_STATE_SPEC, kv_head_replicas
-from jtp.weights import (
+from jtp.sources import (
     FirstPresent,
     FusedExperts,
     RepeatedHeads,
