@@ -1,0 +1,135 @@
+"""`jtp serve`: build the engine, listen at once, warm up in the background, serve until Ctrl-C.
+
+/health answers as soon as the weights are loaded; /ready (and generation) wait for the
+warm-up to compile the step shapes. Ctrl-C ends every open stream with finish_reason "abort"
+before uvicorn waits for connections to close, then the engine is closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+import threading
+
+import uvicorn
+
+from jtp.cli_support import note, open_engine
+from jtp.engine_args import EngineArgs
+from jtp.errors import ConfigError
+from jtp.server.app import build_app
+from jtp.server.reasoning import REASONING_PARSERS
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "JTP_API_KEY"
+
+
+@dataclasses.dataclass
+class ServerArgs:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    reasoning_parser: str | None = None
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port}: must be in [0, 65535] (0 picks a free port)")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"--reasoning-parser {self.reasoning_parser!r}: known parsers are "
+                              f"{', '.join(REASONING_PARSERS)}")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    d = ServerArgs()
+    p.add_argument("--host", default=d.host, help=f"address to listen on (default: {d.host}, this machine only)")
+    p.add_argument("--port", type=int, default=d.port, help=f"port to listen on (default: {d.port})")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="return <think>...</think> as reasoning_content in chat responses")
+
+
+def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Namespace) -> int:
+    if isinstance(server_args, argparse.Namespace):
+        server_args = ServerArgs.from_cli_args(server_args)
+    server_args.validate()
+    sock = _listen(server_args.host, server_args.port)  # before loading: a busy port fails fast
+    try:
+        engine = open_engine(engine_args)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        engine.start()
+        app = build_app(engine, engine_args.model_name(), server_args.api_key, server_args.reasoning_parser)
+        server = _Server(engine, uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
+        warmup = _WarmUp(engine, engine_args.warmup, server)
+        warmup.start()
+        host, port = sock.getsockname()[:2]
+        key = " (API key required)" if server_args.api_key else ""
+        note(f"serving {engine_args.model_name()!r} on http://{_url_host(host)}:{port}/v1{key}; "
+             f"/ready answers 200 after warm-up")
+        server.run(sockets=[sock])
+        return 1 if warmup.failed else 0
+    finally:
+        engine.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn waits for open connections before it shuts down: end the engine's streams first."""
+
+    def __init__(self, engine, config: uvicorn.Config):
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets=None) -> None:
+        await asyncio.to_thread(self.engine.stop)  # every unfinished request gets its "abort" event
+        await super().shutdown(sockets)
+
+
+class _WarmUp(threading.Thread):
+    """Compiles the step shapes while /health already answers; a failure stops the server."""
+
+    def __init__(self, engine, enabled: bool, server: uvicorn.Server):
+        super().__init__(name="jtp-warmup", daemon=True)
+        self.engine, self.enabled, self.server = engine, enabled, server
+        self.failed = False
+
+    def run(self) -> None:
+        try:
+            if self.enabled:
+                self.engine.warmup(progress=True)
+            self.engine.ready.set()
+            note("ready")
+        except Exception:  # noqa: BLE001 - reported, then the server exits non-zero
+            log.exception("warm-up failed; stopping the server")
+            self.failed = True
+            self.server.should_exit = True
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ConfigError(f"--host {host}: {e.strerror or e}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,163 @@
+"""The two generation endpoints: a checked request in, a JSON response or an SSE stream out.
+
+    request body -> protocol (checked fields) -> prompt token ids -> Generation (n engine
+    requests per prompt) -> choices (text, logprobs, reasoning split) -> response / chunks
+
+Errors raise `APIError` or jtp's `RequestError`; the app turns both into OpenAI error bodies.
+Once a stream has started, an error is sent as a final `data: {"error": ...}` event instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+import jinja2
+from starlette.responses import JSONResponse, Response
+
+from jtp.errors import ContextLengthError
+from jtp.sampling import SamplingParams
+from jtp.server.choices import ChatChoice, CompletionChoice
+from jtp.server.errors import APIError
+from jtp.server.generation import ChoiceRequest, Generation
+from jtp.server.logprobs import TokenNames
+from jtp.server.metrics import ServerMetrics
+from jtp.server.protocol import ChatRequest, GenerationRequest, parse_chat_request, parse_completion_request
+from jtp.server.reasoning import make_reasoning_parser
+from jtp.server.sse import DONE, EventStream, sse_data
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclasses.dataclass
+class _Prompt:
+    ids: list[int]
+    text: str  # the rendered chat prompt ("" for completions: only chat needs it)
+
+
+class OpenAIServing:
+    def __init__(self, engine, model_name: str, metrics: ServerMetrics, reasoning_parser: str | None = None):
+        self.engine, self.model_name, self.metrics = engine, model_name, metrics
+        self.reasoning_parser = reasoning_parser
+        self.names = TokenNames(engine.tokenizer)
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def completions(self, body) -> Response:
+        req = parse_completion_request(body)
+        self._check_model(req.model)
+        prompts = [_Prompt(self._prompt_ids(p), "") for p in req.prompts]
+        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        choices = [CompletionChoice(i, self.names, req.num_logprobs) for i in range(len(prompts) * req.n)]
+        return await self._respond(req, "cmpl", "text_completion", "text_completion", prompts,
+                                   lambda prompt: max_tokens, choices, openings=[])
+
+    async def chat(self, body) -> Response:
+        req = parse_chat_request(body)
+        self._check_model(req.model)
+        text = self._render_chat(req)
+        prompt = _Prompt(self._prompt_ids(text), text)
+        choices = [ChatChoice(i, self.names, req.num_logprobs, make_reasoning_parser(self.reasoning_parser, text))
+                   for i in range(req.n)]
+        return await self._respond(req, "chatcmpl", "chat.completion", "chat.completion.chunk", [prompt],
+                                   self._chat_max_tokens(req), choices, openings=[c.opening() for c in choices])
+
+    # ------------------------------------------------------------------ shared flow
+
+    async def _respond(self, req: GenerationRequest, id_prefix: str, object_name: str, chunk_object: str,
+                       prompts: list[_Prompt], max_tokens_for, choices: list, openings: list[dict]) -> Response:
+        response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        requests = [
+            ChoiceRequest(p, prompt.ids, self._params(req, max_tokens_for(prompt), j))
+            for p, prompt in enumerate(prompts)
+            for j in range(req.n)
+        ]
+        generation = Generation(self.engine, self.metrics, response_id, requests)
+        generation.submit()
+        head = {"id": response_id, "object": chunk_object, "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            return EventStream(self._stream(generation, choices, openings, head, req.include_usage))
+        await self._collect(generation, choices)
+        body = {**head, "object": object_name, "choices": [c.result() for c in choices],
+                "usage": generation.usage()}
+        return JSONResponse(body)
+
+    async def _collect(self, generation: Generation, choices: list) -> None:
+        async for i, event in generation.events():
+            _raise_if_failed(event)
+            choices[i].add(event)
+
+    async def _stream(self, generation: Generation, choices: list, openings: list[dict], head: dict,
+                      include_usage: bool) -> AsyncIterator[str]:
+        usage_field = {"usage": None} if include_usage else {}  # OpenAI: null on all but the last chunk
+        try:
+            for opening in openings:
+                yield sse_data({**head, "choices": [opening], **usage_field})
+            async for i, event in generation.events():
+                _raise_if_failed(event)
+                piece = choices[i].add(event)
+                if piece is not None:
+                    yield sse_data({**head, "choices": [piece], **usage_field})
+            if include_usage:
+                yield sse_data({**head, "choices": [], "usage": generation.usage()})
+        except APIError as e:
+            yield sse_data(e.body())
+        except Exception as e:  # noqa: BLE001 - the response has started; end it with an error event
+            log.exception("stream %s failed", head["id"])
+            yield sse_data(APIError(f"internal error: {type(e).__name__}: {e}", 500).body())
+        yield DONE
+
+    # ------------------------------------------------------------------ pieces
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           404, code="model_not_found", param="model")
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return prompt
+        if self.engine.tokenizer is None:
+            raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
+        return self.engine.tokenizer.encode(prompt)
+
+    def _render_chat(self, req: ChatRequest) -> str:
+        if self.engine.tokenizer is None:
+            raise APIError("this model has no tokenizer, so no chat template", param="messages")
+        try:
+            return self.engine.tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=True, tools=req.tools, **req.template_kwargs)
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise APIError(f"cannot render the chat template: {e}", param="messages") from e
+
+    def _chat_max_tokens(self, req: ChatRequest):
+        """Chat's default max_tokens: whatever the context has left after the prompt."""
+        if req.max_tokens is not None:
+            return lambda prompt: req.max_tokens
+
+        def rest_of_context(prompt: _Prompt) -> int:
+            left = self.engine.max_model_len - len(prompt.ids)
+            if left < 1:
+                raise ContextLengthError(
+                    f"the prompt ({len(prompt.ids)} tokens) leaves no room in the model's context length "
+                    f"({self.engine.max_model_len})")
+            return left
+
+        return rest_of_context
+
+    @staticmethod
+    def _params(req: GenerationRequest, max_tokens: int, choice: int) -> SamplingParams:
+        # With a seed, choice j samples with seed + j: reproducible, yet the n choices differ.
+        seed = None if req.seed is None else req.seed + choice
+        return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=req.num_logprobs, **req.sampling)
+
+
+def _raise_if_failed(event) -> None:
+    if event.finished and event.finish_reason == "error":
+        raise APIError(f"generation failed: {event.error}", 500)
+

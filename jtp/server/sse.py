@@ -1,0 +1,34 @@
+"""Server-sent events: `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` at the end."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse_data(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A streamed response whose event generator is always closed when the response ends.
+
+    Starlette stops iterating when the client disconnects but leaves closing the generator to
+    the garbage collector; closing it here runs its cleanup (aborting the engine requests,
+    freeing their KV blocks) at once, however the response ended.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events):
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
