@@ -1,8 +1,7 @@
 """Offline batch generation: a JSONL file of prompts in, a JSONL file of completions out.
 
-    python scripts/generate_offline.py --input in.jsonl --output out.jsonl [--model DIR]
-        [--tensor-parallel-size N] [--dtype D] [--max-num-seqs N] [--num-blocks N] [--limit N]
-    jtp batch ...                                  (same flags)
+    jtp batch --input in.jsonl --output out.jsonl [--model DIR] [--limit N] [engine flags]
+    python scripts/generate_offline.py ...         (same flags)
 
 Input, one JSON object a line (blank lines are ignored):
 
@@ -12,9 +11,11 @@ Input, one JSON object a line (blank lines are ignored):
 `id` is a string or an integer; exactly one of `prompt` (raw text, encoded as is) or
 `messages` (rendered with the checkpoint's chat template, generation prompt added). Every
 other key is a sampling parameter (`SamplingParams.from_dict`: unknown keys are errors).
-`max_tokens` defaults to DEFAULT_MAX_TOKENS (64, not SamplingParams' 16: offline jobs
-usually want more); everything else keeps SamplingParams' default, so temperature is 1.0
-(random, and with no `seed` a different draw on every run): pass "temperature": 0 for greedy.
+Decoding is greedy unless a line sets `temperature` (like `jtp generate`; SamplingParams'
+own default is 1.0), so a rerun reproduces its results. `max_tokens` defaults to
+DEFAULT_MAX_TOKENS (64, not SamplingParams' 16: offline jobs usually want more); everything
+else keeps SamplingParams' default. A line with a temperature and no `seed` draws anew on
+every run (`--seed` seeds such lines).
 
 Output, one JSON object a line, flushed as each request finishes:
 
@@ -36,6 +37,10 @@ row (the process was killed mid-write) is cut off and its line generated again. 
 error rows are written only after every generation of the run has finished, so the first
 occurrence's row always comes first in the file; that lets resume count rows per id and tell
 "first occurrence done" from "duplicate reported".
+
+Progress goes to stderr: a bar on a terminal, otherwise a line every PROGRESS_LOG_SECONDS (so
+a redirected log shows it too). Ctrl-C stops at the next step boundary, exits 130, and leaves
+every finished row in the output for the rerun.
 """
 
 from __future__ import annotations
@@ -52,6 +57,12 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from jtp.cli_support import (
+    add_common_args, interrupt_guard, interrupted, note, open_engine, raise_if_interrupted, run_command, setup_logging,
+)
+from jtp.engine_args import EngineArgs
+from jtp.errors import ConfigError, RequestError
+
 if TYPE_CHECKING:
     from jtp.engine import Engine
     from jtp.sampling import SamplingParams
@@ -60,6 +71,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 64
+DEFAULT_TEMPERATURE = 0.0  # greedy, like `jtp generate`
+PROGRESS_LOG_SECONDS = 10.0  # without a terminal: one progress line this often
 PENDING_PER_SEQ = 4  # submitted-but-unfinished requests per engine row
 _RESERVED = ("id", "prompt", "messages")  # line keys that are not sampling parameters
 
@@ -141,6 +154,7 @@ def parse_line(
 
     sampling = {k: v for k, v in obj.items() if k not in _RESERVED}
     sampling.setdefault("max_tokens", default_max_tokens)
+    sampling.setdefault("temperature", DEFAULT_TEMPERATURE)
     try:
         params = SamplingParams.from_dict(sampling, vocab_size)
     except ValueError as e:
@@ -208,6 +222,35 @@ class _Output:
             self.stats.ok += 1
 
 
+class _Progress:
+    """Rows done out of the input's, on stderr: a tqdm bar on a terminal, else a line every `every` s."""
+
+    def __init__(self, total: int, stats: Stats, enabled: bool, every: float):
+        self.total, self.stats, self.every = total, stats, every
+        self.rows = 0
+        on_terminal = enabled and sys.stderr.isatty()
+        self.bar = tqdm(total=total, unit="req", desc="batch", file=sys.stderr) if on_terminal else None
+        self.log_lines = enabled and not on_terminal
+        self.last_line = time.monotonic()
+
+    def update(self, rows: int = 0) -> None:
+        self.rows += rows
+        if self.bar is not None:
+            self.bar.update(rows)
+            self.bar.set_postfix(tok_s=f"{self.stats.tokens_per_s:.0f}", refresh=False)
+        elif self.log_lines and time.monotonic() - self.last_line >= self.every:
+            self.last_line = time.monotonic()
+            note(f"batch: {self.rows}/{self.total} rows, {self.stats.tokens} tokens generated, "
+                 f"{self.stats.tokens_per_s:.1f} tokens/s")
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _count_lines(path: Path) -> int:
     with open(path, "rb") as f:
         return sum(1 for line in f if line.strip())
@@ -222,17 +265,16 @@ def run(
     limit: int | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     progress: bool = True,
+    progress_every: float = PROGRESS_LOG_SECONDS,
 ) -> Stats:
     """Serve every input line not already in the output; return the counts of this run.
 
     `engine` must be driven here (not `start()`ed). `limit` caps the new rows of this run
     (lines already in the output don't count): a way to try a few lines, or to stop early.
     """
-    from jtp.engine import RequestError
-
     tokenizer = engine.tokenizer
     if tokenizer is None:
-        raise ValueError("the model has no tokenizer.json: batch generation needs one to encode prompts")
+        raise ConfigError("the model has no tokenizer.json: batch generation needs one to encode prompts")
     input_path, output_path = Path(input_path), Path(output_path)
     max_pending = max_pending or PENDING_PER_SEQ * engine.scheduler.max_num_seqs
     vocab_size = engine.cfg.vocab_size
@@ -246,10 +288,7 @@ def run(
     new_rows = 0
     start = time.monotonic()
 
-    bar = tqdm(
-        total=_count_lines(input_path), unit="req", desc="batch", file=sys.stderr,
-        disable=not (progress and sys.stderr.isatty()),
-    )
+    bar = _Progress(_count_lines(input_path), stats, progress, progress_every)
     with open(output_path, "a", encoding="utf-8") as f, open(input_path, "rb") as lines, bar:
         out = _Output(f, stats)
 
@@ -258,6 +297,7 @@ def run(
             bar.update(1)
 
         def step() -> None:
+            raise_if_interrupted()  # a Ctrl-C swallowed inside a JAX callback still stops the run here
             events = engine.step()
             if not events and not engine.has_unfinished():
                 raise RuntimeError(f"the engine went idle with {len(inflight)} requests unfinished")
@@ -266,7 +306,7 @@ def run(
                 if ev.finished and ev.request_id in inflight:
                     finished(_result_row(engine, ev.request_id, *inflight.pop(ev.request_id)))
             stats.seconds = time.monotonic() - start
-            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.0f}", refresh=False)
+            bar.update()
 
         for lineno, raw in enumerate(lines, 1):
             if not raw.strip():
@@ -274,6 +314,7 @@ def run(
             row_id, job = parse_line(raw, lineno, tokenizer, vocab_size, default_max_tokens)
             key = _key(row_id)
             seen[key] += 1
+            first_line.setdefault(key, lineno)  # before the resume skip: a later duplicate names this line
             if seen[key] <= done[key]:
                 stats.skipped += 1
                 bar.update(1)
@@ -285,7 +326,6 @@ def run(
                 duplicates.append({"id": row_id, "error": f"line {lineno}: duplicate id {row_id!r} "
                                                           f"(first on line {first_line[key]})"})
                 continue
-            first_line[key] = lineno
             if isinstance(job, str):
                 finished({"id": row_id, "error": job})
                 continue
@@ -329,7 +369,7 @@ def _result_row(engine: Engine, rid: str, row_id, prompt_tokens: int) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The batch-only flags (the engine flags come from jtp.cli)."""
+    """The batch-only flags (the engine flags come from EngineArgs)."""
     p.add_argument("--input", required=True, help="JSONL file, one request a line")
     p.add_argument("--output", required=True, help="JSONL file; appended to, lines already in it are skipped")
     p.add_argument("--limit", type=int, default=None, help="write at most N new rows this run")
@@ -337,38 +377,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_args(args: argparse.Namespace) -> int:
     """Build the engine from parsed flags, run the batch, print the summary."""
-    from jtp.cli import _model_dir, engine_from_args
-
     if not Path(args.input).is_file():
-        print(f"error: no such input file: {args.input}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--input {args.input}: no such file")
     if Path(args.input).resolve() == Path(args.output).resolve():
-        print("error: --input and --output are the same file", file=sys.stderr)
-        return 2
-    model_dir, label = _model_dir(args)
-    if label:
-        print(f"[{label}]", file=sys.stderr)
-    engine = engine_from_args(args, model_dir)
+        raise ConfigError("--input and --output are the same file")
+    if not Path(args.output).resolve().parent.is_dir():
+        raise ConfigError(f"--output {args.output}: its directory does not exist")
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.warmup = False  # the batch compiles the shapes it meets
     try:
-        stats = run(engine, args.input, args.output, limit=args.limit)
-    except KeyboardInterrupt:
-        print(f"interrupted: rows written so far are in {args.output}; rerun to resume", file=sys.stderr)
-        return 130
-    print(f"jtp batch: {stats.summary()}", file=sys.stderr)
+        with open_engine(engine_args) as engine:
+            stats = run(engine, args.input, args.output, limit=args.limit)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt) or interrupted():
+            note(f"interrupted: the rows written so far are in {args.output}; rerun the same command to resume")
+        raise
+    note(f"batch: {stats.summary()}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from jtp.cli import _engine_args, enable_compilation_cache
-
-    parser = argparse.ArgumentParser(description="Offline batch generation: JSONL prompts in, JSONL completions out")
-    _engine_args(parser)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Offline batch generation: JSONL prompts in, JSONL completions out (greedy unless a line "
+                    "sets temperature); resumable: rerun with the same --output."
+    )
+    EngineArgs.add_cli_args(parser, serving=False)
     add_arguments(parser)
-    parser.add_argument("--log-level", default="WARNING")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    enable_compilation_cache()
-    return run_args(args)
+    add_common_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    with interrupt_guard():
+        args = build_parser().parse_args(argv)
+        setup_logging(args)
+        return run_command(run_args, args)
 
 
 if __name__ == "__main__":

@@ -83,15 +83,28 @@ class EngineArgs:
         from jtp.engine import Engine
 
         self.validate()
+        self.validate_model()
         return Engine.from_args(self)
+
+    def validate_model(self) -> None:
+        """The checks that need the model's config.json (read only, nothing loaded)."""
+        from jtp.config import ModelConfig
+
+        limit = ModelConfig.from_dir(self.model_dir()).max_position_embeddings
+        if self.max_model_len is not None and self.max_model_len > limit:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len}: exceeds the model's max_position_embeddings ({limit})"
+            )
 
     # ------------------------------------------------------------------ command line
 
     @staticmethod
-    def add_cli_args(p: argparse.ArgumentParser) -> None:
+    def add_cli_args(p: argparse.ArgumentParser, serving: bool = True) -> None:
+        """The engine flags; `serving=False` leaves out those only a server uses (name, queue, warm-up)."""
         d = EngineArgs()
         p.add_argument("--model", help="Hugging Face model directory (default: the embedded demo checkpoint)")
-        p.add_argument("--served-model-name", help="model name reported to API clients (default: the directory's name)")
+        if serving:
+            p.add_argument("--served-model-name", help="model name reported to API clients (default: the directory's name)")
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="devices to shard the weights over (tensor parallelism)")
         p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="weight/activation dtype (auto: the checkpoint's)")
@@ -104,11 +117,12 @@ class EngineArgs:
                        help="most tokens (decode + prefill chunks) in one step")
         p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV page")
         p.add_argument("--num-blocks", type=int, default=None, help="KV pages (default: sized from device memory)")
-        p.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
-                       help="queued requests beyond which new ones are refused (HTTP 429)")
         p.add_argument("--seed", type=int, default=None, help="seed for requests that bring none (reproducible runs)")
-        p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                       help="skip compiling the step shapes at start-up (the first requests compile them)")
+        if serving:
+            p.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                           help="queued requests beyond which new ones are refused (HTTP 429)")
+            p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                           help="skip compiling the step shapes at start-up (the first requests compile them)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Offline batch generation: JSONL prompts in, JSONL completions out (see jtp/batch.py).
 
-    python scripts/generate_offline.py --input in.jsonl --output out.jsonl [--model DIR]
-        [--tensor-parallel-size N] [--dtype D] [--max-num-seqs N] [--num-blocks N] [--limit N]
+    python scripts/generate_offline.py --input in.jsonl --output out.jsonl [--model DIR] [--limit N]
+        [engine flags: --tensor-parallel-size N --dtype D --max-num-seqs N --num-blocks N ...]
+
+The same program as `jtp batch`; greedy unless a line sets temperature; resumable.
 """
 import sys
 from pathlib import Path

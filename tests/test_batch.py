@@ -266,3 +266,71 @@ def test_cli_has_batch_subcommand(capsys):
         cli.main(["batch", "--help"])
     assert exc.value.code == 0
     assert "--input" in capsys.readouterr().out
+
+
+def test_duplicate_id_resume_completes(engine, tmp_path):
+    """Interrupted before the duplicate's error row was written, every rerun must finish the job."""
+    lines = [json.dumps({"id": i, "prompt": f"the sea {n}", "max_tokens": 3}) for n, i in enumerate("abac")]
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    whole = batch.run(engine, inp, tmp_path / "whole.jsonl")
+    assert (whole.ok, whole.errors) == (3, 1)
+
+    out = tmp_path / "out.jsonl"
+    batch.run(engine, inp, out, limit=2)  # stops before the duplicate: its error row is not written yet
+    assert [r["id"] for r in read_rows(out)] == ["a", "b"]
+    resumed = batch.run(engine, inp, out)
+    assert (resumed.ok, resumed.errors, resumed.skipped) == (1, 1, 2)
+    rows = read_rows(out)
+    assert sorted(map(json.dumps, rows)) == sorted(map(json.dumps, read_rows(tmp_path / "whole.jsonl")))
+    results = [r["id"] for r in rows if "error" not in r]
+    assert sorted(results) == ["a", "b", "c"]  # each id's result written once
+    assert [r["error"] for r in rows if "error" in r] == ["line 3: duplicate id 'a' (first on line 1)"]
+    again = batch.run(engine, inp, out)
+    assert (again.ok, again.errors, again.skipped) == (0, 0, 4) and len(read_rows(out)) == 4
+
+
+def test_greedy_by_default(engine, tok, tmp_path):
+    line = {"id": "g", "prompt": "The rain in Spain", "max_tokens": 8}  # no temperature
+    inp = write_lines(tmp_path / "in.jsonl", [json.dumps(line)])
+    batch.run(engine, inp, tmp_path / "out.jsonl")
+    row = read_rows(tmp_path / "out.jsonl")[0]
+    greedy = engine.generate([tok.encode(line["prompt"])], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert row["token_ids"] == greedy.token_ids
+
+
+def test_progress_lines_without_a_terminal(engine, tmp_path, capsys):
+    lines = [json.dumps({"id": n, "prompt": "the sea", "max_tokens": 2}) for n in range(3)]
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    batch.run(engine, inp, tmp_path / "out.jsonl", progress_every=0)  # capsys' stderr is no terminal
+    err = capsys.readouterr().err
+    assert "jtp: batch: 3/3 rows" in err and "tokens/s" in err
+
+
+def test_interrupt_swallowed_by_a_callback_still_stops_the_run(engine, tmp_path, monkeypatch):
+    """Ctrl-C landing inside a JAX callback may never reach us as KeyboardInterrupt: the run stops anyway."""
+    import signal
+
+    from jtp.cli_support import interrupt_guard
+
+    lines = [json.dumps({"id": n, "prompt": f"the sea {n}", "max_tokens": 4}) for n in range(40)]
+    inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    real_step, steps = engine.step, []
+
+    def step_that_swallows_ctrl_c():
+        steps.append(1)
+        if len(steps) == 12:  # some rows are written by then
+            try:
+                os.kill(os.getpid(), signal.SIGINT)  # the handler raises here, inside "the callback"...
+            except KeyboardInterrupt:
+                pass  # ...which turns it into nothing
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step_that_swallows_ctrl_c)
+    with interrupt_guard(), pytest.raises(KeyboardInterrupt):
+        batch.run(engine, inp, out, max_pending=4)
+    monkeypatch.undo()
+    engine.stop()  # drop what the interrupted run left in flight
+    written = len(read_rows(out))
+    assert 0 < written < 40
+    rest = batch.run(engine, inp, out)
+    assert rest.skipped == written and sorted(r["id"] for r in read_rows(out)) == list(range(40))
