@@ -1,0 +1,366 @@
+#!/usr/bin/env python
+"""Load generator for an OpenAI-compatible server (`jtp serve`, vLLM, SGLang): throughput and latency.
+
+    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 64 \\
+        --input-len 1024 --output-len 128 --max-concurrency 8 [--json-out result.json]
+
+Requests stream (server-sent events) from `--endpoint` (/v1/completions or /v1/chat/completions)
+with `ignore_eos` so every completion is exactly `--output-len` tokens long. Prompts are random:
+`--input-len` random token ids sent as a token-id prompt (completions), or random words (chat,
+multi-turn, or `--prompt-kind text`; then the length is about `--input-len` tokens, and the
+server's usage reports the real count).
+
+Arrivals: `--request-rate inf` (default) sends everything at once; a finite rate spaces the
+starts by a Poisson process (`--arrival poisson`) or evenly (`--arrival constant`).
+`--max-concurrency N` caps the requests in flight (N clients). `--multi-turn T` makes each of the
+`--num-prompts` conversations T requests in a row, each resending the whole history (earlier user
+turns and the server's answers) plus a new user turn of `--input-len`; a conversation holds its
+concurrency slot from its first turn to its last, like one user in a chat.
+
+Per request (timed on the client, so network and server overheads are included):
+  TTFT  time to first token: request sent -> first chunk carrying generated text
+  TPOT  time per output token after the first: (e2e - TTFT) / (output tokens - 1)
+  ITL   inter-token latency: every gap between consecutive text chunks
+  E2E   request sent -> stream ended
+Reported like vLLM's benchmark_serving: request / output / total token throughput over the whole
+run, and mean, median and percentiles (`--percentiles`, default 99) of each latency.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week case point "
+    "number group problem fact river light stone music paper water city story garden window morning"
+).split()
+
+
+@dataclasses.dataclass
+class RequestResult:
+    ok: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds
+    e2e: float = 0.0
+    itl: list[float] = dataclasses.field(default_factory=list)  # gaps between text chunks
+    text: str = ""
+    start: float = 0.0  # seconds since the run began
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+# ----------------------------------------------------------------------------- workload
+
+
+@dataclasses.dataclass
+class Workload:
+    endpoint: str
+    model: str
+    input_len: int
+    output_len: int
+    prompt_kind: str  # "tokens" or "text"
+    vocab_size: int
+    ignore_eos: bool
+    rng: random.Random
+
+    def user_turn(self) -> str | list[int]:
+        if self.prompt_kind == "tokens":
+            return [self.rng.randrange(self.vocab_size) for _ in range(self.input_len)]
+        return "".join(" " + self.rng.choice(WORDS) for _ in range(self.input_len))
+
+    def payload(self, history: list[dict]) -> dict:
+        """The request body for a conversation so far (`history`: chat messages, last one the user's)."""
+        body = {"model": self.model, "max_tokens": self.output_len, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": self.ignore_eos, "temperature": 0.0}
+        if self.endpoint.endswith("/chat/completions"):
+            body["messages"] = history
+        elif len(history) == 1:
+            body["prompt"] = history[0]["content"]  # a string or token ids
+        else:
+            body["prompt"] = "".join(m["content"] for m in history)  # the conversation as one text
+        return body
+
+
+def arrival_gaps(n: int, rate: float, arrival: str, rng: random.Random) -> list[float]:
+    """Seconds to wait before each of n starts: 0 for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * n
+    if arrival == "poisson":
+        return [rng.expovariate(rate) for _ in range(n)]
+    return [1.0 / rate] * n
+
+
+# ----------------------------------------------------------------------------- one request
+
+
+def _chunk_text(data: dict) -> str:
+    """The generated text a completions or chat chunk carries ("" for role / finish / usage chunks)."""
+    pieces = []
+    for choice in data.get("choices") or []:
+        if "text" in choice:
+            pieces.append(choice["text"] or "")
+        delta = choice.get("delta") or {}
+        pieces.append(delta.get("content") or "")
+        pieces.append(delta.get("reasoning_content") or "")
+    return "".join(pieces)
+
+
+async def send(client: httpx.AsyncClient, url: str, body: dict, headers: dict, run_start: float) -> RequestResult:
+    result = RequestResult()
+    sent = time.perf_counter()
+    result.start = sent - run_start
+    last = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[len("data:"):].strip()
+                if payload == "[DONE]":
+                    break
+                now = time.perf_counter()
+                data = json.loads(payload)
+                if "error" in data:
+                    result.error = f"error event: {data['error'].get('message', data['error'])}"
+                    return result
+                if data.get("usage"):
+                    result.prompt_tokens = data["usage"].get("prompt_tokens", 0)
+                    result.output_tokens = data["usage"].get("completion_tokens", 0)
+                text = _chunk_text(data)
+                if text:
+                    if last is None:
+                        result.ttft = now - sent
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    result.text += text
+    except (httpx.HTTPError, ValueError) as e:  # ValueError: a chunk that is not JSON
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.e2e = time.perf_counter() - sent
+    if last is None:
+        result.error = "the stream carried no text"
+    elif result.output_tokens == 0:
+        result.error = "no usage in the stream (the server ignored stream_options.include_usage)"
+    else:
+        result.ok = True
+    return result
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+async def run_benchmark(args: argparse.Namespace, workload: Workload) -> tuple[list[RequestResult], float]:
+    url = args.base_url.rstrip("/") + args.endpoint
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
+    results: list[RequestResult] = []
+    timeout = httpx.Timeout(args.timeout, connect=30.0)
+    pool = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+
+    async with httpx.AsyncClient(timeout=timeout, limits=pool) as client:
+        if not args.skip_test_request:  # fails fast on a wrong URL / model; compiles the first shapes
+            test = await send(client, url, workload.payload([{"role": "user", "content": workload.user_turn()}]),
+                              headers, time.perf_counter())
+            if not test.ok:
+                raise SystemExit(f"error: the test request failed: {test.error}")
+
+        async def conversation() -> None:
+            async with limit:
+                history: list[dict] = []
+                for _ in range(args.multi_turn):
+                    history.append({"role": "user", "content": workload.user_turn()})
+                    result = await send(client, url, workload.payload(history), headers, run_start)
+                    results.append(result)
+                    if not result.ok:
+                        return  # the rest of this conversation has no history to build on
+                    history.append({"role": "assistant", "content": result.text})
+
+        gaps = arrival_gaps(args.num_prompts, args.request_rate, args.arrival, workload.rng)
+        run_start = time.perf_counter()
+        tasks = []
+        for gap in gaps:
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(conversation()))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - run_start
+    return results, duration
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def summarize(results: list[RequestResult], duration: float, percentiles: list[float]) -> dict:
+    """vLLM-style summary: counts, throughputs, and mean / median / percentiles (ms) of each latency."""
+    done = [r for r in results if r.ok]
+    prompt_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    summary = {
+        "duration_s": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "total_input_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (prompt_tokens + output_tokens) / duration,
+    }
+    samples = {
+        "ttft": [r.ttft for r in done],
+        "tpot": [r.tpot for r in done if r.tpot is not None],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2el": [r.e2e for r in done],
+    }
+    for name, values in samples.items():
+        ms = np.asarray(values, dtype=np.float64) * 1000.0
+        summary[f"mean_{name}_ms"] = float(ms.mean()) if ms.size else None
+        summary[f"median_{name}_ms"] = float(np.median(ms)) if ms.size else None
+        for p in percentiles:
+            summary[f"p{p:g}_{name}_ms"] = float(np.percentile(ms, p)) if ms.size else None
+    return summary
+
+
+SECTIONS = (
+    ("ttft", "Time to First Token", "TTFT"),
+    ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+    ("itl", "Inter-token Latency", "ITL"),
+    ("e2el", "End-to-end Latency", "E2EL"),
+)
+
+
+def format_table(summary: dict, percentiles: list[float]) -> str:
+    width = 50
+
+    def row(label: str, value) -> str:
+        shown = "n/a" if value is None else (f"{value:.2f}" if isinstance(value, float) else str(value))
+        return f"{label:<40}{shown:>10}"
+
+    lines = [" Serving Benchmark Result ".center(width, "="),
+             row("Successful requests:", summary["completed"]),
+             row("Failed requests:", summary["failed"]),
+             row("Benchmark duration (s):", summary["duration_s"]),
+             row("Total input tokens:", summary["total_input_tokens"]),
+             row("Total generated tokens:", summary["total_output_tokens"]),
+             row("Request throughput (req/s):", summary["request_throughput"]),
+             row("Output token throughput (tok/s):", summary["output_throughput"]),
+             row("Total token throughput (tok/s):", summary["total_token_throughput"])]
+    for key, title, short in SECTIONS:
+        lines.append(f" {title} ".center(width, "-"))
+        lines.append(row(f"Mean {short} (ms):", summary[f"mean_{key}_ms"]))
+        lines.append(row(f"Median {short} (ms):", summary[f"median_{key}_ms"]))
+        lines += [row(f"P{p:g} {short} (ms):", summary[f"p{p:g}_{key}_ms"]) for p in percentiles]
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
+    ap.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
+                    help="API route to load (default: %(default)s)")
+    ap.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                    help="bearer token (default: $OPENAI_API_KEY, else none)")
+    ap.add_argument("--num-prompts", type=int, default=64, help="requests, or conversations with --multi-turn")
+    ap.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (per turn)")
+    ap.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    ap.add_argument("--prompt-kind", choices=["auto", "tokens", "text"], default="auto",
+                    help="random token ids or random words (auto: token ids for single-turn completions)")
+    ap.add_argument("--vocab-size", type=int, default=1000,
+                    help="random token ids are drawn from [0, N); keep N below the model's special tokens")
+    ap.add_argument("--request-rate", type=float, default=math.inf,
+                    help="requests (conversations) started per second; inf = all at once (default)")
+    ap.add_argument("--arrival", choices=["poisson", "constant"], default="poisson",
+                    help="with a finite rate: exponential (Poisson process) or equal gaps between starts")
+    ap.add_argument("--max-concurrency", type=int, default=None, help="most requests (conversations) in flight")
+    ap.add_argument("--multi-turn", type=int, default=1, metavar="T", help="turns per conversation (default: 1)")
+    ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                    help="let requests stop at end-of-sequence (output lengths then vary)")
+    ap.add_argument("--percentiles", default="99", help="comma-separated latency percentiles (default: 99)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts and arrivals")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    ap.add_argument("--skip-test-request", action="store_true", help="start the run without a first probe request")
+    ap.add_argument("--json-out", type=Path, help="write config, summary and per-request results here")
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("num_prompts", "input_len", "output_len", "multi_turn", "vocab_size"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        ap.error("--max-concurrency must be at least 1")
+    if not args.request_rate > 0:
+        ap.error("--request-rate must be positive (inf: all at once)")
+    if args.prompt_kind == "auto":
+        single_completions = args.endpoint == "/v1/completions" and args.multi_turn == 1
+        args.prompt_kind = "tokens" if single_completions else "text"
+    elif args.prompt_kind == "tokens" and (args.endpoint != "/v1/completions" or args.multi_turn > 1):
+        ap.error("token-id prompts need single-turn /v1/completions (chat and multi-turn resend text)")
+    try:
+        args.percentiles = [float(p) for p in args.percentiles.split(",")]
+    except ValueError:
+        ap.error(f"--percentiles {args.percentiles!r}: expected numbers like 50,90,99")
+    if not all(0 <= p <= 100 for p in args.percentiles):
+        ap.error("--percentiles must lie in [0, 100]")
+
+
+def served_model(base_url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    check_args(ap, args)
+    try:
+        model = args.model or served_model(args.base_url, args.api_key)
+    except httpx.HTTPError as e:
+        print(f"error: cannot list the models at {args.base_url}: {e}", file=sys.stderr)
+        return 1
+    workload = Workload(args.endpoint, model, args.input_len, args.output_len, args.prompt_kind,
+                        args.vocab_size, args.ignore_eos, random.Random(args.seed))
+    results, duration = asyncio.run(run_benchmark(args, workload))
+    summary = summarize(results, duration, args.percentiles)
+    print(format_table(summary, args.percentiles))
+    for r in results:
+        if r.error:
+            print(f"failed: {r.error}", file=sys.stderr)
+            break
+    if args.json_out:
+        config = {k: v for k, v in vars(args).items() if k not in ("api_key", "json_out")}
+        record = {
+            "config": {**config, "model": model, "request_rate": str(args.request_rate)},
+            "summary": summary,
+            "requests": [{k: v for k, v in dataclasses.asdict(r).items() if k != "text"} for r in results],
+        }
+        args.json_out.write_text(json.dumps(record, indent=1) + "\n")
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""scripts/bench_serving.py: its statistics against a stub with known timings, then a real `jtp serve`."""
+
+import asyncio
+import importlib.util
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "scripts" / "bench_serving.py")
+bench = sys.modules["bench_serving"] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
+spec.loader.exec_module(bench)
+
+FIRST_DELAY, GAP = 0.15, 0.02  # the stub's time to first token and between tokens (s)
+
+
+# ----------------------------------------------------------------------------- statistics alone
+
+
+def test_summary_of_known_results():
+    results = [
+        bench.RequestResult(ok=True, prompt_tokens=10, output_tokens=5, ttft=0.1, e2e=0.5, itl=[0.1] * 4),
+        bench.RequestResult(ok=True, prompt_tokens=10, output_tokens=3, ttft=0.3, e2e=0.7, itl=[0.2] * 2),
+        bench.RequestResult(error="HTTP 500"),
+    ]
+    s = bench.summarize(results, duration=2.0, percentiles=[50, 99])
+    assert (s["completed"], s["failed"], s["total_input_tokens"], s["total_output_tokens"]) == (2, 1, 20, 8)
+    assert s["request_throughput"] == 1.0 and s["output_throughput"] == 4.0 and s["total_token_throughput"] == 14.0
+    assert s["mean_ttft_ms"] == pytest.approx(200) and s["median_ttft_ms"] == pytest.approx(200)
+    assert s["mean_tpot_ms"] == pytest.approx(150)  # (0.5-0.1)/4 = 100 ms and (0.7-0.3)/2 = 200 ms
+    assert s["median_itl_ms"] == pytest.approx(100) and s["p99_itl_ms"] == pytest.approx(200)
+    assert s["p50_e2el_ms"] == pytest.approx(600)
+    table = bench.format_table(s, [50, 99])
+    assert "Successful requests:" in table and "P99 ITL (ms):" in table and "Mean TPOT (ms):" in table
+
+
+def test_arrival_gaps():
+    rng = random.Random(0)
+    assert bench.arrival_gaps(3, float("inf"), "poisson", rng) == [0.0] * 3
+    assert bench.arrival_gaps(4, 2.0, "constant", rng) == [0.5] * 4
+    gaps = bench.arrival_gaps(4000, 10.0, "poisson", rng)
+    assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.05) and len(set(gaps)) == len(gaps)
+
+
+# ----------------------------------------------------------------------------- against a stub
+
+
+class Stub:
+    """An SSE server with fixed timings that records what it was sent and its peak concurrency."""
+
+    def __init__(self):
+        self.bodies, self.active, self.peak = [], 0, 0
+
+    async def completions(self, request: Request):
+        body = await request.json()
+        self.bodies.append(body)
+        chat = request.url.path.endswith("/chat/completions")
+
+        async def events():
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+            try:
+                if chat:
+                    yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})  # no text: not a token
+                await asyncio.sleep(FIRST_DELAY)
+                for i in range(body["max_tokens"]):
+                    if i:
+                        await asyncio.sleep(GAP)
+                    piece = f" w{i}"
+                    yield _sse({"choices": [{"index": 0, "delta": {"content": piece}} if chat else
+                                            {"index": 0, "text": piece}]})
+                yield _sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]}})
+                yield "data: [DONE]\n\n"
+            finally:
+                self.active -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+@pytest.fixture
+def stub():
+    state = Stub()
+    app = Starlette(routes=[Route(path, state.completions, methods=["POST"])
+                            for path in ("/v1/completions", "/v1/chat/completions")])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    state.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield state
+    server.should_exit = True
+    thread.join(10)
+
+
+def run_bench(tmp_path, *argv):
+    out = tmp_path / "result.json"
+    assert bench.main([*argv, "--json-out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_timings_against_the_stub(stub, tmp_path):
+    result = run_bench(tmp_path, "--base-url", stub.url, "--model", "m", "--num-prompts", "6", "--input-len", "16",
+                       "--output-len", "5", "--max-concurrency", "2", "--skip-test-request", "--vocab-size", "50")
+    s = result["summary"]
+    assert (s["completed"], s["failed"], s["total_output_tokens"], s["total_input_tokens"]) == (6, 0, 30, 42)
+    assert stub.peak == 2
+    for body in stub.bodies:
+        assert len(body["prompt"]) == 16 and all(0 <= t < 50 for t in body["prompt"])
+        assert body["ignore_eos"] is True and body["stream"] is True and body["stream_options"]["include_usage"]
+    slack = 0.1  # scheduling noise on a loaded machine
+    assert FIRST_DELAY <= s["median_ttft_ms"] / 1000 < FIRST_DELAY + slack
+    assert GAP * 0.8 <= s["median_itl_ms"] / 1000 < GAP + slack
+    assert GAP * 0.8 <= s["median_tpot_ms"] / 1000 < GAP + slack
+    for r in result["requests"]:
+        assert len(r["itl"]) == 4
+        assert (r["e2e"] - r["ttft"]) / 4 == pytest.approx(sum(r["itl"]) / 4, abs=0.01)
+    # Two clients, three rounds each of about FIRST_DELAY + 4 * GAP.
+    assert s["duration_s"] >= 3 * (FIRST_DELAY + 4 * GAP)
+
+
+def test_multi_turn_chat_resends_the_history(stub, tmp_path):
+    result = run_bench(tmp_path, "--base-url", stub.url, "--model", "m", "--endpoint", "/v1/chat/completions",
+                       "--num-prompts", "2", "--multi-turn", "3", "--input-len", "4", "--output-len", "3",
+                       "--skip-test-request")
+    assert result["summary"]["completed"] == 6 and result["summary"]["total_output_tokens"] == 18
+    turns = sorted(len(b["messages"]) for b in stub.bodies)
+    assert turns == [1, 1, 3, 3, 5, 5]
+    last = next(b["messages"] for b in stub.bodies if len(b["messages"]) == 5)
+    assert [m["role"] for m in last] == ["user", "assistant", "user", "assistant", "user"]
+    assert last[1]["content"] == last[3]["content"] == " w0 w1 w2"  # the answers, as streamed
+    assert len(last[0]["content"].split()) == 4
+    # TTFT counts the first chunk with text, not the role chunk sent at once.
+    assert result["summary"]["median_ttft_ms"] / 1000 >= FIRST_DELAY
+
+
+def test_fixed_request_rate_spaces_the_starts(stub, tmp_path):
+    result = run_bench(tmp_path, "--base-url", stub.url, "--model", "m", "--num-prompts", "4", "--input-len", "2",
+                       "--output-len", "2", "--request-rate", "5", "--arrival", "constant", "--skip-test-request")
+    starts = sorted(r["start"] for r in result["requests"])
+    assert [b - a for a, b in zip(starts, starts[1:])] == pytest.approx([0.2] * 3, abs=0.08)
+
+
+# ----------------------------------------------------------------------------- against jtp serve
+
+
+@pytest.fixture(scope="module")
+def jtp_server(tmp_path_factory):
+    """`jtp serve` on the demo checkpoint, on a free port; yields its base URL once /ready says so."""
+    from jtp.demo import ensure_demo_checkpoint
+
+    model = ensure_demo_checkpoint(tmp_path_factory.mktemp("demo") / "demo-qwen3")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jtp.cli", "serve", "--model", str(model), "--port", "0", "--no-warmup",
+         "--max-num-seqs", "8", "--num-blocks", "256"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True,
+    )
+    url, log = None, []
+    for line in proc.stderr:
+        log.append(line)
+        if match := re.search(r"on (http://\S+?)/v1", line):
+            url = match.group(1)
+            break
+    assert url, "".join(log)
+    threading.Thread(target=lambda: [log.append(line) for line in proc.stderr], daemon=True).start()
+    deadline = time.monotonic() + 120
+    while httpx.get(url + "/ready").status_code != 200:
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(log)
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(60)
+
+
+def test_completions_against_jtp_serve(jtp_server, tmp_path):
+    result = run_bench(tmp_path, "--base-url", jtp_server, "--num-prompts", "8", "--input-len", "32",
+                       "--output-len", "8", "--max-concurrency", "4")
+    s = result["summary"]
+    assert (s["completed"], s["failed"]) == (8, 0)
+    assert s["total_input_tokens"] == 8 * 32 and s["total_output_tokens"] == 8 * 8
+    assert all(r["output_tokens"] == 8 for r in result["requests"])
+    assert 0 < s["median_ttft_ms"] < s["median_e2el_ms"] and s["output_throughput"] > 0
+
+
+def test_multi_turn_chat_against_jtp_serve(jtp_server, tmp_path):
+    result = run_bench(tmp_path, "--base-url", jtp_server, "--endpoint", "/v1/chat/completions",
+                       "--num-prompts", "2", "--multi-turn", "2", "--input-len", "12", "--output-len", "6",
+                       "--skip-test-request")
+    s = result["summary"]
+    assert (s["completed"], s["failed"], s["total_output_tokens"]) == (4, 0, 4 * 6)
+    first, second = sorted(r["prompt_tokens"] for r in result["requests"])[::3]
+    assert second > first + 6  # the second turn carries the first turn and its answer
