@@ -6,36 +6,50 @@
     engine.abort(rid)                             # frees the request's blocks at once
     results = engine.generate(list_of_prompt_ids, params)   # offline batches
 
+    async for event in engine.astream(rid): ...   # the same from asyncio, never blocking the loop
+
 The engine can be driven two ways: call `step()` yourself (tests, offline batches), or
 `start()` a background loop thread (servers); `stream()` and `generate()` work with both.
 Every request ends with exactly one finished event: finish_reason "stop", "length",
-"abort" or "error".
+"abort" or "error". A request is released (forgotten) once its finished event is consumed
+by `stream` / `astream` / `result`; a consumer that stops early aborts it.
+
+Threads: `submit` and `abort` only append to an inbox (a short lock, never held across device
+work or compilation); whoever steps (the loop thread, or the caller in manual mode) drains
+the inbox at the start of each step. So no caller waits on the device.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
-import queue
+import random
 import threading
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
+import numpy as np
 
+from jtp.errors import ContextLengthError, EngineClosedError, QueueFullError, RequestError
 from jtp.page_pool import PagePool
 from jtp.runner import ModelRunner
 from jtp.sampling import SamplingParams, pack_penalty_tokens, pack_sampling, request_seed
 from jtp.scheduler import Request, Scheduler, ScheduledRow, Status
 from jtp.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from jtp.engine_args import EngineArgs
+
 log = logging.getLogger(__name__)
 
 CPU_KV_BUDGET_BYTES = 256 << 20  # without device memory stats (CPU), size the pool to this
 
-
-class RequestError(ValueError):
-    """A request that can never be served (bad parameters, too long, larger than the pool)."""
+__all__ = ["Engine", "EngineStats", "TokenEvent", "Completion", "RequestError"]
 
 
 @dataclasses.dataclass
@@ -48,6 +62,19 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None  # set when finish_reason == "error"
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (finished event)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
 
 
 @dataclasses.dataclass
@@ -70,7 +97,9 @@ class _Output:
         self.detok = tokenizer.incremental_decoder() if tokenizer else None
         self.text = ""
         self.emitted = 0  # chars of text already streamed
-        self.events: queue.Queue[TokenEvent] = queue.Queue()
+        self._events: collections.deque[TokenEvent] = collections.deque()
+        self._ready = threading.Condition()
+        self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.done = threading.Event()
@@ -93,6 +122,36 @@ class _Output:
                 return True
         return False
 
+    def put(self, event: TokenEvent) -> None:
+        with self._ready:
+            self._events.append(event)
+            self._ready.notify_all()
+            wakers = list(self._wakers)
+        for loop, flag in wakers:
+            try:
+                loop.call_soon_threadsafe(flag.set)
+            except RuntimeError:  # that consumer's event loop is closed
+                pass
+
+    def get(self, timeout: float | None = None) -> TokenEvent | None:
+        """The next event, waiting up to `timeout` (None: forever); None if none came."""
+        with self._ready:
+            if not self._ready.wait_for(lambda: self._events, timeout):
+                return None
+            return self._events.popleft()
+
+    def has_events(self) -> bool:
+        with self._ready:
+            return bool(self._events)
+
+    def get_nowait(self) -> TokenEvent | None:
+        with self._ready:
+            return self._events.popleft() if self._events else None
+
+    def add_waker(self, loop: asyncio.AbstractEventLoop, flag: asyncio.Event) -> None:
+        with self._ready:
+            self._wakers.append((loop, flag))
+
     def take_text(self, finished: bool) -> str:
         if finished and self.detok is not None and not self.stopped_by_string:
             self.text += self.detok.flush()
@@ -114,6 +173,8 @@ class Engine:
         memory_utilization: float = 0.9,
         max_model_len: int | None = None,
         tokenizer: Tokenizer | None | bool = True,
+        max_waiting_requests: int | None = None,
+        seed: int | None = None,
     ):
         self.runner = ModelRunner(model_dir, tensor_parallel_size, dtype, block_size=block_size, max_seqs=max_num_seqs)
         cfg = self.cfg = self.runner.cfg
@@ -130,13 +191,39 @@ class Engine:
             tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
         self.tokenizer = tokenizer or None
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else cfg.eos_token_ids)
+        self.max_waiting_requests = max_waiting_requests
+        self._seeds = random.Random(seed) if seed is not None else None
+        self.ready = threading.Event()  # set once warmed up (or at once without warm-up): servers' readiness
+
+        # Intake, shared with caller threads under a short lock that is never held across device work.
+        self._intake = threading.Condition()
+        self._inbox: collections.deque[tuple[str, Request | str]] = collections.deque()
+        self._queued = 0  # submits in the inbox, not yet handed to the scheduler
         self._outputs: dict[str, _Output] = {}
         self._ids = itertools.count()
+        self._closed = False
+
+        # Stepping: held by whoever runs a step (the loop thread, or the caller in manual mode).
         self._lock = threading.RLock()
-        self._wakeup = threading.Condition(self._lock)
         self._inflight: tuple[list[ScheduledRow], object] | None = None  # dispatched, not yet processed
         self._loop: threading.Thread | None = None
         self._stopping = False
+
+    @classmethod
+    def from_args(cls, args: "EngineArgs") -> "Engine":
+        return cls(
+            args.model_dir(),
+            args.tensor_parallel_size,
+            None if args.dtype == "auto" else args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_model_len,
+            max_waiting_requests=args.max_waiting_requests,
+            seed=args.seed,
+        )
 
     # ------------------------------------------------------------------ sizing
 
@@ -147,32 +234,56 @@ class Engine:
             free = stats["bytes_limit"] * utilization - stats.get("bytes_in_use", 0)
             blocks = int(free // per_block)
             log.info("KV pool sized from device memory: %.1f GiB free x %.2f", free / 2**30, utilization)
-        else:
-            want = -(-max_num_seqs * self.max_model_len // self.runner.block_size)
-            blocks = min(want, CPU_KV_BUDGET_BYTES // per_block)
-        if blocks < 1:
-            raise RuntimeError(f"no device memory left for the KV cache ({per_block} bytes per block)")
-        return blocks
+            if blocks < 1:
+                raise RuntimeError(
+                    f"no device memory left for the KV cache: {per_block} bytes per block, {free / 2**30:.2f} GiB "
+                    f"free at --gpu-memory-utilization {utilization} (raise it, or lower --max-num-seqs)"
+                )
+            return blocks
+        # No allocator stats (CPU): enough for every row at full length, within a host budget, but
+        # never less than one request of max_model_len, so the configured context is really served.
+        want = -(-max_num_seqs * self.max_model_len // self.runner.block_size)
+        one_request = -(-self.max_model_len // self.runner.block_size)
+        return max(min(want, CPU_KV_BUDGET_BYTES // per_block), one_request)
+
+    def stats(self) -> EngineStats:
+        with self._intake:
+            queued = self._queued
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + queued,
+            kv_blocks_used=self.pool.num_used_blocks,
+            kv_blocks_total=self.pool.total_blocks,
+        )
 
     # ------------------------------------------------------------------ requests
 
     def submit(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request and return its id at once (validation only; no device work, no waiting)."""
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         self._validate(prompt_ids, params)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
-        with self._lock:
+        with self._intake:
+            if self._closed:
+                raise EngineClosedError("the engine is closed and accepts no new requests")
+            waiting = len(self.scheduler.waiting) + self._queued
+            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+                raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting_requests}); retry later")
             rid = request_id
             while rid is None or (request_id is None and rid in self._outputs):
                 rid = f"req-{next(self._ids)}"  # never collides with a caller-chosen id
             if rid in self._outputs:
                 raise RequestError(f"request id {rid!r} is already in use")
-            req = Request(rid, prompt_ids, params, request_seed(params), frozenset(stop_ids))
+            seed = params.seed if params.seed is not None or self._seeds is None else self._seeds.randrange(2**32)
+            seed = request_seed(params) if seed is None else seed
+            req = Request(rid, prompt_ids, params, seed, frozenset(stop_ids))
             self._outputs[rid] = _Output(req, self.tokenizer)
-            self.scheduler.add(req)
-            self._wakeup.notify_all()
+            self._inbox.append(("add", req))
+            self._queued += 1
+            self._intake.notify_all()
         return rid
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -187,30 +298,52 @@ class Engine:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
-            raise RequestError(
+            raise ContextLengthError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"the model's context length ({self.max_model_len})"
             )
         if not self.pool.can_ever_fit(total):
-            raise RequestError(
+            raise ContextLengthError(
                 f"prompt + max_tokens = {total} tokens needs {self.pool.blocks_needed(total)} KV blocks but the "
                 f"whole pool has {self.pool.total_blocks}; lower max_tokens or give the engine more blocks"
             )
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks; False if it already finished or is unknown."""
-        with self._lock:
+        """Stop a request and free its blocks; False if it already finished or is unknown.
+
+        In manual mode (no loop thread) the blocks are free when this returns; with the loop
+        running they are freed at the start of the next step.
+        """
+        with self._intake:
             out = self._outputs.get(request_id)
             if out is None or out.request.status is Status.FINISHED:
                 return False
-            self._finish(out, "abort")
-            return True
+            self._inbox.append(("abort", request_id))
+            self._intake.notify_all()
+        if self._loop is None:
+            with self._lock:
+                self._drain_inbox()
+        return True
+
+    def _drain_inbox(self) -> None:
+        """Hand queued submits to the scheduler and carry out queued aborts (step lock held)."""
+        with self._intake:
+            work, self._inbox = list(self._inbox), collections.deque()
+            self._queued = 0
+        for kind, item in work:
+            if kind == "add":
+                self.scheduler.add(item)
+            else:
+                out = self._outputs.get(item)
+                if out is not None and out.request.status is not Status.FINISHED:
+                    self._finish(out, "abort")
 
     # ------------------------------------------------------------------ stepping
 
     def has_unfinished(self) -> bool:
-        with self._lock:
-            return self.scheduler.has_work() or self._inflight is not None
+        with self._intake:
+            queued = bool(self._inbox)
+        return queued or self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[TokenEvent]:
         """Dispatch the next step, then process the previous one's tokens while it runs.
@@ -222,6 +355,7 @@ class Engine:
         Returns the events of the step whose results were processed.
         """
         with self._lock:
+            self._drain_inbox()
             previous, self._inflight = self._inflight, None
             events = []
             if previous is not None and any(r.params.has_penalties for r in self.scheduler.running):
@@ -255,11 +389,13 @@ class Engine:
     def _process(self, rows: list[ScheduledRow], result) -> list[TokenEvent]:
         result = jax.device_get(result)  # waits for the device
         events = []
+        now = time.monotonic()
         for b, row in enumerate(rows):
             req = row.request
             if row.samples:
                 req.pending -= 1
                 if req.status is Status.RUNNING:  # else finished or aborted meanwhile: discard
+                    req.first_token_time = req.first_token_time or now
                     events.append(self._append(req, int(result.tokens[b]), result, b))
         return events
 
@@ -287,48 +423,90 @@ class Engine:
             self._finish(out, reason, event)
         else:
             event.text = out.take_text(False)
-            out.events.put(event)
+            out.put(event)
         return event
 
     def _finish(self, out: _Output, reason: str, event: TokenEvent | None = None) -> None:
         req = out.request
         self.scheduler.remove(req)
         req.finish_reason = reason
-        event = event or TokenEvent(req.id, [], "")
+        event = event or TokenEvent(req.id, [], "", error=out.error)
         event.text += out.take_text(True)
         event.finished, event.finish_reason = True, reason
-        out.events.put(event)
+        out.put(event)
         out.done.set()
 
     # ------------------------------------------------------------------ consuming
 
-    def stream(self, request_id: str, timeout: float | None = None):
-        """Yield TokenEvents of one request until its finished event."""
-        out = self._outputs[request_id]
-        while True:
-            if self._loop is None:
-                while out.events.empty():
-                    self.step()
-            event = out.events.get(timeout=timeout)
-            yield event
-            if event.finished:
-                return
+    def _output(self, request_id: str) -> _Output:
+        with self._intake:
+            out = self._outputs.get(request_id)
+        if out is None:
+            raise KeyError(f"unknown request id {request_id!r} (never submitted, or already consumed)")
+        return out
 
-    def result(self, request_id: str) -> Completion:
-        out = self._outputs[request_id]
+    def stream(self, request_id: str, timeout: float | None = None):
+        """Yield TokenEvents of one request until its finished event, then release the request.
+
+        Closing the generator before the end (a consumer that goes away) aborts the request.
+        `timeout` bounds each wait for the next event (TimeoutError).
+        """
+        out = self._output(request_id)
+        finished = False
+        try:
+            while not finished:
+                if self._loop is None:
+                    while not out.has_events():
+                        self.step()
+                event = out.get(timeout)
+                if event is None:
+                    raise TimeoutError(f"no event for request {request_id!r} within {timeout} s")
+                finished = event.finished
+                yield event
+        finally:
+            self._end_consumer(request_id, finished)
+
+    async def astream(self, request_id: str):
+        """`stream` for asyncio: waits without blocking the event loop (needs the loop thread)."""
+        out = self._output(request_id)
+        flag = asyncio.Event()
+        out.add_waker(asyncio.get_running_loop(), flag)
+        finished = False
+        try:
+            while not finished:
+                event = out.get_nowait()
+                if event is None:
+                    await flag.wait()
+                    flag.clear()
+                    continue
+                finished = event.finished
+                yield event
+        finally:
+            self._end_consumer(request_id, finished)
+
+    def _end_consumer(self, request_id: str, finished: bool) -> None:
+        if not finished:
+            self.abort(request_id)
+        self.release(request_id)
+
+    def result(self, request_id: str, timeout: float | None = None) -> Completion:
+        """Wait for a request to finish and return it whole; releases the request."""
+        out = self._output(request_id)
         if self._loop is None:
             while not out.done.is_set():
                 self.step()
-        out.done.wait()
+        if not out.done.wait(timeout):
+            raise TimeoutError(f"request {request_id!r} did not finish within {timeout} s")
         req = out.request
+        self.release(request_id)
         return Completion(
             req.id, req.prompt_ids, list(req.output_ids), out.text, req.finish_reason,
             out.logprobs or None, out.top_logprobs or None, out.error,
         )
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's outputs (servers call this after the last event)."""
-        with self._lock:
+        """Forget a finished request (the consumers above do it; idempotent)."""
+        with self._intake:
             out = self._outputs.get(request_id)
             if out is not None and out.request.status is Status.FINISHED:
                 del self._outputs[request_id]
@@ -345,12 +523,48 @@ class Engine:
                 self.abort(rid)
                 self.release(rid)
             raise
-        results = [self.result(rid) for rid in ids]
-        for rid in ids:
-            self.release(rid)
-        return results
+        return [self.result(rid) for rid in ids]
 
-    # ------------------------------------------------------------------ background loop
+    # ------------------------------------------------------------------ warm-up
+
+    def warmup(self, progress: bool = False) -> int:
+        """Compile the step for every shape the scheduler can produce, then set `ready`.
+
+        Runs all-padding steps (nothing is written to the KV cache or the state slots) for each
+        (tokens, rows, tokens-per-row, blocks-per-row) bucket the scheduler can pick, with the
+        two common sampling variants (plain and top-k/top-p/min-p); penalties and logprobs
+        compile on first use. Returns how many step variants were compiled (0 when all came
+        from the persistent compilation cache or an earlier warm-up).
+        """
+        from tqdm import tqdm
+
+        shapes = self.scheduler.buckets.shapes()
+        variants = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)]
+        before = self.runner.compilations
+        bar = tqdm(total=len(shapes) * len(variants), desc="warm-up: compiling step shapes", unit="shape",
+                   disable=not progress, mininterval=1.0)
+        with self._lock, bar:
+            self._settle()
+            for shape in shapes:
+                plan = self.scheduler.padding_plan(*shape)
+                B = len(plan.context_lens)
+                for params in variants:
+                    sampling = pack_sampling([params] * B, B, [0] * B, [0] * B)
+                    sampling = sampling._replace(seed=np.zeros(B, np.uint32))
+                    jax.block_until_ready(self.runner.dispatch(plan, sampling))
+                    bar.update()
+        self.ready.set()
+        compiled = self.runner.compilations - before
+        log.info("warm-up: %d step shapes x %d sampling variants, %d compiled", len(shapes), len(variants), compiled)
+        return compiled
+
+    def _settle(self) -> None:
+        """Process the in-flight step, if any, so nothing is pending on the device (step lock held)."""
+        previous, self._inflight = self._inflight, None
+        if previous is not None:
+            self._process(*previous)
+
+    # ------------------------------------------------------------------ background loop, shutdown
 
     def start(self) -> None:
         """Run steps on a background thread until `stop()` (for servers)."""
@@ -361,18 +575,41 @@ class Engine:
         self._loop.start()
 
     def stop(self) -> None:
-        with self._lock:
+        """Stop the loop thread and end every unfinished request with an "abort" finished event."""
+        with self._intake:
             self._stopping = True
-            self._wakeup.notify_all()
-        if self._loop is not None:
+            self._intake.notify_all()
+        if self._loop is not None and self._loop is not threading.current_thread():
             self._loop.join()
-            self._loop = None
+        self._loop = None
+        with self._lock:
+            try:
+                self._settle()
+            except Exception:  # noqa: BLE001 - the device step failed; the requests end below anyway
+                log.exception("the last in-flight step failed while stopping")
+            self._drain_inbox()
+            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self._finish(self._outputs[req.id], "abort")
+
+    def close(self) -> None:
+        """Stop, refuse new requests, and free the device memory (weights and KV cache)."""
+        with self._intake:
+            self._closed = True
+        self.stop()
+        self.ready.clear()
+        self.runner.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _run_loop(self) -> None:
         while True:
-            with self._lock:
-                while not self._stopping and not self.scheduler.has_work() and self._inflight is None:
-                    self._wakeup.wait()
+            with self._intake:
+                while not self._stopping and not self._inbox and not self.scheduler.has_work() and self._inflight is None:
+                    self._intake.wait()
                 if self._stopping:
                     return
             try:
@@ -380,8 +617,8 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
                 log.exception("engine step failed; failing the running requests")
                 with self._lock:
+                    self._inflight = None
                     for req in list(self.scheduler.running):
                         out = self._outputs[req.id]
                         out.error = f"{type(e).__name__}: {e}"
-                        self._finish(out, "error", TokenEvent(req.id, [], "", error=out.error))
-
+                        self._finish(out, "error")

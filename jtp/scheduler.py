@@ -78,47 +78,56 @@ class Buckets:
     """Static shapes of the jitted step: each dimension is padded up to one of these.
 
     tokens: powers of two from 16 to max_num_batched_tokens (plus that value itself);
-    rows: powers of two from 8 to max_num_seqs (and never more than the token bucket);
-    tokens per row: powers of two from 1 up to the token bucket (1 in a pure decode step);
-    blocks per row: powers of two up to the blocks of max_model_len.
+    rows: powers of two from 8 to max_num_seqs. A pure decode step picks it from its row count;
+      a step with a longer row takes the most rows its token bucket can hold (padding rows
+      cost almost nothing there, and the step shape then depends on the tokens alone);
+    tokens per row: 1 in a pure decode step, else a power of four from 4, at most the tokens;
+    blocks per row: powers of four up to the blocks of max_model_len.
+    The last two are coarse because they multiply every other dimension (see `shapes`).
     """
 
     tokens: tuple[int, ...]
     rows: tuple[int, ...]
     blocks: tuple[int, ...]
-    row_lens: tuple[int, ...] = ()
+    row_lens: tuple[int, ...]
 
     @classmethod
     def make(cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> "Buckets":
         return cls(
-            tokens=_powers_of_two(16, max_num_batched_tokens),
-            rows=_powers_of_two(8, max_num_seqs),
-            blocks=_powers_of_two(1, max_blocks_per_seq),
-            row_lens=_powers_of_two(1, max_num_batched_tokens),
+            tokens=_powers(16, max_num_batched_tokens),
+            rows=_powers(8, max_num_seqs),
+            blocks=_powers(1, max_blocks_per_seq, base=4),
+            row_lens=(1,) + _powers(4, max_num_batched_tokens, base=4),
         )
 
     @staticmethod
     def pick(buckets: tuple[int, ...], n: int) -> int:
         return next(b for b in buckets if b >= n)
 
-    def num_shapes(self) -> int:
-        """How many distinct step shapes the buckets allow (rows and tokens per row <= tokens)."""
-        triples = sum(
-            1
-            for t in self.tokens
-            for r in self.rows
-            if r <= max(t, self.rows[0])
-            for q in self.row_lens
-            if q <= t
-        )
-        return triples * len(self.blocks)
+    def step_shape(self, num_tokens: int, num_rows: int, longest_row: int) -> tuple[int, int, int]:
+        """(tokens, rows, tokens per row) buckets of a step."""
+        T = self.pick(self.tokens, num_tokens)
+        if longest_row == 1:
+            return T, self.pick(self.rows, num_rows), 1
+        return T, self.pick(self.rows, min(T, self.rows[-1])), min(self.pick(self.row_lens, longest_row), T)
+
+    def shapes(self) -> list[tuple[int, int, int, int]]:
+        """Every (tokens, rows, tokens per row, blocks per row) the scheduler can pick, decode first."""
+        decode = {self.step_shape(n, n, 1) for n in range(1, self.rows[-1] + 1)}
+        # A step with a row of m >= 2 tokens has at least m tokens: any token bucket T >= m.
+        mixed = {
+            self.step_shape(T, 1, m)
+            for T in self.tokens
+            for m in {2} | {q for q in self.row_lens if 2 <= q <= T} | {T}
+        }
+        return [(T, B, q, M) for T, B, q in sorted(decode) + sorted(mixed) for M in self.blocks]
 
 
-def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+def _powers(lo: int, hi: int, base: int = 2) -> tuple[int, ...]:
     out, b = [], lo
     while b < hi:
         out.append(b)
-        b *= 2
+        b *= base
     return tuple(out) + (hi,)
 
 
@@ -195,8 +204,8 @@ class Scheduler:
 
     def build_plan(self, rows: list[ScheduledRow]) -> StepPlan:
         total = sum(r.num_tokens for r in rows)
-        T = Buckets.pick(self.buckets.tokens, total)
-        B = Buckets.pick(self.buckets.rows, len(rows))
+        longest = max(r.num_tokens for r in rows)
+        T, B, max_row_len = self.buckets.step_shape(total, len(rows), longest)
         tables = [self.pool.block_table(r.request.id) for r in rows]
         M = Buckets.pick(self.buckets.blocks, max(len(t) for t in tables))
 
@@ -226,5 +235,13 @@ class Scheduler:
         return StepPlan(
             token_ids, positions, slot_mapping, token_rows, block_tables, context_lens,
             row_starts, row_lens, state_slots, logits_indices,
-            max_row_len=Buckets.pick(self.buckets.row_lens, max(r.num_tokens for r in rows)),
+            max_row_len=max_row_len,
+        )
+
+    def padding_plan(self, T: int, B: int, max_row_len: int, M: int) -> StepPlan:
+        """A step of the given shape with nothing in it: no K/V or state is written (warm-up)."""
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        return StepPlan(
+            zeros(T), zeros(T), np.full(T, -1, np.int32), zeros(T), zeros(B, M), zeros(B),
+            zeros(B), zeros(B), np.full(B, -1, np.int32), zeros(B), max_row_len=max_row_len,
         )

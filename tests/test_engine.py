@@ -16,7 +16,7 @@ import random
 import numpy as np
 import pytest
 
-from jtp.engine import Engine, RequestError
+from jtp.engine import Completion, Engine, RequestError
 from jtp.page_pool import PagePool
 from jtp.sampling import MAX_LOGPROBS, SamplingParams
 from jtp.scheduler import Request, Scheduler, Status
@@ -48,6 +48,19 @@ def workload(seed: int, num: int, min_len=3, max_len=70, min_new=1, max_new=20):
     news = [max_new, min_new] + [rng.randint(min_new, max_new) for _ in range(num - 2)]
     rng.shuffle(lengths)
     return [(random_prompt(rng, n), m) for n, m in zip(lengths, news)]
+
+
+def stream_all(engine: Engine, rid: str):
+    """Consume a request's stream (which releases it); its events and the Completion they add up to."""
+    events = list(engine.stream(rid))
+    last = events[-1]
+    logprobs = [lp for ev in events for lp in ev.logprobs or []]
+    top = [t for ev in events for t in ev.top_logprobs or []]
+    completion = Completion(
+        rid, [], [t for ev in events for t in ev.token_ids], "".join(ev.text for ev in events),
+        last.finish_reason, logprobs or None, top or None, last.error,
+    )
+    return events, completion
 
 
 # ----------------------------------------------------------------------------- instrumentation
@@ -107,10 +120,7 @@ def run_staggered(engine: Engine, prompts, params, waves=(3, 2, 4, 1, 3), gaps=(
         engine.step()
         steps += 1
         assert steps < max_steps, f"engine did not drain within {max_steps} steps"
-    results = [engine.result(rid) for rid in rids]
-    for rid in rids:
-        engine.release(rid)
-    return results
+    return [engine.result(rid) for rid in rids]  # result() releases each request
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -319,10 +329,7 @@ def test_request_larger_than_pool(qwen3):
 
 
 def _request(engine: Engine, rid: str) -> Request:
-    for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
-        if r.id == rid:
-            return r
-    raise KeyError(rid)
+    return engine._outputs[rid].request
 
 
 def test_abort_mid_stream(qwen3, engine):
@@ -359,8 +366,8 @@ def test_abort_mid_stream(qwen3, engine):
     rest = list(events)
     assert len(rest) == 1 and rest[0].finished and rest[0].finish_reason == "abort" and rest[0].token_ids == []
     assert engine.abort(victim) is False  # already finished
-    c = engine.result(victim)
-    assert c.finish_reason == "abort" and c.token_ids == streamed
+    with pytest.raises(KeyError):  # the stream consumed the finished event: the request is released
+        engine.result(victim)
     assert streamed == qwen3.solo(victim_prompt, greedy(40)).token_ids[:5]
 
     # Abort in the middle of a chunked prefill.
@@ -392,8 +399,7 @@ def test_abort_mid_stream(qwen3, engine):
     assert not engine.has_unfinished()
     assert pool.num_free_blocks == total
     pool.check_invariants()
-    for rid in ids + [victim, long_id, waiting_id]:
-        engine.release(rid)
+    assert not engine._outputs, "every consumed request is released"
 
 
 # ----------------------------------------------------------------------------- 4. compilations
@@ -446,7 +452,7 @@ def test_compilation_count_is_bounded(qwen3):
 
     first = run_staggered(eng, prompts, params, waves=(5, 10, 3, 12, 7), gaps=(3, 2, 4, 1, 2))
     compiled = runner.compilations
-    bound = eng.scheduler.buckets.num_shapes() * len(variants)
+    bound = len(eng.scheduler.buckets.shapes()) * len(variants)
     print(
         f"\ncompilations: {compiled} (distinct step signatures {len(signatures)}, "
         f"{len(variants)} sampling-flag variants, bound {bound})"
@@ -514,8 +520,7 @@ def test_stop_token_and_length(qwen3, engine):
     stop = ref[3]
     cut = ref.index(stop) + 1
     rid = engine.submit(prompt, greedy(20, stop_token_ids=[stop]))
-    events = list(engine.stream(rid))
-    c = engine.result(rid)
+    events, c = stream_all(engine, rid)
     assert c.finish_reason == "stop"
     assert c.token_ids == ref[:cut] and c.token_ids[-1] == stop
     assert [t for ev in events for t in ev.token_ids] == c.token_ids
@@ -527,16 +532,14 @@ def test_stop_token_and_length(qwen3, engine):
     assert engine.result(rid).token_ids == ref[:cut]
 
     rid = engine.submit(prompt, greedy(7))
-    events = list(engine.stream(rid))
-    c = engine.result(rid)
+    events, c = stream_all(engine, rid)
     assert c.finish_reason == "length" and c.token_ids == ref[:7]
     assert [t for ev in events for t in ev.token_ids] == c.token_ids
     assert sum(ev.finished for ev in events) == 1 and events[-1].finish_reason == "length"
 
     # logprobs come back per token, consistent with greedy choice (the chosen token is the top one).
     rid = engine.submit(prompt, greedy(5, logprobs=3))
-    events = list(engine.stream(rid))
-    c = engine.result(rid)
+    events, c = stream_all(engine, rid)
     assert c.token_ids == ref[:5]
     assert len(c.logprobs) == 5 and len(c.top_logprobs) == 5
     for tok, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs):

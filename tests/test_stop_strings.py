@@ -17,9 +17,9 @@ def engine(tmp_path_factory):
 
 
 def streamed(engine, prompt, params):
-    rid = engine.submit(prompt, params)
-    events = list(engine.stream(rid))
-    return events, engine.result(rid)
+    """The streamed events of one run, and the Completion of a second, unstreamed run (seeded: equal)."""
+    events = list(engine.stream(engine.submit(prompt, params)))
+    return events, engine.result(engine.submit(prompt, params))
 
 
 def test_stop_string_cuts_text_and_stream(engine):
