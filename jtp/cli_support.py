@@ -183,11 +183,12 @@ def open_engine(engine_args: EngineArgs) -> Engine:
 def describe_engine(engine: Engine) -> list[str]:
     mesh = engine.runner.mesh
     devices = list(mesh.devices.flat)
-    kinds = sorted({d.device_kind for d in devices})
+    kinds = ", ".join(sorted({d.device_kind for d in devices}))
+    platform = devices[0].platform
     pool_tokens = engine.pool.total_blocks * engine.pool.block_size
     per_device = engine.pool.total_blocks * engine.runner.bytes_per_block() / 2**20
     lines = [
-        f"devices: {len(devices)} x {', '.join(kinds)} ({devices[0].platform})",
+        f"devices: {len(devices)} x {kinds}" + ("" if kinds == platform else f" ({platform})"),
         "mesh: " + " x ".join(f"{name}={size}" for name, size in mesh.shape.items()),
         f"KV pool: {engine.pool.total_blocks:,} blocks x {engine.pool.block_size} = {pool_tokens:,} tokens "
         f"({per_device:,.1f} MiB per device); max_model_len {engine.max_model_len:,}",

@@ -334,3 +334,30 @@ def test_interrupt_swallowed_by_a_callback_still_stops_the_run(engine, tmp_path,
     assert 0 < written < 40
     rest = batch.run(engine, inp, out)
     assert rest.skipped == written and sorted(r["id"] for r in read_rows(out)) == list(range(40))
+
+
+def test_ctrl_c_exits_130_and_the_rerun_finishes(ckpt, tmp_path):
+    import signal
+    import time
+
+    lines = [json.dumps({"id": n, "prompt": f"the sea {n}", "max_tokens": 24, "ignore_eos": True}) for n in range(64)]
+    inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "jtp.cli", "batch", "--model", str(ckpt), "--input", str(inp), "--output", str(out),
+           "--max-num-seqs", "2", "--num-blocks", "64"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env, text=True)
+    deadline = time.monotonic() + 240
+    while not (out.exists() and out.read_text().count("\n") >= 2):  # interrupt mid-run
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted: the rows written so far are in" in err
+    written = len(read_rows(out))
+    assert 2 <= written < 64
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{written} skipped" in proc.stderr
+    assert sorted(r["id"] for r in read_rows(out)) == list(range(64))
