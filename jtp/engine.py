@@ -105,6 +105,7 @@ class _Output:
         self.done = threading.Event()
         self.error: str | None = None
         self.stopped_by_string = False
+        self.orphaned = False  # its consumer went away before the end
         stops = request.params.stop
         self.holdback = max((len(s) for s in stops), default=1) - 1
 
@@ -435,6 +436,8 @@ class Engine:
         event.finished, event.finish_reason = True, reason
         out.put(event)
         out.done.set()
+        if out.orphaned:
+            self.release(req.id)
 
     # ------------------------------------------------------------------ consuming
 
@@ -486,6 +489,10 @@ class Engine:
 
     def _end_consumer(self, request_id: str, finished: bool) -> None:
         if not finished:
+            with self._intake:
+                out = self._outputs.get(request_id)
+                if out is not None:
+                    out.orphaned = True  # nobody will read its finished event: release it then
             self.abort(request_id)
         self.release(request_id)
 

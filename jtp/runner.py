@@ -1,5 +1,5 @@
 """ModelRunner: the device side of the engine. It owns the sharded weights, the paged KV
-cache and the one jitted step; it consumes plain-numpy `StepPlan`s and returns numpy results.
+cache and the one jitted step; it consumes plain-numpy `StepPlan`s and returns the sampled results.
 
 Everything about *which* tokens run is decided on the host (scheduler); the runner only
 executes. Followers in a multi-process deployment run the very same calls on their devices.
@@ -11,20 +11,18 @@ import contextlib
 import dataclasses
 import functools
 import threading
-import logging
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jtp.attention import AttentionMetadata, attention_mesh
+
+from jtp.attention import AttentionMetadata, choose_attention
 from jtp.config import ModelConfig
 from jtp.models import family_of
-from jtp.sampling import MAX_LOGPROBS, SampleResult, SamplingBatch, sample
+from jtp.sampling import MAX_LOGPROBS, SampleResult, SamplingBatch, pack_sampling, sample
 from jtp.sharding import make_mesh, replicated, tp_size
 from jtp.weights import load_params, resolve_dtype
-
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -68,7 +66,6 @@ class ModelRunner:
         max_seqs: int = 64,
         devices=None,
     ):
-        self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_dir(model_dir)
         self.mesh = make_mesh(tensor_parallel_size, devices)
         self.dtype = resolve_dtype(self.cfg, dtype)
@@ -80,9 +77,12 @@ class ModelRunner:
         self.cache = None
         if num_blocks is not None:
             self.allocate_cache(num_blocks)
-        self._logits_fn = jax.jit(functools.partial(_forward_logits, self.family, self.cfg), donate_argnums=(1,))
+        # Chosen once here, so tracing the step reads no globals or environment.
+        self.attention = choose_attention(self.mesh)
         self._step_fn = jax.jit(
-            functools.partial(_forward_sample, self.family, self.cfg), donate_argnums=(1, 2), static_argnames=("flags",)
+            functools.partial(_step, self.family, self.cfg, self.attention),
+            donate_argnums=(1, 2),
+            static_argnames=("flags",),
         )
         self.compilations = 0  # traces of the step function: bounded by the bucket sets
         # The last token sampled for each state slot, kept on device: a plan can name it (token id -1)
@@ -116,51 +116,54 @@ class ModelRunner:
         except Exception:  # noqa: BLE001 - some backends raise instead of returning None
             return None
 
-    @staticmethod
-    def _step_inputs(plan: StepPlan):
-        """The plan as int32 numpy arrays. They go to the jitted call as numpy: its C++ path
-        transfers them (replicated) far faster than one `jax.device_put` per array (~0.2 ms each)."""
-        return jax.tree.map(lambda a: np.asarray(a, np.int32), (plan.token_ids, plan.metadata(), plan.logits_indices))
-
     def dispatch(self, plan: StepPlan, sampling: SamplingBatch, penalty_tokens=None) -> SampleResult:
         """Enqueue one step (forward + sampling) and return at once with device-side results.
 
         Token id -1 in the plan means "the token last sampled for this row's state slot".
         `jax.device_get` on the result waits for the device; only sampled results come back.
         """
-        tokens, meta, idx = self._step_inputs(plan)
+        args, flags = self._step_args(plan, sampling, penalty_tokens)
+        with _count_traces(self):
+            result, self.cache, self.sampled = self._step_fn(*args, flags=flags)
+        return result
+
+    def compiled_text(self, plan: StepPlan, sampling: SamplingBatch | None = None, penalty_tokens=None) -> str:
+        """The optimized HLO of the serving step (what `dispatch` runs) for this plan's shapes, to
+        inspect its collectives. Sampling defaults to greedy rows without logprobs."""
+        if sampling is None:
+            sampling = pack_sampling([], len(plan.context_lens), [], [])
+        args, flags = self._step_args(plan, sampling, penalty_tokens)
+        return self._step_fn.lower(*args, flags=flags).compile().as_text()
+
+    def close(self) -> None:
+        """Free this runner's device memory (weights, KV cache, sampled tokens) now rather than
+        whenever Python collects it, so another runner in the process gets it. Unusable afterwards."""
+        for leaf in jax.tree.leaves((self.params, self.cache, self.sampled)):
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                leaf.delete()
+        self.params = self.cache = self.sampled = None
+
+    def _step_args(self, plan: StepPlan, sampling: SamplingBatch, penalty_tokens):
+        """The step's positional arguments and static sampling flags.
+
+        The plan goes as int32 numpy arrays: the jitted call's C++ path transfers them (replicated)
+        far faster than one `jax.device_put` per array (~0.2 ms each)."""
+        tokens, meta, idx = jax.tree.map(
+            lambda a: np.asarray(a, np.int32), (plan.token_ids, plan.metadata(), plan.logits_indices)
+        )
         flags = sampling.static_flags()
         # Any top-n request computes the maximum n: one compiled variant instead of twenty.
         flags = flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
-        with attention_mesh(self.mesh), _count_traces(self):
-            result, self.cache, self.sampled = self._step_fn(
-                self.params, self.cache, self.sampled, tokens, meta, idx, sampling, penalty_tokens, flags=flags
-            )
-        return result
-
-    def step(self, plan: StepPlan, sampling: SamplingBatch, penalty_tokens=None) -> SampleResult:
-        """Run one step and wait for its sampled tokens (numpy)."""
-        return jax.device_get(self.dispatch(plan, sampling, penalty_tokens))
-
-    def compiled_text(self, plan: StepPlan) -> str:
-        """The optimized HLO of the forward step for this plan's shapes (to inspect its collectives)."""
-        tokens, meta, idx = self._step_inputs(plan)
-        with attention_mesh(self.mesh):
-            return self._logits_fn.lower(self.params, self.cache, tokens, meta, idx).compile().as_text()
-
-    def logits(self, plan: StepPlan) -> np.ndarray:
-        """Run one step and return float32 logits [B, V] at each row's logits index."""
-        tokens, meta, idx = self._step_inputs(plan)
-        with attention_mesh(self.mesh):
-            logits, self.cache = self._logits_fn(self.params, self.cache, tokens, meta, idx)
-        return np.asarray(logits)
+        return (self.params, self.cache, self.sampled, tokens, meta, idx, sampling, penalty_tokens), flags
 
 
-def _forward_sample(family, cfg, params, cache, sampled, tokens, meta, logits_indices, sampling, penalty_tokens, flags):
+def _step(family, cfg, attention, params, cache, sampled, tokens, meta, logits_indices, sampling, penalty_tokens, flags):
+    """The serving step: forward over the ragged batch, logits at each row's index, sampling."""
     _TRACES.count += 1
     slot_of_token = meta.state_slots[meta.token_rows]
     tokens = jnp.where(tokens >= 0, tokens, sampled[jnp.maximum(slot_of_token, 0)])
-    logits, cache = _forward_logits(family, cfg, params, cache, tokens, meta, logits_indices)
+    hidden, cache = family.forward(params, cfg, tokens, cache, meta, attention)
+    logits = family.compute_logits(params, hidden[logits_indices])
     penalty_ids, penalty_is_output = penalty_tokens if penalty_tokens is not None else (None, None)
     result = sample(
         logits,
@@ -168,7 +171,6 @@ def _forward_sample(family, cfg, params, cache, sampled, tokens, meta, logits_in
         needs_top_k_p_min_p=flags.needs_top_k_p_min_p,
         needs_penalties=flags.needs_penalties,
         num_logprobs=flags.num_logprobs,
-        all_greedy=flags.all_greedy,
         penalty_ids=penalty_ids,
         penalty_is_output=penalty_is_output,
     )
@@ -191,8 +193,3 @@ def _count_traces(runner: ModelRunner):
         yield
     finally:
         runner.compilations += _TRACES.count - before
-
-
-def _forward_logits(family, cfg, params, cache, tokens, meta, logits_indices):
-    hidden, cache = family.forward(params, cfg, tokens, cache, meta)
-    return family.compute_logits(params, hidden[logits_indices]), cache

@@ -193,7 +193,6 @@ class SamplingFlags(NamedTuple):
     needs_top_k_p_min_p: bool
     needs_penalties: bool
     num_logprobs: int
-    all_greedy: bool
 
 
 class SamplingBatch(NamedTuple):
@@ -221,7 +220,6 @@ class SamplingBatch(NamedTuple):
             needs_top_k_p_min_p=bool(np.any(sampled & truncates)),
             needs_penalties=bool(np.any(penalised)),
             num_logprobs=int(max(0, np.max(self.logprobs, initial=0))),
-            all_greedy=bool(np.all(greedy)),
         )
 
 
@@ -375,7 +373,7 @@ def row_keys(batch: SamplingBatch) -> jax.Array:
 
 
 def sample(logits: jax.Array, batch: SamplingBatch, *, needs_top_k_p_min_p: bool,
-           needs_penalties: bool, num_logprobs: int, all_greedy: bool = False,
+           needs_penalties: bool, num_logprobs: int,
            penalty_ids: jax.Array | None = None, penalty_is_output: jax.Array | None = None,
            output_counts: jax.Array | None = None,
            prompt_mask: jax.Array | None = None) -> SampleResult:
@@ -395,12 +393,12 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, needs_top_k_p_min_p: bool
                                needs_penalties=needs_penalties, output_counts=output_counts,
                                prompt_mask=prompt_mask)
 
-    tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # greedy; ties -> lowest id
-    if not all_greedy:
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(
-            row_keys(batch))
-        sampled = jnp.argmax(processed + gumbel, axis=-1).astype(jnp.int32)
-        tokens = jnp.where(_greedy_rows(batch), tokens, sampled)
+    greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # ties -> lowest id
+    # Gumbel noise costs B x V random numbers, well under 1% of a decode step; drawing it for
+    # all-greedy batches too saves a compiled variant of every step shape.
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(row_keys(batch))
+    sampled = jnp.argmax(processed + gumbel, axis=-1).astype(jnp.int32)
+    tokens = jnp.where(_greedy_rows(batch), greedy_tokens, sampled)
 
     log_probs = jax.nn.log_softmax(logits, axis=-1)  # raw model distribution
     logprob = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
@@ -413,4 +411,4 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, needs_top_k_p_min_p: bool
 
 # flags are Python values baked into the trace: one compile per (flags, shapes)
 sample_jit = jax.jit(sample, static_argnames=(
-    "needs_top_k_p_min_p", "needs_penalties", "num_logprobs", "all_greedy"))
+    "needs_top_k_p_min_p", "needs_penalties", "num_logprobs"))
