@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jtp.sampling import MAX_LOGPROBS
+from jtp.sampling import MAX_LOGPROBS, SamplingParams
 from jtp.server.errors import APIError
 
 MAX_N = 128  # choices per request; each is a separate engine request
@@ -122,6 +122,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tools=fields.get("tools"),
         template_kwargs=fields.get("chat_template_kwargs") or {},
     )
+
+
+def sampling_params(req: GenerationRequest, max_tokens: int, choice: int) -> SamplingParams:
+    """The engine parameters of one choice. With a seed, choice j samples with seed + j:
+    reproducible, yet the n choices differ. Values are checked by the engine at submit."""
+    seed = None if req.seed is None else req.seed + choice
+    return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=req.num_logprobs, **req.sampling)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -19,13 +19,13 @@ import jinja2
 from starlette.responses import JSONResponse, Response
 
 from jtp.errors import ContextLengthError
-from jtp.sampling import SamplingParams
 from jtp.server.choices import ChatChoice, CompletionChoice
 from jtp.server.errors import APIError
 from jtp.server.generation import ChoiceRequest, Generation
 from jtp.server.logprobs import TokenNames
 from jtp.server.metrics import ServerMetrics
-from jtp.server.protocol import ChatRequest, GenerationRequest, parse_chat_request, parse_completion_request
+from jtp.server.protocol import (ChatRequest, GenerationRequest, parse_chat_request, parse_completion_request,
+                                 sampling_params)
 from jtp.server.reasoning import make_reasoning_parser
 from jtp.server.sse import DONE, EventStream, sse_data
 
@@ -73,7 +73,7 @@ class OpenAIServing:
                        prompts: list[_Prompt], max_tokens_for, choices: list, openings: list[dict]) -> Response:
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         requests = [
-            ChoiceRequest(p, prompt.ids, self._params(req, max_tokens_for(prompt), j))
+            ChoiceRequest(p, prompt.ids, sampling_params(req, max_tokens_for(prompt), j))
             for p, prompt in enumerate(prompts)
             for j in range(req.n)
         ]
@@ -149,12 +149,6 @@ class OpenAIServing:
             return left
 
         return rest_of_context
-
-    @staticmethod
-    def _params(req: GenerationRequest, max_tokens: int, choice: int) -> SamplingParams:
-        # With a seed, choice j samples with seed + j: reproducible, yet the n choices differ.
-        seed = None if req.seed is None else req.seed + choice
-        return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=req.num_logprobs, **req.sampling)
 
 
 def _raise_if_failed(event) -> None:

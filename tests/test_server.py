@@ -1,0 +1,666 @@
+"""The OpenAI-compatible HTTP API against live uvicorn servers on loopback.
+
+Two real engines serve through `build_app`: the demo checkpoint (dense Qwen3) and a tiny
+Qwen3.5 hybrid with the demo's tokenizer (behind an API key, with a tiny waiting queue for the
+429 case). The real `openai` client and raw SSE over httpx check that greedy text equals the
+engine's own output both ways, and every error case returns its status and OpenAI-shaped body
+while the server keeps serving. Engines skip warm-up (`ready` is set by hand) so a run compiles
+only the shapes the tests use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+import json
+import shutil
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from jtp.engine import EngineStats, TokenEvent
+from jtp.engine_args import EngineArgs
+from jtp.sampling import SamplingParams
+from jtp.server import build_app
+from jtp.server.errors import APIError
+from jtp.server.protocol import parse_chat_request, parse_completion_request, sampling_params
+from jtp.server.reasoning import Qwen3ReasoningParser
+
+# Small buckets keep the shapes compiled in a run few (large blocks: few blocks-per-row buckets).
+DENSE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, block_size=32, num_blocks=32,
+                  warmup=False)
+HYBRID_ARGS = dict(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=64, num_blocks=4,
+                   max_waiting_requests=2, warmup=False)
+API_KEY = "test-key"
+PROMPTS = ["Hello, world", "The capital of France is", "Once upon a time", "A language model",
+           "Numbers: 1 2 3", "The quick brown fox", "Guten Morgen", "def generate(model"]
+CHAT = [{"role": "user", "content": "Hello! How are you today?"}]
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+@contextlib.contextmanager
+def serving(app):
+    """uvicorn on a free loopback port in a thread; yields the base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@dataclasses.dataclass
+class Served:
+    engine: object
+    url: str
+    model: str
+    api_key: str | None = None
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0,
+                             timeout=120)
+
+    def post(self, path: str, body=None, content: bytes | None = None, headers: dict | None = None,
+             timeout: float = 120) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, content=content, timeout=timeout,
+                          headers=self.headers if headers is None else headers)
+
+    def stream_raw(self, path: str, body: dict) -> str:
+        with httpx.stream("POST", self.url + path, json={**body, "stream": True}, headers=self.headers,
+                          timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            assert r.headers["content-type"].startswith("text/event-stream")
+            return r.read().decode()
+
+    def metrics(self, **labels) -> dict[str, float]:
+        """The samples of /metrics that carry `labels`, summed over their other labels, by name."""
+        totals: dict[str, float] = {}
+        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
+            for sample in family.samples:
+                if labels.items() <= sample.labels.items():
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+        return totals
+
+    def pool_returns_to_full(self, timeout: float = 30) -> bool:
+        deadline = time.monotonic() + timeout
+        pool = self.engine.pool
+        while time.monotonic() < deadline:
+            if pool.num_free_blocks == pool.total_blocks:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def reference(self, prompt_ids: list[int], **params):
+        """The engine's own result for a request, outside the server."""
+        return self.engine.generate([prompt_ids], SamplingParams(**params))[0]
+
+    def chat_prompt_ids(self, messages: list[dict], **template_kwargs) -> list[int]:
+        tok = self.engine.tokenizer
+        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs))
+
+
+def parse_sse(raw: str) -> list[dict]:
+    """The data events of a complete, well-formed stream: `data: {json}` blocks, then [DONE]."""
+    blocks = raw.split("\n\n")
+    assert blocks[-1] == "" and blocks[-2] == "data: [DONE]", raw[-200:]
+    events = []
+    for block in blocks[:-2]:
+        assert block.startswith("data: ") and "\n" not in block, block
+        events.append(json.loads(block[len("data: "):]))
+    return events
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def split_reasoning(text: str, prompt: str = "") -> tuple[str, str]:
+    parser = Qwen3ReasoningParser(Qwen3ReasoningParser.prompt_ends_in_think(prompt))
+    reasoning, content = parser.feed(text)
+    more_reasoning, more_content = parser.finish()
+    return reasoning + more_reasoning, content + more_content
+
+
+def start_engine(args: EngineArgs):
+    engine = args.create_engine()
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def dense():
+    args = EngineArgs(**DENSE_ARGS)
+    engine = start_engine(args)
+    engine.ready.set()  # no warm-up: each test compiles only the shapes it uses
+    try:
+        with serving(build_app(engine, args.model_name(), reasoning_parser="qwen3")) as url:
+            yield Served(engine, url, args.model_name())
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    pytest.importorskip("torch")
+    import transformers
+    from hf_hybrid import COMMON, ROPE, save
+    from jtp.demo import ensure_demo_checkpoint
+
+    # A tiny Qwen3.5 hybrid speaking the demo's vocabulary, so it can use the demo's tokenizer.
+    demo = ensure_demo_checkpoint()
+    vocab_size = json.loads((demo / "config.json").read_text())["vocab_size"]
+    config = transformers.Qwen3_5TextConfig(**{**COMMON, "vocab_size": vocab_size}, intermediate_size=96,
+                                            rope_parameters=ROPE)
+    path = save(transformers.Qwen3_5ForCausalLM(config).eval(), tmp_path_factory.mktemp("hybrid"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(demo / name, path / name)
+
+    args = EngineArgs(model=str(path), served_model_name="tiny-hybrid", **HYBRID_ARGS)
+    engine = start_engine(args)
+    try:
+        with serving(build_app(engine, args.model_name(), api_key=API_KEY)) as url:
+            served = Served(engine, url, args.model_name(), API_KEY)
+            # Before warm-up ends the server is alive but not ready, and refuses generation.
+            assert httpx.get(url + "/health").status_code == 200
+            assert httpx.get(url + "/ready").status_code == 503
+            r = served.post("/v1/completions", {"model": served.model, "prompt": "Hi", "max_tokens": 1})
+            assert_openai_error(r, 503, "not_ready")
+            engine.ready.set()
+            assert httpx.get(url + "/ready").status_code == 200
+            yield served
+    finally:
+        engine.close()
+
+
+# ----------------------------------------------------------------------------- unit: reasoning parser
+
+REASONING_CASES = [
+    # (output, prompt ends inside <think>, expected (reasoning, content))
+    ("<think>\nThe user says hi.\n\nGreet back.\n</think>\n\nHello there!", False,
+     ("The user says hi.\n\nGreet back.", "Hello there!")),
+    ("\n<think>a</think>b", False, ("a", "b")),
+    ("<think>\n\n</think>\n\nJust content.", False, ("", "Just content.")),
+    ("No thinking here, <think> later is content.", False, ("", "No thinking here, <think> later is content.")),
+    ("<think>\ncut off while thinking </thi", False, ("cut off while thinking </thi", "")),
+    ("<thinking>? not a tag", False, ("", "<thinking>? not a tag")),
+    ("<thi", False, ("", "<thi")),
+    ("  \n", False, ("", "  \n")),
+    ("reasoning from the prompt's open tag\n</think>\n\nanswer\n", True,
+     ("reasoning from the prompt's open tag", "answer\n")),
+]
+
+
+@pytest.mark.parametrize("text, opened, expected", REASONING_CASES)
+def test_reasoning_parser_gives_the_same_split_wherever_the_stream_is_cut(text, opened, expected):
+    prompt = "<|im_start|>assistant\n<think>\n" if opened else "<|im_start|>assistant\n"
+    assert split_reasoning(text, prompt) == expected
+    for cuts in itertools.chain(itertools.combinations(range(1, len(text)), 1),
+                                itertools.combinations(range(1, len(text)), 2)):
+        parser = Qwen3ReasoningParser(opened)
+        reasoning = content = ""
+        for start, end in zip((0, *cuts), (*cuts, len(text))):
+            r, c = parser.feed(text[start:end])
+            reasoning, content = reasoning + r, content + c
+        r, c = parser.finish()
+        assert (reasoning + r, content + c) == expected, cuts
+
+
+def test_reasoning_parser_one_character_at_a_time_never_leaks_a_tag():
+    text = REASONING_CASES[0][0]
+    parser = Qwen3ReasoningParser()
+    for ch in text:
+        reasoning, content = parser.feed(ch)
+        assert "<" not in reasoning + content and ">" not in reasoning + content
+
+
+def test_prompt_ends_in_think():
+    assert Qwen3ReasoningParser.prompt_ends_in_think("x<|im_start|>assistant\n<think>\n")
+    assert not Qwen3ReasoningParser.prompt_ends_in_think("assistant\n<think>\n\n</think>\n\n")
+    assert not Qwen3ReasoningParser.prompt_ends_in_think("assistant\n")
+
+
+# ----------------------------------------------------------------------------- unit: request checks
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": "8"}, "max_tokens"),
+    ({"prompt": "x", "temperature": True}, "temperature"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "stop": 3}, "stop"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "x", "echo": True}, "echo"),
+])
+def test_completion_request_errors_name_the_field(body, param):
+    with pytest.raises(APIError) as e:
+        parse_completion_request(body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "no role"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": CHAT, "logprobs": 1}, "logprobs"),
+    ({"messages": CHAT, "chat_template_kwargs": []}, "chat_template_kwargs"),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_chat_request_errors_name_the_field(body, param):
+    with pytest.raises(APIError) as e:
+        parse_chat_request(body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_requests_ignore_unknown_fields_and_nulls_and_join_text_parts():
+    req = parse_chat_request({
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "user": "someone", "metadata": {"x": 1}, "temperature": None, "max_completion_tokens": 5, "max_tokens": 9,
+        "stream_options": {"include_usage": True}, "logprobs": True,
+    })
+    assert req.messages[0]["content"] == "a\nb"
+    assert req.max_tokens == 5 and "temperature" not in req.sampling
+    assert req.include_usage and req.num_logprobs == 0
+    req = parse_completion_request({"prompt": ["a", [1, 2]], "temperature": 0, "stop": "x", "seed": 3})
+    assert req.prompts == ["a", [1, 2]] and req.sampling == {"temperature": 0, "stop": "x"} and req.seed == 3
+
+
+# ----------------------------------------------------------------------------- dense: results
+
+
+def test_completions_equal_the_engine_streamed_or_not(dense):
+    client = dense.client()
+    prompt = PROMPTS[1]
+    ref = dense.reference(dense.engine.tokenizer.encode(prompt), max_tokens=12, temperature=0)
+    whole = client.completions.create(model=dense.model, prompt=prompt, max_tokens=12, temperature=0)
+    assert whole.choices[0].text == ref.text and whole.choices[0].finish_reason == ref.finish_reason
+    assert whole.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert whole.usage.completion_tokens == len(ref.token_ids)
+    assert whole.usage.total_tokens == len(ref.prompt_token_ids) + len(ref.token_ids)
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    assert whole.object == "text_completion" and whole.model == dense.model
+
+    chunks = list(client.completions.create(model=dense.model, prompt=prompt, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+    # A token id prompt is the same request.
+    by_ids = client.completions.create(model=dense.model, prompt=ref.prompt_token_ids, max_tokens=12,
+                                       temperature=0)
+    assert by_ids.choices[0].text == ref.text
+
+
+def test_chat_equals_the_engine_streamed_or_not(dense):
+    client = dense.client()
+    ids = dense.chat_prompt_ids(CHAT)
+    ref = dense.reference(ids, max_tokens=16, temperature=0)
+    reasoning, content = split_reasoning(ref.text)
+    whole = client.chat.completions.create(model=dense.model, messages=CHAT, max_completion_tokens=16,
+                                           temperature=0)
+    message = whole.choices[0].message
+    assert message.role == "assistant" and message.content == content
+    assert getattr(message, "reasoning_content", None) == (reasoning or None)
+    assert whole.choices[0].finish_reason == ref.finish_reason
+    assert whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == len(ref.token_ids)
+
+    chunks = list(client.chat.completions.create(model=dense.model, messages=CHAT, max_tokens=16,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == content
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+    # No max_tokens: the rest of the context, so the model's own end of turn (or the context) stops it.
+    default = dense.reference(ids, max_tokens=dense.engine.max_model_len - len(ids), temperature=0)
+    whole = client.chat.completions.create(model=dense.model, messages=CHAT, temperature=0)
+    assert whole.choices[0].message.content == split_reasoning(default.text)[1]
+
+
+def test_enable_thinking_reaches_the_chat_template(dense):
+    client = dense.client()
+    on = client.chat.completions.create(model=dense.model, messages=CHAT, max_tokens=1, temperature=0)
+    off = client.chat.completions.create(model=dense.model, messages=CHAT, max_tokens=1, temperature=0,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert on.usage.prompt_tokens == len(dense.chat_prompt_ids(CHAT))
+    assert off.usage.prompt_tokens == len(dense.chat_prompt_ids(CHAT, enable_thinking=False)) > on.usage.prompt_tokens
+
+
+def test_logprobs_in_both_shapes_match_the_engine(dense):
+    tok = dense.engine.tokenizer
+    ids = tok.encode(PROMPTS[0])
+    ref = dense.reference(ids, max_tokens=6, temperature=0, logprobs=3)
+    r = dense.post("/v1/completions", {"model": dense.model, "prompt": PROMPTS[0], "max_tokens": 6,
+                                       "temperature": 0, "logprobs": 3}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    assert lp["token_logprobs"] == pytest.approx(ref.logprobs, abs=1e-5)
+    for top, token in zip(lp["top_logprobs"], lp["tokens"]):
+        assert token in top and 3 <= len(top) <= 4
+    assert lp["text_offset"][0] == 0
+    events = parse_sse(dense.stream_raw("/v1/completions", {"model": dense.model, "prompt": PROMPTS[0],
+                                                            "max_tokens": 6, "temperature": 0, "logprobs": 3}))
+    streamed = [t for e in events for t in (e["choices"][0]["logprobs"] or {}).get("tokens", [])]
+    assert streamed == lp["tokens"]
+
+    chat_ref = dense.reference(dense.chat_prompt_ids(CHAT), max_tokens=6, temperature=0, logprobs=2)
+    r = dense.client().chat.completions.create(model=dense.model, messages=CHAT, max_tokens=6, temperature=0,
+                                                logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(chat_ref.logprobs, abs=1e-5)
+    for entry in content:
+        if "\ufffd" not in entry.token:  # a whole character or more: its bytes spell its text
+            assert bytes(entry.bytes).decode() == entry.token
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_every_sampling_field_reaches_the_engine_parameters():
+    fields = dict(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.5,
+                  repetition_penalty=1.1, stop=["\n\n", "END"], stop_token_ids=[7], ignore_eos=True)
+    req = parse_chat_request({"messages": CHAT, "seed": 5, "logprobs": True, "top_logprobs": 3, **fields})
+    params = sampling_params(req, max_tokens=9, choice=2)
+    assert params == SamplingParams(max_tokens=9, seed=7, logprobs=3, **fields)
+    req = parse_completion_request({"prompt": "x", "stop": "END", "logprobs": 0})
+    params = sampling_params(req, max_tokens=16, choice=1)
+    assert params.stop == ["END"] and params.seed is None and params.logprobs == 0 and params.temperature == 1.0
+
+
+def test_n_choices_with_a_seed_are_the_engine_requests_with_seed_plus_i(dense):
+    sampling = dict(temperature=0.9, top_p=0.9, top_k=40, min_p=0.02)
+    ids = dense.engine.tokenizer.encode(PROMPTS[2])
+    r = dense.post("/v1/completions", {"model": dense.model, "prompt": PROMPTS[2], "max_tokens": 8, "n": 3,
+                                       "seed": 11, **sampling})
+    r = openai.types.Completion.model_validate(r.json())
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for choice in r.choices:
+        ref = dense.reference(ids, max_tokens=8, seed=11 + choice.index, **sampling)
+        assert choice.text == ref.text
+    assert r.usage.prompt_tokens == len(ids)  # the prompt counts once for all n choices
+
+
+def test_stop_strings_batched_prompts_and_ignore_eos(dense):
+    client = dense.client()
+    tok = dense.engine.tokenizer
+    ref = dense.reference(tok.encode(PROMPTS[3]), max_tokens=16, temperature=0, ignore_eos=True)
+    assert len(ref.token_ids) == 16
+    stop = ref.text[len(ref.text) // 2:][:3]
+    assert stop
+    r = client.completions.create(model=dense.model, prompt=PROMPTS[3], max_tokens=16, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == ref.text[:ref.text.index(stop)] and r.choices[0].finish_reason == "stop"
+
+    refs = [dense.reference(tok.encode(p), max_tokens=5, temperature=0) for p in PROMPTS[:2]]
+    r = client.completions.create(model=dense.model, prompt=PROMPTS[:2], max_tokens=5, temperature=0, n=2)
+    assert [c.text for c in r.choices] == [refs[0].text] * 2 + [refs[1].text] * 2
+    assert r.usage.prompt_tokens == sum(len(x.prompt_token_ids) for x in refs)
+
+
+# ----------------------------------------------------------------------------- dense: load and metrics
+
+
+def test_64_concurrent_streams_equal_their_solo_results_and_metrics_add_up(dense):
+    tok = dense.engine.tokenizer
+    jobs = []  # (kind, prompt text, prompt ids, max_tokens)
+    for i in range(64):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        kind = ("completion", "chat", "raw")[i % 3]
+        ids = dense.chat_prompt_ids([{"role": "user", "content": prompt}]) if kind == "chat" else tok.encode(prompt)
+        jobs.append((kind, prompt, ids, 4 + i % 9))
+    solo = {(tuple(ids), n): None for _, _, ids, n in jobs}
+    for key in solo:
+        solo[key] = dense.reference(list(key[0]), max_tokens=key[1], temperature=0)
+
+    def run(job):
+        kind, prompt, ids, n = job
+        body = dict(model=dense.model, max_tokens=n, temperature=0, stream_options={"include_usage": True})
+        if kind == "raw":
+            events = parse_sse(dense.stream_raw("/v1/completions", {**body, "prompt": prompt}))
+            text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+            return text, events[-1]["usage"]["completion_tokens"]
+        client = dense.client()
+        if kind == "chat":
+            chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": prompt}],
+                                                         stream=True, **body))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            chunks = list(client.completions.create(prompt=prompt, stream=True, **body))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+        return text, chunks[-1].usage.completion_tokens
+
+    before = dense.metrics()
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(run, jobs))
+    after = dense.metrics()
+
+    for (kind, _, ids, n), (text, completion_tokens) in zip(jobs, results):
+        ref = solo[(tuple(ids), n)]
+        expected = split_reasoning(ref.text)[1] if kind == "chat" else ref.text
+        assert text == expected and completion_tokens == len(ref.token_ids), (kind, n)
+
+    def grew(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew("jtp:prompt_tokens_total") == sum(len(ids) for _, _, ids, _ in jobs)
+    assert grew("jtp:generation_tokens_total") == sum(tokens for _, tokens in results)
+    assert grew("jtp:request_success_total") == 64
+    for histogram in ("jtp:time_to_first_token_seconds", "jtp:e2e_request_latency_seconds"):
+        assert grew(histogram + "_count") == 64
+    assert after["jtp:num_requests_running"] == after["jtp:num_requests_waiting"] == 0
+    assert dense.pool_returns_to_full()
+
+
+def test_models_health_ready_metrics(dense):
+    models = dense.client().models.list()
+    assert [m.id for m in models.data] == [dense.model]
+    assert httpx.get(dense.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(dense.url + "/ready").status_code == 200
+    text = httpx.get(dense.url + "/metrics").text
+    for name in ("jtp:time_to_first_token_seconds_bucket", "jtp:time_per_output_token_seconds_count",
+                 "jtp:e2e_request_latency_seconds_sum", "jtp:num_requests_running", "jtp:num_requests_waiting",
+                 "jtp:kv_cache_usage_perc", "jtp:prompt_tokens_total", "jtp:generation_tokens_total",
+                 "jtp:request_success_total"):
+        assert name in text
+
+
+# ----------------------------------------------------------------------------- dense: errors
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(dense, monkeypatch):
+    model = dense.model
+    assert_openai_error(dense.post("/v1/completions", content=b'{"prompt": "x",'), 400)
+    assert_openai_error(dense.post("/v1/completions", content=b"\xff\xfe"), 400)
+    assert_openai_error(dense.post("/v1/chat/completions", content=b"[1, 2]"), 400)
+    error = assert_openai_error(dense.post("/v1/completions", {"model": model, "prompt": "x", "max_tokens": "8"}),
+                                400)
+    assert error["param"] == "max_tokens" and error["type"] == "invalid_request_error"
+    assert_openai_error(dense.post("/v1/completions", {"model": model, "prompt": "x", "temperature": -1}), 400)
+    assert_openai_error(dense.post("/v1/completions", {"model": model, "prompt": "x", "top_k": 10**6}), 400)
+    assert_openai_error(dense.post("/v1/completions", {"model": model, "prompt": [10**7]}), 400)
+    assert_openai_error(dense.post("/v1/completions", {"model": model, "prompt": ""}), 400)
+    assert_openai_error(dense.post("/v1/completions", {"model": "other", "prompt": "x"}), 404, "model_not_found")
+    assert_openai_error(dense.post("/v1/chat/completions", {"model": model, "messages": [
+        {"role": "system", "content": "a"}, {"role": "system", "content": "b"}]}), 400)  # the template refuses
+    long_prompt = [5] * 100
+    assert_openai_error(dense.post("/v1/completions", {"model": model, "prompt": long_prompt, "max_tokens": 64}),
+                        400, "context_length_exceeded")
+    chat = [{"role": "user", "content": "word " * 200}]
+    assert_openai_error(dense.post("/v1/chat/completions", {"model": model, "messages": chat}), 400,
+                        "context_length_exceeded")
+    assert_openai_error(httpx.get(dense.url + "/v1/nothing"), 404)
+    assert_openai_error(httpx.get(dense.url + "/v1/completions"), 405)
+
+    # The openai client raises its typed errors from these bodies.
+    with pytest.raises(openai.BadRequestError) as e:
+        dense.client().completions.create(model=model, prompt=long_prompt, max_tokens=64)
+    assert e.value.code == "context_length_exceeded"
+
+    # An unexpected failure inside a handler is a 500 in the same shape, and nothing else breaks.
+    def broken_submit(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dense.engine, "submit", broken_submit)
+        error = assert_openai_error(dense.post("/v1/completions", {"model": model, "prompt": "x"}), 500)
+        assert "injected failure" in error["message"]
+
+    # Unknown fields are ignored; the server still serves.
+    r = dense.post("/v1/completions", {"model": model, "prompt": "x", "max_tokens": 2, "temperature": 0,
+                                       "user": "u", "metadata": {"a": 1}, "temperature_unknown": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert dense.pool_returns_to_full()
+
+
+def test_client_disconnect_aborts_its_request_and_frees_the_pool(dense):
+    body = {"model": dense.model, "prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+
+    def aborted() -> float:
+        return dense.metrics(finished_reason="abort").get("jtp:request_success_total", 0.0)
+
+    before = aborted()
+    with httpx.stream("POST", dense.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert dense.engine.pool.num_free_blocks < dense.engine.pool.total_blocks
+    assert dense.pool_returns_to_full()
+    assert aborted() == before + 1
+
+    # Not streamed: the client hangs up while its request runs.
+    payload = json.dumps(body).encode()
+    url = httpx.URL(dense.url)
+    with socket.create_connection((url.host, url.port)) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        deadline = time.monotonic() + 30
+        while dense.engine.stats().num_running == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+    assert dense.pool_returns_to_full()
+    assert aborted() == before + 2
+    r = dense.post("/v1/completions", {**body, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+# ----------------------------------------------------------------------------- reasoning, live
+
+
+class ScriptedEngine:
+    """Replays one fixed output through the engine contract the server uses, in 3-character
+    pieces, so think tags arrive cut across events."""
+
+    def __init__(self, tokenizer, output: str):
+        self.tokenizer, self.output = tokenizer, output
+        self.max_model_len = 256
+        self.ready = threading.Event()
+        self.ready.set()
+        self._ids = itertools.count()
+
+    def submit(self, prompt_ids, params, request_id=None):
+        return request_id or f"scripted-{next(self._ids)}"
+
+    def abort(self, request_id):
+        return False
+
+    def stats(self):
+        return EngineStats(0, 0, 0, 1)
+
+    async def astream(self, request_id):
+        pieces = [self.output[i:i + 3] for i in range(0, len(self.output), 3)]
+        for k, piece in enumerate(pieces):
+            await asyncio.sleep(0)
+            last = k == len(pieces) - 1
+            yield TokenEvent(request_id, [0], piece, finished=last, finish_reason="stop" if last else None)
+
+
+def test_reasoning_content_live(dense):
+    output = "<think>\nThe user greets me.\nI greet back.\n</think>\n\nHello there!"
+    engine = ScriptedEngine(dense.engine.tokenizer, output)
+    with serving(build_app(engine, "scripted", reasoning_parser="qwen3")) as url:
+        served = Served(engine, url, "scripted")
+        whole = served.client().chat.completions.create(model="scripted", messages=CHAT)
+        message = whole.choices[0].message
+        assert message.reasoning_content == "The user greets me.\nI greet back."
+        assert message.content == "Hello there!"
+        events = parse_sse(served.stream_raw("/v1/chat/completions", {"model": "scripted", "messages": CHAT}))
+        deltas = [e["choices"][0]["delta"] for e in events]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == message.reasoning_content
+        assert "".join(d.get("content", "") for d in deltas) == message.content
+    with serving(build_app(engine, "scripted")) as url:  # without the parser the tags stay in the content
+        r = Served(engine, url, "scripted").client().chat.completions.create(model="scripted", messages=CHAT)
+        assert r.choices[0].message.content == output
+
+
+# ----------------------------------------------------------------------------- hybrid
+
+
+def test_hybrid_completions_and_chat_equal_the_engine(hybrid):
+    # Every hybrid request uses the chat prompt's tokens, greedy: one prefill and one decode shape.
+    client = hybrid.client()
+    ids = hybrid.chat_prompt_ids(CHAT)
+    ref = hybrid.reference(ids, max_tokens=10, temperature=0)
+    whole = client.chat.completions.create(model=hybrid.model, messages=CHAT, max_tokens=10, temperature=0)
+    assert whole.choices[0].message.content == ref.text
+    chunks = client.chat.completions.create(model=hybrid.model, messages=CHAT, max_tokens=10, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+
+    whole = client.completions.create(model=hybrid.model, prompt=ids, max_tokens=10, temperature=0)
+    assert whole.choices[0].text == ref.text
+    chunks = client.completions.create(model=hybrid.model, prompt=ids, max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+
+
+def test_api_key_guards_v1_only(hybrid):
+    body = {"model": hybrid.model, "prompt": hybrid.chat_prompt_ids(CHAT), "max_tokens": 1, "temperature": 0}
+    assert_openai_error(hybrid.post("/v1/completions", body, headers={}), 401, "invalid_api_key")
+    assert_openai_error(hybrid.post("/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_openai_error(hybrid.post("/v1/completions", body, headers={"Authorization": API_KEY}), 401)
+    assert_openai_error(httpx.get(hybrid.url + "/v1/models"), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=hybrid.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    for open_path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(hybrid.url + open_path).status_code == 200
+    assert hybrid.post("/v1/completions", body).status_code == 200
+
+
+def test_full_waiting_queue_is_429_with_retry_after(hybrid):
+    # 8 choices against 2 running slots and 2 waiting places: the request is refused whole.
+    body = {"model": hybrid.model, "prompt": hybrid.chat_prompt_ids(CHAT), "max_tokens": 4, "temperature": 0}
+    r = hybrid.post("/v1/completions", {**body, "n": 8})
+    assert_openai_error(r, 429, "queue_full")
+    assert int(r.headers["Retry-After"]) >= 1
+    assert hybrid.pool_returns_to_full()
+    r = hybrid.post("/v1/completions", {**body, "n": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
