@@ -16,8 +16,13 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import os
+import re
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -664,3 +669,41 @@ def test_full_waiting_queue_is_429_with_retry_after(hybrid):
     assert hybrid.pool_returns_to_full()
     r = hybrid.post("/v1/completions", {**body, "n": 2})
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+# ----------------------------------------------------------------------------- jtp serve
+
+
+def test_jtp_serve_ctrl_c_ends_open_streams_and_exits():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jtp.cli", "serve", "--port", "0", "--no-warmup", "--api-key", API_KEY,
+         "--reasoning-parser", "qwen3", *(f"--{k.replace('_', '-')}={v}" for k, v in DENSE_ARGS.items()
+                                          if k != "warmup")],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
+    try:
+        log = []
+        for line in proc.stderr:
+            log.append(line)
+            if match := re.search(r"on (http://\S+?)/v1", line):
+                break
+        assert match, "".join(log)
+        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+        served = Served(None, match.group(1), "jtp-demo", API_KEY)
+        deadline = time.monotonic() + 120
+        while httpx.get(served.url + "/ready").status_code != 200:
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(log)
+            time.sleep(0.1)
+
+        body = {"model": served.model, "prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", served.url + "/v1/completions", json=body, headers=served.headers,
+                          timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "abort"
+        assert proc.wait(30) == 130, "".join(log)  # the CLI's quiet Ctrl-C status
+    finally:
+        proc.kill()

@@ -92,6 +92,8 @@ class _Server(uvicorn.Server):
         self.engine = engine
 
     async def shutdown(self, sockets=None) -> None:
+        for server in self.servers:
+            server.close()  # no new connections while the open streams end
         await asyncio.to_thread(self.engine.stop)  # every unfinished request gets its "abort" event
         await super().shutdown(sockets)
 
@@ -109,7 +111,8 @@ class _WarmUp(threading.Thread):
             if self.enabled:
                 self.engine.warmup(progress=True)
             self.engine.ready.set()
-            note("ready")
+            if not self.server.should_exit:
+                note("ready")
         except Exception:  # noqa: BLE001 - reported, then the server exits non-zero
             log.exception("warm-up failed; stopping the server")
             self.failed = True
