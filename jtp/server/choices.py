@@ -20,6 +20,9 @@ class CompletionChoice:
         self.text_offset = 0
         self.finish_reason: str | None = None
 
+    def opening(self) -> None:
+        return None  # a completions stream starts with the first text
+
     def add(self, event) -> dict | None:
         logprobs = None
         if self.wants_logprobs and event.token_ids:

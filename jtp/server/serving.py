@@ -34,10 +34,15 @@ log = logging.getLogger(__name__)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-@dataclasses.dataclass
-class _Prompt:
-    ids: list[int]
-    text: str  # the rendered chat prompt ("" for completions: only chat needs it)
+@dataclasses.dataclass(frozen=True)
+class _Endpoint:
+    id_prefix: str
+    object_name: str  # of the whole response
+    chunk_object: str  # of a streamed chunk
+
+
+COMPLETIONS = _Endpoint("cmpl", "text_completion", "text_completion")
+CHAT = _Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk")
 
 
 class OpenAIServing:
@@ -51,39 +56,40 @@ class OpenAIServing:
     async def completions(self, body) -> Response:
         req = parse_completion_request(body)
         self._check_model(req.model)
-        prompts = [_Prompt(self._prompt_ids(p), "") for p in req.prompts]
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        prompts = [(self._prompt_ids(p), max_tokens) for p in req.prompts]
         choices = [CompletionChoice(i, self.names, req.num_logprobs) for i in range(len(prompts) * req.n)]
-        return await self._respond(req, "cmpl", "text_completion", "text_completion", prompts,
-                                   lambda prompt: max_tokens, choices, openings=[])
+        return await self._respond(COMPLETIONS, req, prompts, choices)
 
     async def chat(self, body) -> Response:
         req = parse_chat_request(body)
         self._check_model(req.model)
         text = self._render_chat(req)
-        prompt = _Prompt(self._prompt_ids(text), text)
+        ids = self._prompt_ids(text)
+        max_tokens = req.max_tokens if req.max_tokens is not None else self._rest_of_context(ids)
         choices = [ChatChoice(i, self.names, req.num_logprobs, make_reasoning_parser(self.reasoning_parser, text))
                    for i in range(req.n)]
-        return await self._respond(req, "chatcmpl", "chat.completion", "chat.completion.chunk", [prompt],
-                                   self._chat_max_tokens(req), choices, openings=[c.opening() for c in choices])
+        return await self._respond(CHAT, req, [(ids, max_tokens)], choices)
 
     # ------------------------------------------------------------------ shared flow
 
-    async def _respond(self, req: GenerationRequest, id_prefix: str, object_name: str, chunk_object: str,
-                       prompts: list[_Prompt], max_tokens_for, choices: list, openings: list[dict]) -> Response:
-        response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    async def _respond(self, endpoint: _Endpoint, req: GenerationRequest, prompts: list[tuple[list[int], int]],
+                       choices: list) -> Response:
+        """Submit n choices per (prompt ids, max_tokens), then answer whole or as a stream."""
+        response_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         requests = [
-            ChoiceRequest(p, prompt.ids, sampling_params(req, max_tokens_for(prompt), j))
-            for p, prompt in enumerate(prompts)
+            ChoiceRequest(p, ids, sampling_params(req, max_tokens, j))
+            for p, (ids, max_tokens) in enumerate(prompts)
             for j in range(req.n)
         ]
         generation = Generation(self.engine, self.metrics, response_id, requests)
         generation.submit()
-        head = {"id": response_id, "object": chunk_object, "created": int(time.time()), "model": self.model_name}
+        head = {"id": response_id, "object": endpoint.chunk_object, "created": int(time.time()),
+                "model": self.model_name}
         if req.stream:
-            return EventStream(self._stream(generation, choices, openings, head, req.include_usage))
+            return EventStream(self._stream(generation, choices, head, req.include_usage))
         await self._collect(generation, choices)
-        body = {**head, "object": object_name, "choices": [c.result() for c in choices],
+        body = {**head, "object": endpoint.object_name, "choices": [c.result() for c in choices],
                 "usage": generation.usage()}
         return JSONResponse(body)
 
@@ -92,12 +98,13 @@ class OpenAIServing:
             _raise_if_failed(event)
             choices[i].add(event)
 
-    async def _stream(self, generation: Generation, choices: list, openings: list[dict], head: dict,
+    async def _stream(self, generation: Generation, choices: list, head: dict,
                       include_usage: bool) -> AsyncIterator[str]:
         usage_field = {"usage": None} if include_usage else {}  # OpenAI: null on all but the last chunk
         try:
-            for opening in openings:
-                yield sse_data({**head, "choices": [opening], **usage_field})
+            for choice in choices:
+                if (opening := choice.opening()) is not None:
+                    yield sse_data({**head, "choices": [opening], **usage_field})
             async for i, event in generation.events():
                 _raise_if_failed(event)
                 piece = choices[i].add(event)
@@ -135,20 +142,13 @@ class OpenAIServing:
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(f"cannot render the chat template: {e}", param="messages") from e
 
-    def _chat_max_tokens(self, req: ChatRequest):
+    def _rest_of_context(self, prompt_ids: list[int]) -> int:
         """Chat's default max_tokens: whatever the context has left after the prompt."""
-        if req.max_tokens is not None:
-            return lambda prompt: req.max_tokens
-
-        def rest_of_context(prompt: _Prompt) -> int:
-            left = self.engine.max_model_len - len(prompt.ids)
-            if left < 1:
-                raise ContextLengthError(
-                    f"the prompt ({len(prompt.ids)} tokens) leaves no room in the model's context length "
-                    f"({self.engine.max_model_len})")
-            return left
-
-        return rest_of_context
+        left = self.engine.max_model_len - len(prompt_ids)
+        if left < 1:
+            raise ContextLengthError(f"the prompt ({len(prompt_ids)} tokens) leaves no room in the model's "
+                                     f"context length ({self.engine.max_model_len})")
+        return left
 
 
 def _raise_if_failed(event) -> None:
