@@ -639,6 +639,7 @@ def _build(target: Path, source: Path | None) -> Path:
     """Copy `source` (or train anew when None) into a staging dir beside `target`, then rename."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would leave the installed checkpoint private
     try:
         if source is not None:
             for name in DEMO_FILES:
@@ -677,7 +678,20 @@ def _cached_build() -> Path | None:
             pass
         if not is_complete(entry):
             _build(entry, None)
+            _prune_cache(cache, keep=entry.name)
     return entry
+
+
+def _prune_cache(cache: Path, keep: str, max_age_days: float = 7) -> None:
+    """Drop builds of other recipes (other checkouts or versions) made over a week ago: a few MB each."""
+    cutoff = time.time() - max_age_days * 86400
+    for path in cache.iterdir():
+        name = path.name.removesuffix(".lock")
+        if name != keep and not name.startswith(".") and path.stat().st_mtime < cutoff:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def ensure_demo_checkpoint(path: str | Path | None = None) -> Path:

@@ -1,6 +1,7 @@
 """The embedded demo checkpoint: a trained toy Qwen3 that prints words, deterministic, complete,
 safe to build from several processes at once, and read the same way by HF transformers and jtp."""
 import json
+import os
 import re
 import threading
 
@@ -300,3 +301,15 @@ def test_hf_tokenizer_agrees(demo_dir):
     assert demo.chat_text("Hi", "Hello!") == ours.apply_chat_template(
         [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}], add_generation_prompt=False
     )
+
+
+def test_cache_prunes_old_builds_of_other_recipes(tmp_path):
+    cache = tmp_path / "cache"
+    for name in ("current", "old", "recent"):
+        (cache / name).mkdir(parents=True)
+        (cache / f"{name}.lock").touch()
+    week_ago = os.path.getmtime(cache / "old") - 8 * 86400
+    for path in (cache / "old", cache / "old.lock", cache / "current"):
+        os.utime(path, (week_ago, week_ago))
+    demo._prune_cache(cache, keep="current")
+    assert sorted(p.name for p in cache.iterdir()) == ["current", "current.lock", "recent", "recent.lock"]
