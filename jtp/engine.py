@@ -187,7 +187,10 @@ class Engine:
             "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB per device)",
             num_blocks, block_size, num_blocks * block_size, num_blocks * self.runner.bytes_per_block() / 2**20,
         )
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
+            bucket_blocks=self.runner.attention.impl != "kernel",
+        )
         if tokenizer is True:
             tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
         self.tokenizer = tokenizer or None
@@ -319,6 +322,9 @@ class Engine:
             out = self._outputs.get(request_id)
             if out is None or out.request.status is Status.FINISHED:
                 return False
+            # Whoever aborts gives the request up: it is released once finished. A consumer already
+            # streaming holds its output and still gets the finished event.
+            out.orphaned = True
             self._inbox.append(("abort", request_id))
             self._intake.notify_all()
         if self._loop is None:
@@ -553,6 +559,8 @@ class Engine:
         with self._lock, bar:
             self._settle()
             for shape in shapes:
+                if self._stopping:  # stop() / close() during warm-up (Ctrl-C): give up at once
+                    return self.runner.compilations - before
                 plan = self.scheduler.padding_plan(*shape)
                 B = len(plan.context_lens)
                 for params in variants:
@@ -577,12 +585,13 @@ class Engine:
         """Run steps on a background thread until `stop()` (for servers)."""
         if self._loop is not None:
             return
-        self._stopping = False
+        self._stopping = False  # a stopped engine may start again
         self._loop = threading.Thread(target=self._run_loop, name="jtp-engine", daemon=True)
         self._loop.start()
 
     def stop(self) -> None:
-        """Stop the loop thread and end every unfinished request with an "abort" finished event."""
+        """Stop the loop thread (and a warm-up under way) and end every unfinished request with an
+        "abort" finished event."""
         with self._intake:
             self._stopping = True
             self._intake.notify_all()
@@ -597,6 +606,7 @@ class Engine:
             self._drain_inbox()
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._finish(self._outputs[req.id], "abort")
+            self._stopping = False  # the loop and any warm-up have seen it (they give up the lock first)
 
     def close(self) -> None:
         """Stop, refuse new requests, and free the device memory (weights and KV cache)."""

@@ -82,7 +82,9 @@ class Buckets:
       a step with a longer row takes the most rows its token bucket can hold (padding rows
       cost almost nothing there, and the step shape then depends on the tokens alone);
     tokens per row: 1 in a pure decode step, else a power of four from 4, at most the tokens;
-    blocks per row: powers of four up to the blocks of max_model_len.
+    blocks per row: powers of four up to the blocks of max_model_len; just that maximum when
+      attention cost does not depend on the table's width (the GPU kernels walk a row's own
+      pages; only the plain-jnp reference gathers the whole table).
     The last two are coarse because they multiply every other dimension (see `shapes`).
     """
 
@@ -92,11 +94,13 @@ class Buckets:
     row_lens: tuple[int, ...]
 
     @classmethod
-    def make(cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> "Buckets":
+    def make(
+        cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, bucket_blocks: bool = True
+    ) -> "Buckets":
         return cls(
             tokens=_powers(16, max_num_batched_tokens),
             rows=_powers(8, max_num_seqs),
-            blocks=_powers(1, max_blocks_per_seq, base=4),
+            blocks=_powers(1, max_blocks_per_seq, base=4) if bucket_blocks else (max_blocks_per_seq,),
             row_lens=(1,) + _powers(4, max_num_batched_tokens, base=4),
         )
 
@@ -144,7 +148,10 @@ class ScheduledRow:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(
+        self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+        bucket_blocks: bool = True,
+    ):
         if max_num_batched_tokens <= max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_num_seqs ({max_num_seqs}) "
@@ -153,7 +160,8 @@ class Scheduler:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, -(-max_model_len // pool.block_size))
+        max_blocks = -(-max_model_len // pool.block_size)
+        self.buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, max_blocks, bucket_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))

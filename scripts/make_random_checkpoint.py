@@ -302,6 +302,21 @@ def _jax_normal(jax):
     return _JAX_NORMAL
 
 
+def write_placeholder_tokenizer(out: Path, vocab_size: int) -> None:
+    """A word-level tokenizer.json naming every id ("t0 t1 ..."), so servers and clients can encode
+    and decode random-weight outputs (no real tokenizer can be downloaded); with a ChatML template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tok.save(str(out / "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}, indent=2) + "\n")
+
+
 def write_checkpoint(preset: str, out: Path, dtype: str = "bfloat16", shard_gib: float = 4.0,
                      seed: int = 0, threads: int | None = None, quiet: bool = False,
                      generator: str = "numpy") -> dict:
@@ -315,6 +330,7 @@ def write_checkpoint(preset: str, out: Path, dtype: str = "bfloat16", shard_gib:
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen_cfg = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    write_placeholder_tokenizer(out, cfg["vocab_size"])
 
     specs = tensor_specs(cfg)
     total_bytes = sum(int(np.prod(s)) * dt.itemsize for _, s, _ in specs)
