@@ -5,19 +5,21 @@ A step processes T flattened query tokens that belong to B batch rows (decode to
 prefill chunks mixed); `AttentionMetadata` says, for each token, where its K/V goes and which
 row it belongs to, and for each row, which pages hold its context.
 
-The model only calls `write_kv` and `paged_attention`; a fast GPU kernel replaces the
-reference implementation behind `paged_attention` without touching the model.
+The model only calls `write_kv` and the `PagedAttention` it is given; a fast GPU kernel replaces
+the reference implementation behind it without touching the model.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jtp.kernels import ragged_paged_attention, supported
 
 # Masked scores use a large finite value, not -inf: a padding token whose row has no context
 # then yields a harmless uniform softmax instead of NaN.
@@ -88,55 +90,56 @@ def paged_attention_reference(q: jax.Array, cache: LayerKV, meta: AttentionMetad
 
 
 # ----------------------------------------------------------------------------- dispatch
-#
-# `paged_attention` picks, at trace time, the Pallas kernel (jtp/kernels) on GPUs and the reference
-# elsewhere. JTP_ATTENTION=reference|kernel forces one (on a CPU "kernel" runs Pallas' interpreter:
-# slow, for tests). A pallas_call is opaque to XLA's SPMD partitioner, so under tensor parallelism
-# the kernel runs inside shard_map over the mesh's "tp" axis (heads split, metadata replicated);
-# attention is head-local, so no collective is needed. The mesh comes from `attention_mesh(mesh)`
-# or, failing that, from the ambient `jax.set_mesh` context; without
-# either, the kernel is called unsharded, which is right for one device.
-
-_MESH = None
 
 
-@contextlib.contextmanager
-def attention_mesh(mesh):
-    """Within this block (wrap the *tracing* of a jitted step), attention shards over mesh's "tp"."""
-    global _MESH
-    prev, _MESH = _MESH, mesh
-    try:
-        yield
-    finally:
-        _MESH = prev
+IMPLS = ("kernel", "reference")
 
 
-def attention_impl() -> str:
-    """"kernel" or "reference": what paged_attention will trace right now."""
-    forced = os.environ.get("JTP_ATTENTION", "").strip().lower()
-    if forced in ("reference", "kernel"):
-        return forced
-    if forced not in ("", "auto"):
-        raise ValueError(f"JTP_ATTENTION={forced!r}: expected reference, kernel or auto")
-    return "kernel" if jax.default_backend() == "gpu" else "reference"
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    """The attention a model calls, with its implementation and mesh fixed up front.
+
+    ModelRunner builds one (`choose_attention`) and closes the jitted step over it, so a trace is
+    a function of its inputs alone: no globals, no environment read while tracing.
+
+    impl "kernel": the Pallas kernel (jtp/kernels; Pallas' interpreter off-GPU: slow, for tests),
+    where the shapes suit it; "reference": `paged_attention_reference`. A pallas_call is opaque to
+    XLA's SPMD partitioner, so with a mesh whose "tp" axis is > 1 the kernel runs inside shard_map
+    over it (heads split, metadata replicated); attention is head-local, so no collective is needed.
+    """
+
+    impl: str = "reference"
+    mesh: Mesh | None = None
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"attention {self.impl!r}: expected kernel or reference (JTP_ATTENTION also takes auto)")
+
+    def __call__(self, q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float) -> jax.Array:
+        tp = self.mesh.shape["tp"] if self.mesh is not None else 1
+        if (
+            self.impl == "kernel"
+            and supported(q.shape, cache.k.shape)
+            and q.shape[1] % tp == 0
+            and cache.k.shape[2] % tp == 0
+        ):
+            return paged_attention_kernel(q, cache, meta, scale, self.mesh if tp > 1 else None)
+        return paged_attention_reference(q, cache, meta, scale)
 
 
-def _tp_mesh():
-    mesh = _MESH
-    if mesh is None:
-        try:
-            mesh = jax.sharding.get_abstract_mesh()
-        except Exception:  # noqa: BLE001 - older jax has no ambient mesh
-            mesh = None
-    if mesh is None or "tp" not in getattr(mesh, "axis_names", ()) or mesh.shape["tp"] == 1:
-        return None
-    return mesh
+def choose_attention(mesh: Mesh | None = None, impl: str | None = None) -> PagedAttention:
+    """The kernel on GPUs, the reference elsewhere; `impl` or JTP_ATTENTION=reference|kernel|auto
+    (read here, once) forces one."""
+    impl = impl or os.environ.get("JTP_ATTENTION", "").strip().lower() or "auto"
+    if impl == "auto":
+        impl = "kernel" if jax.default_backend() == "gpu" else "reference"
+    return PagedAttention(impl, mesh)
 
 
-def paged_attention_kernel(q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float, mesh=None) -> jax.Array:
+def paged_attention_kernel(
+    q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float, mesh: Mesh | None = None
+) -> jax.Array:
     """The Pallas kernel, sharded over mesh's "tp" axis when given; interpreted off-GPU."""
-    from jtp.kernels import ragged_paged_attention
-
     interpret = jax.default_backend() != "gpu"
     # Static bound on tokens per row: 1 in a pure decode step, which then runs the decode kernel.
     max_row_len = meta.query_bound.shape[0] if meta.query_bound is not None else None
@@ -155,26 +158,5 @@ def paged_attention_kernel(q: jax.Array, cache: LayerKV, meta: AttentionMetadata
         return local(*args)
     head, kv, rep = P(None, "tp", None), P(None, None, "tp", None), P()
     in_specs = (head, kv, kv, rep, rep, rep, rep, rep, rep)
-    smap = getattr(jax, "shard_map", None)
-    if smap is not None:
-        try:
-            fn = smap(local, mesh=mesh, in_specs=in_specs, out_specs=head, check_vma=False)
-        except TypeError:
-            fn = smap(local, mesh=mesh, in_specs=in_specs, out_specs=head, check_rep=False)
-    else:  # jax < 0.7
-        from jax.experimental.shard_map import shard_map
-
-        fn = shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=head, check_rep=False)
-    return fn(*args)
-
-
-def paged_attention(q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float) -> jax.Array:
-    """The attention the model calls: the GPU kernel on GPUs, the reference elsewhere (see above)."""
-    from jtp.kernels import supported
-
-    if attention_impl() == "kernel" and supported(q.shape, cache.k.shape):
-        mesh = _tp_mesh()
-        tp = mesh.shape["tp"] if mesh is not None else 1
-        if q.shape[1] % tp == 0 and cache.k.shape[2] % tp == 0:
-            return paged_attention_kernel(q, cache, meta, scale, mesh)
-    return paged_attention_reference(q, cache, meta, scale)
+    # check_vma=False: the pallas_call has no varying-manual-axes rule to check against.
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=head, check_vma=False)(*args)

@@ -69,10 +69,6 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
-    @property
-    def is_hybrid(self) -> bool:
-        return self.model_type in HYBRID_MODEL_TYPES
-
     def is_linear_layer(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
@@ -87,13 +83,6 @@ class ModelConfig:
     @property
     def linear_value_dim(self) -> int:  # Hv * dv
         return self.linear_num_value_heads * self.linear_value_head_dim
-
-    def fingerprint(self) -> str:
-        """A stable digest, so controllers can check they load the same model."""
-        import hashlib
-
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":

@@ -356,14 +356,14 @@ def run_decode(engine, timer, rng, batch: int, args, chunk: int) -> dict:
 def attention_probe(runner, batch: int, context: int, shape, iters: int = 20, seed: int = 0) -> dict | None:
     """Time the attention call alone for one layer at a decode step's exact shapes (T, B, M).
 
-    Uses the engine's own `paged_attention` (whatever it dispatches to) on layer 0's real KV
+    Uses the runner's own attention (`runner.attention`, whatever it dispatches to) on layer 0's real KV
     buffers with random block tables; x attention layers gives its share of a decode step.
     """
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from jtp.attention import AttentionMetadata, LayerKV, paged_attention
+    from jtp.attention import AttentionMetadata, LayerKV
 
     cfg = runner.cfg
     kv = next((c for c in runner.cache if isinstance(c, LayerKV)), None)
@@ -387,7 +387,7 @@ def attention_probe(runner, batch: int, context: int, shape, iters: int = 20, se
                              row_lens, np.full(B_pad, -1, np.int32), np.arange(1, dtype=np.int32))
     meta = jax.tree.map(jnp.asarray, meta)  # query_bound of length 1: a decode step, like the runner's
     q = jax.random.normal(jax.random.PRNGKey(seed), (T, cfg.num_heads, cfg.head_dim), jnp.float32).astype(kv.k.dtype)
-    fn = jax.jit(lambda q, k, v, meta: paged_attention(q, LayerKV(k, v), meta, scale=cfg.head_dim**-0.5))
+    fn = jax.jit(lambda q, k, v, meta: runner.attention(q, LayerKV(k, v), meta, scale=cfg.head_dim**-0.5))
     fn(q, kv.k, kv.v, meta).block_until_ready()
     times = []
     for _ in range(3):

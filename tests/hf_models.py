@@ -5,10 +5,19 @@
 kind is one of "qwen3", "qwen3_moe", "qwen2". The model comes back in eval mode, float32,
 and is saved with `save_pretrained(path)` (no tokenizer). `overrides` replace config fields.
 Every norm weight is perturbed too, so a wrong "1 + w" / "w" convention shows up.
+
+What jtp is compared on is what it serves: `run_step` runs a plan through `ModelRunner.dispatch`
+(the jitted step the engine calls) with greedy sampling and 20 logprobs, and the parity tests
+compare those logprobs and tokens with HF's logits (`logprob_error`).
 """
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
 
 TINY = dict(
     vocab_size=128,
@@ -97,3 +106,97 @@ def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+# ----------------------------------------------------------------------------- the serving step's outputs
+
+
+class StepOutput(NamedTuple):
+    """What the serving step returns for some rows: greedy tokens and the top-20 logprobs."""
+
+    tokens: np.ndarray  # i32[N]
+    top_ids: np.ndarray  # i32[N, 20]
+    top_logprobs: np.ndarray  # f32[N, 20]
+
+    @staticmethod
+    def concat(outputs: list["StepOutput"]) -> "StepOutput":
+        return StepOutput(*(np.concatenate(parts) for parts in zip(*outputs)))
+
+    def take(self, rows) -> "StepOutput":
+        """Some rows (a slice or a list of indices)."""
+        return StepOutput(*(x[rows] for x in self))
+
+
+def run_step(runner, plan, positions=None) -> StepOutput:
+    """Run `plan` through ModelRunner.dispatch, greedy with 20 logprobs per row.
+
+    positions (indices into the plan's tokens): return the distribution at each of them, not at each
+    row's logits index. They ride along as extra padding rows (no tokens, no state slot: the step
+    writes nothing for them) whose logits index is the position, so any positions of a prefill come
+    out of one real step.
+    """
+    from jtp.sampling import SamplingParams, pack_sampling
+
+    rows = len(plan.context_lens)
+    if positions is not None:
+        n = len(positions)
+        extra = dict(
+            block_tables=np.zeros((n, plan.block_tables.shape[1]), np.int32),
+            context_lens=np.zeros(n, np.int32),
+            row_starts=np.full(n, plan.row_lens.sum(), np.int32),  # like the scheduler's padding rows
+            row_lens=np.zeros(n, np.int32),
+            state_slots=np.full(n, -1, np.int32),
+            logits_indices=np.asarray(positions, np.int32),
+        )
+        plan = dataclasses.replace(plan, **{k: np.concatenate([getattr(plan, k), v]) for k, v in extra.items()})
+    B = len(plan.context_lens)
+    greedy = SamplingParams(temperature=0.0, logprobs=20)
+    result = runner.dispatch(plan, pack_sampling([greedy] * B, B, [0] * B, [0] * B))
+    out = StepOutput(*(np.asarray(x) for x in (result.tokens, result.top_ids, result.top_logprobs)))
+    return out.take(slice(rows, None)) if positions is not None else out
+
+
+def log_softmax(logits) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def logprob_error(ours: StepOutput, ref_logits) -> float:
+    """Largest difference between our top-20 logprobs and the reference's logprobs of the same
+    tokens, relative to the reference's largest |logit| (so a tolerance reads as one on logits)."""
+    ref_logits = np.asarray(ref_logits, np.float64)
+    ref = np.take_along_axis(log_softmax(ref_logits), ours.top_ids, axis=-1)
+    return float(np.abs(ours.top_logprobs - ref).max() / np.abs(ref_logits).max())
+
+
+def assert_same_outputs(a: StepOutput, b: StepOutput, atol: float = 0.0, msg: str = "") -> None:
+    """Same tokens and top-20 ids; logprobs equal (atol 0) or within atol."""
+    np.testing.assert_array_equal(a.tokens, b.tokens, err_msg=msg)
+    np.testing.assert_array_equal(a.top_ids, b.top_ids, err_msg=msg)
+    np.testing.assert_allclose(a.top_logprobs, b.top_logprobs, atol=atol, rtol=0, err_msg=msg)
+
+
+_COLLECTIVE = re.compile(
+    r"= (\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+)
+
+
+def assert_step_collectives(runner, plan) -> None:
+    """The compiled serving step (greedy, no logprobs) of `plan`: exactly 2 * layers + 1 all-reduces
+    of activations (one after each row-parallel projection: o_proj / out_proj, down_proj or the
+    experts' down projection, which XLA may combine with the shared expert's into one; and one for
+    the vocab-parallel embedding lookup), and besides them only sampling's exchanges of a few values
+    per row over the vocab-parallel logits (each shard's best token, the log-softmax max and sum),
+    never the logits. Nothing is hand-written: XLA chose every one. No collective at all at tp 1."""
+    T, B, tp = len(plan.token_ids), len(plan.context_lens), runner.tp
+    activations, others = 0, []
+    for shapes, kind in _COLLECTIVE.findall(runner.compiled_text(plan)):
+        sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\w+\[([\d,]*)\]", shapes)]
+        if kind == "all-reduce" and max(sizes) >= T * runner.cfg.hidden_size:  # [T, H] or [T * top_k, H]
+            activations += 1
+        else:
+            others.append((kind, max(sizes)))
+    expected = 2 * runner.cfg.num_layers + 1 if tp > 1 else 0
+    assert activations == expected, (activations, expected, others)
+    assert all(size <= B * tp for _, size in others), others

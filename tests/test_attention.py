@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtp.attention import AttentionMetadata, LayerKV, attention_impl, paged_attention, paged_attention_reference, write_kv
+from jtp.attention import AttentionMetadata, LayerKV, PagedAttention, choose_attention, paged_attention_reference, write_kv
 from jtp.kernels.ragged_paged_attention import ragged_paged_attention
 
 _ENTROPY = np.random.SeedSequence().entropy  # fresh each run; shown in failure messages
+KERNEL = PagedAttention("kernel")  # unsharded; Pallas' interpreter off-GPU
 
 
 def _rng(case: int) -> tuple[np.random.Generator, str]:
@@ -174,12 +175,11 @@ def test_decode_kernel_matches_reference(monkeypatch, case):
     )
     scale = D**-0.5
     ref = paged_attention_reference(q, cache, meta, scale)
-    monkeypatch.setenv("JTP_ATTENTION", "kernel")
     if config is not None:
         _, ppi, splits, _, _ = config
         monkeypatch.setenv("JTP_ATTN_DECODE_KEYS", str(ppi * 16))
         monkeypatch.setenv("JTP_ATTN_DECODE_SPLITS", str(splits))
-    f = jax.jit(lambda q, c, m: paged_attention(q, c, m, scale))
+    f = jax.jit(lambda q, c, m: KERNEL(q, c, m, scale))
     names = [str(e.params.get("name")) for e in f.trace(q, cache, meta).jaxpr.eqns if e.primitive.name == "pallas_call"]
     assert any("jtp_paged_decode_attention" in n for n in names), names
     out = f(q, cache, meta)
@@ -187,7 +187,7 @@ def test_decode_kernel_matches_reference(monkeypatch, case):
     _check(out, ref, n_real, dtype, f"{tag} ctxs={ctxs} case={DECODE_CASES[case]}")
     assert np.all(np.asarray(out[n_real:], np.float32) == 0), "padding tokens should be zero"
     # The same step without the bound (general tiled kernel) agrees too.
-    gen = jax.jit(lambda q, c, m: paged_attention(q, c, m._replace(query_bound=None), scale))(q, cache, meta)
+    gen = jax.jit(lambda q, c, m: KERNEL(q, c, m._replace(query_bound=None), scale))(q, cache, meta)
     _check(gen, ref, n_real, dtype, f"{tag} general kernel")
 
 
@@ -224,14 +224,13 @@ def test_decode_path_op_count(monkeypatch, splits):
     Before the decode kernel, this step was 1 pallas_call among ~106 jaxpr ops (q transpose + pad,
     positions repeat, tile map, split merge, output transpose, padding mask).
     """
-    monkeypatch.setenv("JTP_ATTENTION", "kernel")
     monkeypatch.setenv("JTP_ATTN_DECODE_SPLITS", str(splits))
     S = jax.ShapeDtypeStruct
     T, B, hq, hkv, D, M = 16, 8, 32, 8, 128, 64  # Qwen3-8B, decode B <= 8
     i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
     meta = AttentionMetadata(i32(T), i32(T), i32(T), i32(B, M), i32(B), i32(B), i32(B), i32(B), i32(1))
     cache = LayerKV(S((256, 16, hkv, D), jnp.bfloat16), S((256, 16, hkv, D), jnp.bfloat16))
-    jaxpr = jax.make_jaxpr(lambda q, c, m: paged_attention(q, c, m, D**-0.5))(S((T, hq, D), jnp.bfloat16), cache, meta)
+    jaxpr = jax.make_jaxpr(lambda q, c, m: KERNEL(q, c, m, D**-0.5))(S((T, hq, D), jnp.bfloat16), cache, meta)
     ops, kernels = _ops_around_kernel(jaxpr.jaxpr)
     heavy = [o for o in ops if o not in _FREE_OPS]
     assert kernels == (1 if splits == 1 else 2), (kernels, ops)
@@ -239,39 +238,41 @@ def test_decode_path_op_count(monkeypatch, splits):
     assert len(ops) <= 8, ops
     # Mixed steps keep the general kernel.
     meta_mixed = meta._replace(query_bound=i32(16))
-    jaxpr = jax.make_jaxpr(lambda q, c, m: paged_attention(q, c, m, D**-0.5))(
+    jaxpr = jax.make_jaxpr(lambda q, c, m: KERNEL(q, c, m, D**-0.5))(
         S((T, hq, D), jnp.bfloat16), cache, meta_mixed
     )
     assert "jtp_ragged_paged_attention" in str(jaxpr) and "jtp_paged_decode" not in str(jaxpr)
 
 
-def test_general_kernel_with_row_bound(monkeypatch):
+def test_general_kernel_with_row_bound():
     """Mixed steps with query_bound (L > 1): the tile map is sized from L, results unchanged."""
-    monkeypatch.setenv("JTP_ATTENTION", "kernel")
     for i, (rows, L) in enumerate((([(1, 50), (7, 7), (3, 90), (1, 1)], 8), ([(16, 40), (2, 100)], 16))):
         rng, tag = _rng(500 + i)
         q, cache, meta, n_real = make_batch(rng, rows, 32, 8, 2, 4, 64, jnp.float32, bound=L)
         ref = paged_attention_reference(q, cache, meta, 0.125)
-        out = jax.jit(lambda q, c, m: paged_attention(q, c, m, 0.125))(q, cache, meta)
+        out = jax.jit(lambda q, c, m: KERNEL(q, c, m, 0.125))(q, cache, meta)
         _check(out, ref, n_real, jnp.float32, f"{tag} rows={rows} L={L}")
         assert np.all(np.asarray(out[n_real:], np.float32) == 0), "padding tokens should be zero"
 
 
 def test_dispatch(monkeypatch):
-    """JTP_ATTENTION forces either path; the default on CPU is the reference."""
+    """The kernel on GPUs, the reference elsewhere; JTP_ATTENTION (read once, when the runner
+    chooses) or an explicit impl forces either. Both paths agree."""
     rng, tag = _rng(200)
     q, cache, meta, n_real = make_batch(rng, [(1, 30), (5, 5)], 16, 8, 2, 2, 64, jnp.float32)
     monkeypatch.delenv("JTP_ATTENTION", raising=False)
-    assert attention_impl() == ("kernel" if jax.default_backend() == "gpu" else "reference")
+    assert choose_attention().impl == ("kernel" if jax.default_backend() == "gpu" else "reference")
     monkeypatch.setenv("JTP_ATTENTION", "kernel")
-    assert attention_impl() == "kernel"
-    kern = jax.jit(lambda q, c, m: paged_attention(q, c, m, 0.125))(q, cache, meta)
+    kernel = choose_attention()
+    assert kernel.impl == "kernel" and choose_attention(impl="reference").impl == "reference"
     monkeypatch.setenv("JTP_ATTENTION", "reference")
-    ref = jax.jit(lambda q, c, m: paged_attention(q, c, m, 0.125))(q, cache, meta)
+    assert kernel.impl == "kernel", "the choice is made once, not at trace time"
+    kern = jax.jit(lambda q, c, m: kernel(q, c, m, 0.125))(q, cache, meta)
+    ref = jax.jit(lambda q, c, m: choose_attention()(q, c, m, 0.125))(q, cache, meta)
     _check(kern, ref, n_real, jnp.float32, tag)
     monkeypatch.setenv("JTP_ATTENTION", "bogus")
-    with pytest.raises(ValueError):
-        attention_impl()
+    with pytest.raises(ValueError, match="bogus"):
+        choose_attention()
 
 
 LOWER_CASES = [
@@ -313,16 +314,14 @@ def test_lowers_to_triton_for_cuda(case):
 
 
 @pytest.mark.parametrize("decode", [False, True])
-def test_kernel_under_tensor_parallelism(monkeypatch, decode):
+def test_kernel_under_tensor_parallelism(decode):
     """tp=2 (conftest forces 8 CPU devices): the kernel runs per head shard inside shard_map."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jtp.attention import attention_mesh
     from jtp.sharding import make_mesh
 
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices")
-    monkeypatch.setenv("JTP_ATTENTION", "kernel")
     rng, tag = _rng(300 + decode)
     mesh = make_mesh(2)
     rows = [(1, 70), (1, 9), (1, 40), (1, 3)] if decode else [(1, 70), (9, 9), (4, 40), (1, 3)]
@@ -331,11 +330,11 @@ def test_kernel_under_tensor_parallelism(monkeypatch, decode):
     q = jax.device_put(q, NamedSharding(mesh, P(None, "tp", None)))
     cache = jax.device_put(cache, NamedSharding(mesh, P(None, None, "tp", None)))
     meta = jax.device_put(meta, NamedSharding(mesh, P()))
-    f = jax.jit(lambda q, c, m: paged_attention(q, c, m, 0.125))
-    with attention_mesh(mesh):
-        text = f.lower(q, cache, meta).as_text()
-        jaxpr_text = str(f.trace(q, cache, meta).jaxpr)
-        out = f(q, cache, meta)
+    sharded = PagedAttention("kernel", mesh)
+    f = jax.jit(lambda q, c, m: sharded(q, c, m, 0.125))
+    text = f.lower(q, cache, meta).as_text()
+    jaxpr_text = str(f.trace(q, cache, meta).jaxpr)
+    out = f(q, cache, meta)
     assert "manual" in text.lower(), "expected a shard_map (manual computation) around the kernel"
     assert out.sharding.spec[1] == "tp" if hasattr(out.sharding, "spec") else True
     assert ("jtp_paged_decode_attention" in jaxpr_text) == decode, "decode steps must take the decode kernel"

@@ -1,8 +1,10 @@
 """Issue 2 acceptance: jtp's Qwen3 / Qwen3-MoE / Qwen2 forward equals HF transformers, live.
 
 HF builds a tiny random model (every weight perturbed), saves it with save_pretrained, and
-jtp loads the safetensors; logits of a 20-token prefill plus 10 cached decode steps must
-agree to 1e-4 relative, and 32 greedy tokens must be identical to HF `generate`.
+jtp loads the safetensors. Everything is checked through the step the engine runs
+(`ModelRunner.dispatch`): the top-20 logprobs of a 20-token prefill plus 10 cached decode steps
+must agree with HF's to 1e-4 (relative to the largest logit), and 32 greedy tokens must be
+identical to HF `generate`.
 """
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import hf_greedy, make_hf_checkpoint  # noqa: E402
+from hf_models import StepOutput, hf_greedy, logprob_error, make_hf_checkpoint, run_step  # noqa: E402
 from jtp.engine import Engine  # noqa: E402
 from jtp.runner import ModelRunner, StepPlan  # noqa: E402
 from jtp.sampling import SamplingParams  # noqa: E402
@@ -47,15 +49,15 @@ def one_row_plan(ids, start, block_table, block_size) -> StepPlan:
     )
 
 
-def prefill_then_decode_logits(runner: ModelRunner, ids, prefill: int) -> np.ndarray:
-    """Logits after the prefill, then after each single-token cached decode step."""
+def prefill_then_decode(runner: ModelRunner, ids, prefill: int) -> StepOutput:
+    """The step's output after the prefill, then after each single-token cached decode step."""
     # Scattered, out-of-order pages: the paging must not depend on contiguity.
     table = [5, 2, 7, 0, 3, 6, 1, 4]
     bs = runner.block_size
-    out = [runner.logits(one_row_plan(ids[:prefill], 0, table, bs))[0]]
+    out = [run_step(runner, one_row_plan(ids[:prefill], 0, table, bs))]
     for t in range(prefill, len(ids)):
-        out.append(runner.logits(one_row_plan(ids[t : t + 1], t, table, bs))[0])
-    return np.stack(out)
+        out.append(run_step(runner, one_row_plan(ids[t : t + 1], t, table, bs)))
+    return StepOutput.concat(out)
 
 
 def hf_logits(model, ids) -> np.ndarray:
@@ -63,18 +65,15 @@ def hf_logits(model, ids) -> np.ndarray:
         return model(torch.tensor([list(ids)])).logits[0].numpy()
 
 
-def rel_err(a, b) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def test_prefill_and_cached_decode_logits_match_hf(checkpoint):
+def test_prefill_and_cached_decode_match_hf(checkpoint):
     kind, model, path = checkpoint
     ids = np.random.default_rng(1).integers(0, 128, PREFILL + DECODE)
     runner = ModelRunner(path, tensor_parallel_size=1, dtype="float32", num_blocks=8, block_size=4)
-    ours = prefill_then_decode_logits(runner, ids, PREFILL)
+    ours = prefill_then_decode(runner, ids, PREFILL)
     ref = hf_logits(model, ids)[PREFILL - 1 :]
-    assert ours.shape == ref.shape
-    assert rel_err(ours, ref) < 1e-4, f"{kind}: relative error {rel_err(ours, ref):.2e}"
+    assert len(ours.tokens) == len(ref)
+    assert logprob_error(ours, ref) < 1e-4, f"{kind}: relative error {logprob_error(ours, ref):.2e}"
+    np.testing.assert_array_equal(ours.tokens, ref.argmax(-1), err_msg=kind)
 
 
 def test_greedy_generation_matches_hf_generate(checkpoint):
@@ -91,7 +90,7 @@ def test_bfloat16_runs_close_to_hf_float32(checkpoint):
     kind, model, path = checkpoint
     ids = np.random.default_rng(3).integers(0, 128, 12)
     runner = ModelRunner(path, dtype="bfloat16", num_blocks=8, block_size=4)
-    ours = prefill_then_decode_logits(runner, ids, 8)
+    ours = prefill_then_decode(runner, ids, 8)
     ref = hf_logits(model, ids)[7:]
-    assert np.isfinite(ours).all()
-    assert rel_err(ours, ref) < 0.1, f"{kind}: bf16 relative error {rel_err(ours, ref):.2e}"
+    assert np.isfinite(ours.top_logprobs).all()
+    assert logprob_error(ours, ref) < 0.1, f"{kind}: bf16 relative error {logprob_error(ours, ref):.2e}"

@@ -13,8 +13,8 @@ from jtp.runner import ModelRunner
 from jtp.weights import CheckpointError, convert_to_orbax
 
 pytest.importorskip("torch")
-from hf_models import make_hf_checkpoint  # noqa: E402
-from test_hf_parity import prefill_then_decode_logits  # noqa: E402
+from hf_models import assert_same_outputs, logprob_error, make_hf_checkpoint  # noqa: E402
+from test_hf_parity import prefill_then_decode  # noqa: E402
 
 IDS = np.random.default_rng(7).integers(0, 128, 14)
 
@@ -25,8 +25,9 @@ def qwen3_dir(tmp_path_factory):
     return path
 
 
-def logits_of(path, tp=1, dtype="float32"):
-    return prefill_then_decode_logits(ModelRunner(path, tp, dtype, num_blocks=8, block_size=4), IDS, 10)
+def outputs_of(path, tp=1, dtype="float32"):
+    """The serving step's greedy tokens and top-20 logprobs over a prefill and 4 decode steps."""
+    return prefill_then_decode(ModelRunner(path, tp, dtype, num_blocks=8, block_size=4), IDS, 10)
 
 
 def copy_with(src, dst, tensors: dict, config_edit=None):
@@ -53,7 +54,7 @@ def test_sharded_checkpoint_loads_like_single_file(qwen3_dir, tmp_path):
         save_file({n: tensors[n] for n in part}, str(shard_dir / file))
         weight_map.update(dict.fromkeys(part, file))
     (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    np.testing.assert_array_equal(logits_of(shard_dir, tp=2), logits_of(qwen3_dir, tp=2))
+    assert_same_outputs(outputs_of(shard_dir, tp=2), outputs_of(qwen3_dir, tp=2))
 
 
 def test_tied_embeddings(tmp_path):
@@ -64,22 +65,21 @@ def test_tied_embeddings(tmp_path):
     model, _ = make_hf_checkpoint("qwen3", tmp_path / "tied2", tie_word_embeddings=True)
     with torch.no_grad():
         ref = model(torch.tensor([IDS.tolist()])).logits[0].numpy()[9:]
-    ours = logits_of(tied)
-    assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-4
+    assert logprob_error(outputs_of(tied), ref) < 1e-4
 
 
 def test_bfloat16_and_float16_checkpoints_load(qwen3_dir, tmp_path):
     import ml_dtypes
 
     tensors = load_file(str(qwen3_dir / "model.safetensors"))
-    as_f32 = logits_of(qwen3_dir, dtype="bfloat16")
+    as_f32 = outputs_of(qwen3_dir, dtype="bfloat16")
     for name, dt in [("bf16", ml_dtypes.bfloat16), ("f16", np.float16)]:
         d = copy_with(qwen3_dir, tmp_path / name, {k: v.astype(dt) for k, v in tensors.items()})
-        got = logits_of(d, dtype="bfloat16")
-        assert np.isfinite(got).all()
+        got = outputs_of(d, dtype="bfloat16")
+        assert np.isfinite(got.top_logprobs).all()
         # bf16 checkpoint into a bf16 model is exactly the fp32 checkpoint cast to bf16.
         if name == "bf16":
-            np.testing.assert_array_equal(got, as_f32)
+            assert_same_outputs(got, as_f32)
 
 
 def test_missing_tensor_is_named(qwen3_dir, tmp_path):
@@ -155,10 +155,10 @@ def test_config_defaults_and_legacy_keys():
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
-def test_orbax_round_trip_gives_identical_logits(kind, tmp_path):
+def test_orbax_round_trip_gives_identical_outputs(kind, tmp_path):
     _, hf_dir = make_hf_checkpoint(kind, tmp_path / "hf")
     out = convert_to_orbax(hf_dir, tmp_path / "orbax_model")
     assert not list(out.glob("*.safetensors")) and (out / "orbax").is_dir() and (out / "config.json").is_file()
     # Restored at another tp (with KV-head replication) straight into that sharding.
     for tp in (1, 4):
-        np.testing.assert_array_equal(logits_of(out, tp=tp), logits_of(hf_dir, tp=tp))
+        assert_same_outputs(outputs_of(out, tp=tp), outputs_of(hf_dir, tp=tp))

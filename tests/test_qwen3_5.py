@@ -1,7 +1,9 @@
 """Qwen3-Next / Qwen3.5 hybrid family: HF parity, ragged rows and state slots, TP, loading, config.
 
 Tiny float32 models from tests/hf_hybrid.py; HF transformers (pure-torch fallback kernels) is the
-reference. Runners are shared per model kind so each (T, B) shape compiles once.
+reference. Every step runs through the serving step (`ModelRunner.dispatch`, via hf_models.run_step):
+its greedy tokens and top-20 logprobs are what is compared. Runners are shared per model kind so
+each (T, B) shape compiles once.
 """
 
 from __future__ import annotations
@@ -16,16 +18,24 @@ import numpy as np
 import pytest
 
 import hf_hybrid as hh
+from hf_models import StepOutput, assert_same_outputs, assert_step_collectives, logprob_error, run_step
 
 PROMPT_LEN = 150  # > two 64-token chunks, not a multiple of 64
 GEN = 32
 BUCKET_T, BUCKET_B = 65, 2  # the shape of the ragged-batch tests
 # tp > 1 sums partial products in another order. These random tiny models amplify fp32 round-off
 # (where a DeltaNet head's output is near zero its gated RMSNorm scales it up ~1000x; HF's own
-# fp32 logits are up to ~1e-4 off its fp64 ones for some seeds). Measured tp=2 vs tp=1: 6e-6 and
-# 1.2e-5; tp=4 vs tp=1 (4 key heads, 8 value heads): 4e-5..1e-4, each as close to HF fp64 as
-# tp=1 is. A wrong split is O(1), so this still catches every sharding bug.
+# fp32 logits are up to ~1e-4 off its fp64 ones for some seeds). Measured on logits, tp=2 vs tp=1:
+# 6e-6 and 1.2e-5; tp=4 vs tp=1 (4 key heads, 8 value heads): 4e-5..1e-4, each as close to HF
+# fp64 as tp=1 is. A wrong split is O(1), so this still catches every sharding bug.
 TP_TOL = 1e-4
+
+
+def chunk_edges(n: int) -> list[int]:
+    """Prompt positions whose outputs a prefill check reads: the first, the last and both sides of
+    every 64-token DeltaNet chunk boundary. (Each rides along as a padding row of the step, and
+    padding rows cost a DeltaNet row each, so not all n.)"""
+    return sorted({0, n - 1} | {p for edge in range(64, n, 64) for p in (edge - 1, edge)})
 
 
 def rel(a, b) -> float:
@@ -75,17 +85,8 @@ def assert_states_close(a: dict, b: dict, tol=1e-4):
         assert rel(a[k], b[k]) < tol, k
 
 
-def run_compiled(runner, plan) -> tuple[np.ndarray, str]:
-    """One step through an explicitly lowered and compiled executable: its logits and HLO text."""
-    return runner.logits(plan), runner.compiled_text(plan)
-
-
-def all_reduces(hlo: str) -> int:
-    return len(re.findall(r"\ball-reduce(?:-start)?\(", hlo))
-
-
 class Case:
-    """One tiny model: HF references, a tp=1 runner, its prefill logits/state and greedy decode."""
+    """One tiny model: HF references, a tp=1 runner, its prefill outputs/state and greedy decode."""
 
     def __init__(self, kind: str, root: Path):
         self.kind = kind
@@ -98,19 +99,17 @@ class Case:
         self.runner = make_runner(self.path)
 
         planner = hh.Planner()
-        plan = planner.plan([(0, 0, self.prompt)])
-        plan.logits_indices = np.arange(PROMPT_LEN, dtype=np.int32)  # every prompt position
-        self.prefill_logits = self.runner.logits(plan)
+        self.prefill = run_step(self.runner, planner.plan([(0, 0, self.prompt)]), positions=chunk_edges(PROMPT_LEN))
         self.prefill_state = state_of(self.runner, 0)
-        self.generated, self.decode_logits = [], []
-        nxt = int(self.prefill_logits[-1].argmax())
+        self.generated, decode = [], []
+        nxt = int(self.prefill.tokens[-1])
         for step in range(GEN):
             self.generated.append(nxt)
             if step == GEN - 1:
                 break
-            out = self.runner.logits(planner.plan([(0, 0, [nxt])]))[0]
-            self.decode_logits.append(out)
-            nxt = int(out.argmax())
+            decode.append(run_step(self.runner, planner.plan([(0, 0, [nxt])])))
+            nxt = int(decode[-1].tokens[0])
+        self.decode = StepOutput.concat(decode)
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +124,9 @@ def case(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def test_hf_parity_prefill_decode_and_greedy(case, kind):
     c = case(kind)
-    assert rel(c.prefill_logits, c.hf_logits[:PROMPT_LEN]) < 1e-4
+    assert logprob_error(c.prefill, c.hf_logits[chunk_edges(PROMPT_LEN)]) < 1e-4
     # 31 single-token decode steps continue from the slot state and the paged K/V.
-    assert rel(np.stack(c.decode_logits), c.hf_logits[PROMPT_LEN:]) < 1e-4
+    assert logprob_error(c.decode, c.hf_logits[PROMPT_LEN:]) < 1e-4
     assert c.generated == c.hf_generated
 
 
@@ -148,14 +147,14 @@ def test_chunked_prefill_anywhere_equals_one_shot_and_token_by_token(case):
     # Chunks of 1, 37, 64 and 65 tokens in slot 1 (chunk boundaries mid-64, all padded to one bucket).
     start = 0
     for n in (1, 37, 64, 65):
-        out = r.logits(planner.plan([(1, 1, ids[start : start + n])], BUCKET_T, BUCKET_B))
+        out = run_step(r, planner.plan([(1, 1, ids[start : start + n])], BUCKET_T, BUCKET_B))
         start += n
-        assert rel(out[0], ref[start - 1]) < 1e-4, n
+        assert logprob_error(out.take([0]), ref[[start - 1]]) < 1e-4, n
     chunked = state_of(r, 1)
 
     # The same tokens one at a time in slot 2.
-    steps = [r.logits(planner.plan([(2, 2, [t])]))[0] for t in ids]
-    assert rel(np.stack(steps), ref) < 1e-4
+    steps = StepOutput.concat([run_step(r, planner.plan([(2, 2, [t])])) for t in ids])
+    assert logprob_error(steps, ref) < 1e-4
     assert_states_close(state_of(r, 2), chunked, 1e-5)
     assert_states_close(chunked, hf_state(c.model, ids))
 
@@ -166,15 +165,15 @@ def test_mixed_batch_and_reused_slot(case):
     ref_a, ref_b, ref_d = (hh.hf_logits(c.model64, x) for x in (a, b, d))
     r, planner = c.runner, hh.Planner()
 
-    r.logits(planner.plan([(0, 2, a[:40])], BUCKET_T, BUCKET_B))
+    run_step(r, planner.plan([(0, 2, a[:40])], BUCKET_T, BUCKET_B))
     # One step: a's decode token and b's first prefill chunk, different slots.
-    out = r.logits(planner.plan([(0, 2, a[40:]), (1, 3, b[:37])], BUCKET_T, BUCKET_B))
-    assert rel(out[0], ref_a[40]) < 1e-4
-    assert rel(out[1], ref_b[36]) < 1e-4
+    out = run_step(r, planner.plan([(0, 2, a[40:]), (1, 3, b[:37])], BUCKET_T, BUCKET_B))
+    assert logprob_error(out.take([0]), ref_a[[40]]) < 1e-4
+    assert logprob_error(out.take([1]), ref_b[[36]]) < 1e-4
     # b decodes while d starts at position 0 in a's old slot: it must see a zero state.
-    out = r.logits(planner.plan([(1, 3, b[37:]), (2, 2, d)], BUCKET_T, BUCKET_B))
-    assert rel(out[0], ref_b[37]) < 1e-4
-    assert rel(out[1], ref_d[49]) < 1e-4
+    out = run_step(r, planner.plan([(1, 3, b[37:]), (2, 2, d)], BUCKET_T, BUCKET_B))
+    assert logprob_error(out.take([0]), ref_b[[37]]) < 1e-4
+    assert logprob_error(out.take([1]), ref_d[[49]]) < 1e-4
 
 
 # ----------------------------------------------------------------------------- per-row padding (query_bound)
@@ -221,8 +220,8 @@ def test_row_length_follows_query_bound():
 def drive_scheduler(runner, prompts, arrivals, max_tokens, general: bool):
     """Run requests through the real Scheduler's plans (query_bound set: L = 1 in pure decode
     steps), greedy. `general`: drop the bound (L = T), forcing the chunked path everywhere.
-    Returns per-request outputs and, per step, (bound, row lengths, the rows' logits,
-    [(request, position, logits) of each row that sampled])."""
+    Returns per-request outputs and, per step, (bound, row lengths, the rows' StepOutput,
+    [(request, position, StepOutput row) of each row that sampled])."""
     from jtp.page_pool import PagePool
     from jtp.sampling import SamplingParams
     from jtp.scheduler import Request, Scheduler
@@ -240,14 +239,14 @@ def drive_scheduler(runner, prompts, arrivals, max_tokens, general: bool):
         bound = plan.max_row_len
         if general:
             plan.max_row_len = None
-        logits = runner.logits(plan)[: len(rows)]
+        out = run_step(runner, plan).take(slice(0, len(rows)))
         sampled = []
-        for row, out in zip(rows, logits):
+        for b, row in enumerate(rows):
             row.request.num_computed += row.num_tokens
             if row.samples:
-                sampled.append((int(row.request.id), row.request.num_computed - 1, out))
-                row.request.output_ids.append(int(out.argmax()))
-        steps.append((bound, [row.num_tokens for row in rows], logits, sampled))
+                sampled.append((int(row.request.id), row.request.num_computed - 1, out.take([b])))
+                row.request.output_ids.append(int(out.tokens[b]))
+        steps.append((bound, [row.num_tokens for row in rows], out, sampled))
         for r in list(sched.running):
             if len(r.output_ids) >= max_tokens:
                 sched.remove(r)
@@ -272,7 +271,7 @@ def test_scheduler_plans_decode_path_equals_general_path_and_hf(case):
     assert outs == outs_general and all(len(o) == 6 for o in outs)
     assert [lens for _, lens, _, _ in steps] == [lens for _, lens, _, _ in steps_general]
     for (bound, _, a, _), (_, _, b, _) in zip(steps, steps_general):
-        assert rel(a, b) < 1e-5, bound
+        assert_same_outputs(a, b, atol=5e-5, msg=f"bound {bound}")
     for s in range(4):  # every request got its own slot; the general run rewrote them
         assert_states_close(state_of(c.runner, s), states[s], 1e-5)
 
@@ -283,7 +282,7 @@ def test_scheduler_plans_decode_path_equals_general_path_and_hf(case):
             got[req].append((out, refs[req][pos]))
     for req, pairs in got.items():
         assert len(pairs) == 6
-        assert rel(np.stack([o for o, _ in pairs]), np.stack([r for _, r in pairs])) < 1e-4, req
+        assert logprob_error(StepOutput.concat([o for o, _ in pairs]), np.stack([r for _, r in pairs])) < 1e-4, req
 
 
 # ----------------------------------------------------------------------------- tensor parallelism
@@ -294,18 +293,17 @@ def test_tp2_equals_tp1_with_one_all_reduce_per_block(case, kind):
     c = case(kind)
     r = make_runner(c.path, tp=2)
     planner = hh.Planner()
-    plan = planner.plan([(0, 0, c.prompt)])
-    plan.logits_indices = np.arange(PROMPT_LEN, dtype=np.int32)
-    out = r.logits(plan)
-    assert rel(out, c.prefill_logits) < TP_TOL
+    out = run_step(r, planner.plan([(0, 0, c.prompt)]), positions=chunk_edges(PROMPT_LEN))
+    assert logprob_error(out, c.hf_logits[chunk_edges(PROMPT_LEN)]) < TP_TOL
+    np.testing.assert_array_equal(out.tokens, c.prefill.tokens)
     assert_states_close(state_of(r, 0), c.prefill_state, TP_TOL)
 
-    logits, hlo = run_compiled(r, planner.plan([(0, 0, [c.generated[0]])]))
-    assert rel(logits[0], c.decode_logits[0]) < TP_TOL
-    # One all-reduce after each mixer (out_proj / o_proj) and one per FFN (down projections;
-    # XLA combines the routed experts' and the shared expert's partial sums into one), plus
-    # one for the vocab-parallel embedding lookup.
-    assert all_reduces(hlo) == 1 + 2 * r.cfg.num_layers
+    plan = planner.plan([(0, 0, [c.generated[0]])])
+    out = run_step(r, plan)
+    assert logprob_error(out, c.hf_logits[[PROMPT_LEN]]) < TP_TOL
+    assert out.tokens[0] == c.generated[1]
+    # One all-reduce after each mixer (out_proj / o_proj) and one per FFN.
+    assert_step_collectives(r, plan)
 
 
 def test_tp4_with_replicated_kv_heads(tmp_path):
@@ -313,17 +311,16 @@ def test_tp4_with_replicated_kv_heads(tmp_path):
     path = hh.save(model, tmp_path / "hk4")
     ids = tokens(6, 100)
     ref = hh.hf_logits(hh.double(model), ids)
-    outs, hlo = [], ""
+    outs = []
     for tp in (1, 4):
         r = make_runner(path, tp=tp)
         plan = hh.Planner().plan([(0, 0, ids)])
-        plan.logits_indices = np.arange(len(ids), dtype=np.int32)
-        logits, hlo = run_compiled(r, plan)
-        outs.append((logits, state_of(r, 0)))
-    assert rel(outs[0][0], ref) < 1e-4
-    assert rel(outs[1][0], outs[0][0]) < TP_TOL
+        outs.append((run_step(r, plan, positions=chunk_edges(len(ids))), state_of(r, 0)))
+    assert logprob_error(outs[0][0], ref[chunk_edges(len(ids))]) < 1e-4
+    assert logprob_error(outs[1][0], ref[chunk_edges(len(ids))]) < TP_TOL
+    np.testing.assert_array_equal(outs[1][0].tokens, outs[0][0].tokens)
     assert_states_close(outs[1][1], outs[0][1], TP_TOL)
-    assert all_reduces(hlo) == 1 + 2 * r.cfg.num_layers
+    assert_step_collectives(r, plan)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -443,10 +440,8 @@ def test_tiny_hybrid_preset_loads_in_jtp_and_hf(tmp_path):
     ids = np.random.default_rng(7).integers(0, 1024, 70).tolist()
     ref = hh.hf_logits(hh.double(model.eval()), ids)
     runner = make_runner(path)
-    plan = hh.Planner().plan([(0, 0, ids)])
-    plan.logits_indices = np.arange(len(ids), dtype=np.int32)
-    out = runner.logits(plan)
-    assert np.isfinite(out).all() and rel(out, ref) < 1e-4
+    out = run_step(runner, hh.Planner().plan([(0, 0, ids)]), positions=chunk_edges(len(ids)))
+    assert np.isfinite(out.top_logprobs).all() and logprob_error(out, ref[chunk_edges(len(ids))]) < 1e-4
 
 
 # ----------------------------------------------------------------------------- config

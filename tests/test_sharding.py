@@ -1,8 +1,5 @@
-"""Tensor parallelism on 8 forced CPU devices: same tokens and logits at every tp, XLA's
-all-reduces in the compiled step (two per layer), each device reading only its own slice."""
-
-import re
-from collections import Counter
+"""Tensor parallelism on 8 forced CPU devices: same tokens and logprobs at every tp, XLA's
+all-reduces in the compiled serving step (two per layer), each device reading only its own slice."""
 
 import numpy as np
 import pytest
@@ -13,8 +10,8 @@ from jtp.config import ModelConfig
 from jtp.weights import SafetensorsCheckpoint
 
 pytest.importorskip("torch")
-from hf_models import make_hf_checkpoint  # noqa: E402
-from test_hf_parity import one_row_plan, prefill_then_decode_logits  # noqa: E402
+from hf_models import StepOutput, assert_same_outputs, assert_step_collectives, make_hf_checkpoint, run_step  # noqa: E402
+from test_hf_parity import one_row_plan  # noqa: E402
 
 # 8 query heads over 2 KV heads: tp=4 and tp=8 need KV-head replication (x2, x4).
 WIDE = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, intermediate_size=128)
@@ -26,48 +23,32 @@ def checkpoint(request, tmp_path_factory):
     return request.param, path
 
 
-def greedy_tokens(runner: ModelRunner, prompt, n: int) -> tuple[list[int], np.ndarray]:
+def greedy(runner: ModelRunner, prompt, n: int) -> StepOutput:
+    """n greedy steps through the serving step, each feeding back the token it sampled."""
     table = list(range(runner.num_blocks))
     bs = runner.block_size
-    logits = runner.logits(one_row_plan(prompt, 0, table, bs))[0]
-    tokens, all_logits = [], [logits]
-    for _ in range(n - 1):
-        tokens.append(int(np.argmax(logits)))
-        logits = runner.logits(one_row_plan(tokens[-1:], len(prompt) + len(tokens) - 1, table, bs))[0]
-        all_logits.append(logits)
-    tokens.append(int(np.argmax(logits)))
-    return tokens, np.stack(all_logits)
+    outs = [run_step(runner, one_row_plan(prompt, 0, table, bs))]
+    for i in range(n - 1):
+        outs.append(run_step(runner, one_row_plan(outs[-1].tokens, len(prompt) + i, table, bs)))
+    return StepOutput.concat(outs)
 
 
 def test_tp_invariance(checkpoint):
     kind, path = checkpoint
     prompt = np.random.default_rng(0).integers(0, 128, 19).tolist()
-    base_tokens, base_logits = greedy_tokens(ModelRunner(path, 1, num_blocks=16, block_size=4), prompt, 12)
+    base = greedy(ModelRunner(path, 1, num_blocks=16, block_size=4), prompt, 12)
     for tp in (2, 4, 8):
         runner = ModelRunner(path, tp, num_blocks=16, block_size=4)
         assert kv_head_replicas(runner.cfg, tp) == max(1, tp // 2)
-        tokens, logits = greedy_tokens(runner, prompt, 12)
-        assert tokens == base_tokens, f"{kind} tp={tp}"
-        np.testing.assert_allclose(logits, base_logits, atol=1e-5, rtol=0, err_msg=f"{kind} tp={tp}")
-
-
-def collective_counts(runner: ModelRunner) -> Counter:
-    plan = one_row_plan([1], 5, [0, 1, 2], runner.block_size)
-    hlo = runner.compiled_text(plan)
-    ops = re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", hlo)
-    return Counter(ops)
+        assert_same_outputs(greedy(runner, prompt, 12), base, atol=1e-5, msg=f"{kind} tp={tp}")
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_decode_step_has_two_all_reduces_per_layer(checkpoint, tp):
-    kind, path = checkpoint
-    runner = ModelRunner(path, tp, num_blocks=8, block_size=4)
-    counts = collective_counts(runner)
-    layers = runner.cfg.num_layers
-    # o_proj and down_proj (or the experts' down projection) per layer, plus one for the
-    # vocab-parallel embedding lookup. Nothing is hand-written: XLA chose every one.
-    assert counts["all-reduce"] == 2 * layers + 1, (kind, tp, counts)
-    assert collective_counts(ModelRunner(path, 1, num_blocks=8, block_size=4)) == Counter()
+    _, path = checkpoint
+    plan = one_row_plan([1], 5, [0, 1, 2], 4)  # one decode token
+    assert_step_collectives(ModelRunner(path, tp, num_blocks=8, block_size=4), plan)
+    assert_step_collectives(ModelRunner(path, 1, num_blocks=8, block_size=4), plan)
 
 
 def test_each_device_reads_only_its_slice(checkpoint, monkeypatch):

@@ -36,18 +36,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-
-try:  # the Triton backend's extras (masked loads/stores, compiler params)
-    from jax.experimental.pallas import triton as plgpu
-except ImportError:  # pragma: no cover - very old jax
-    plgpu = None
+from jax.experimental.pallas import triton as plgpu  # masked loads/stores, compiler params
 
 _MASKED = -1e30
 _LOG2E = math.log2(math.e)
-
-
-# ----------------------------------------------------------------------------- API shims
-
 
 
 def _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, limit, scale_log2, precision):
@@ -84,37 +76,6 @@ def _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, limit, scale_log2
         jnp.zeros((m_rows,), jnp.float32),
     )
     return lax.fori_loop(it0, it1, body, init)
-
-def _compiler_params(num_warps: int, num_stages: int):
-    for name in ("CompilerParams", "TritonCompilerParams"):
-        cls = getattr(plgpu, name, None) if plgpu is not None else None
-        if cls is not None:
-            return cls(num_warps=num_warps, num_stages=num_stages)
-    cls = getattr(pl, "TritonCompilerParams", None)
-    if cls is not None:
-        return cls(num_warps=num_warps, num_stages=num_stages)
-    return dict(triton=dict(num_warps=num_warps, num_stages=num_stages))
-
-
-def _store(ref, idx, val, mask):
-    """Masked store of `val` into ref[idx] across jax versions."""
-    store = getattr(plgpu, "store", None) if plgpu is not None else None
-    if store is not None:
-        try:
-            return store(ref.at[idx], val, mask=mask)
-        except TypeError:  # older signature store(ref, idx, val, mask=)
-            return store(ref, idx, val, mask=mask)
-    return pl.store(ref, idx, val, mask=mask)  # jax < 0.7
-
-
-def _shard_map():
-    fn = getattr(jax, "shard_map", None)
-    if fn is not None:
-        return fn, True
-    from jax.experimental.shard_map import shard_map  # jax < 0.7
-
-    return shard_map, False
-
 
 # ----------------------------------------------------------------------------- config
 
@@ -195,12 +156,12 @@ def _kernel(
     if num_splits == 1:
         (o_ref,) = out_refs
         out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
-        _store(o_ref, (rows_sl, slice(None)), out.astype(o_ref.dtype), mask2d)
+        plgpu.store(o_ref.at[rows_sl, :], out.astype(o_ref.dtype), mask=mask2d)
     else:
         o_ref, m_ref, l_ref = out_refs
-        _store(o_ref, (rows_sl, slice(None)), acc, mask2d)
-        _store(m_ref, (rows_sl,), m_i, row_valid)
-        _store(l_ref, (rows_sl,), l_i, row_valid)
+        plgpu.store(o_ref.at[rows_sl, :], acc, mask=mask2d)
+        plgpu.store(m_ref.at[rows_sl], m_i, mask=row_valid)
+        plgpu.store(l_ref.at[rows_sl], l_i, mask=row_valid)
 
 
 def _tile_map(row_starts, row_lens, tq: int, num_tiles: int):
@@ -290,7 +251,7 @@ def ragged_paged_attention(
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_compiler_params(warps, stages),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name=f"jtp_ragged_paged_attention_tq{tq}_g{group}_p{ppi}_s{num_splits}",
     )(tile_row, tile_start, tile_len, context_lens.astype(jnp.int32), bt, pos, qh, k_pages, v_pages)
@@ -406,15 +367,15 @@ def _decode_kernel(
     if num_splits == 1:  # normalise and write q.dtype (zeros for padding tokens: acc = 0, l = 0)
         (o_ref,) = out_refs
         out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
-        _store(o_ref, (rows_sl, slice(None)), out.astype(o_ref.dtype), mask2d)
+        plgpu.store(o_ref.at[rows_sl, :], out.astype(o_ref.dtype), mask=mask2d)
     else:  # partials, only where this split had keys; the merge reads only those
 
         @pl.when(it1 > it0)
         def _():
             o_ref, m_ref, l_ref = out_refs
-            _store(o_ref, (rows_sl, slice(None)), acc, mask2d)
-            _store(m_ref, (rows_sl,), m_i, row_mask)
-            _store(l_ref, (rows_sl,), l_i, row_mask)
+            plgpu.store(o_ref.at[rows_sl, :], acc, mask=mask2d)
+            plgpu.store(m_ref.at[rows_sl], m_i, mask=row_mask)
+            plgpu.store(l_ref.at[rows_sl], l_i, mask=row_mask)
 
 
 def _decode_merge_kernel(
@@ -432,13 +393,9 @@ def _decode_merge_kernel(
     group, head_dim = o_ref.shape
     used = lax.broadcasted_iota(jnp.int32, (num_splits, group), 0) < n_used  # [S, G]
     used3 = jnp.broadcast_to(used[:, :, None], (num_splits, group, head_dim))
-    load = getattr(plgpu, "load", None) if plgpu is not None else None
-    if load is not None:
-        m_p = load(m_p_ref, mask=used, other=_MASKED)
-        l_p = load(l_p_ref, mask=used, other=0.0)
-        o_p = load(o_p_ref, mask=used3, other=0.0)
-    else:  # pragma: no cover - jax < 0.7
-        m_p, l_p, o_p = m_p_ref[...], l_p_ref[...], o_p_ref[...]
+    m_p = plgpu.load(m_p_ref, mask=used, other=_MASKED)
+    l_p = plgpu.load(l_p_ref, mask=used, other=0.0)
+    o_p = plgpu.load(o_p_ref, mask=used3, other=0.0)
     m_p = jnp.where(used, m_p, _MASKED)  # unwritten partials may hold anything, even NaN
     m = jnp.max(m_p, axis=0)  # [G]
     w = jnp.where(used, jnp.exp2(m_p - m[None, :]), 0.0)  # [S, G]
@@ -504,7 +461,7 @@ def paged_decode_attention(
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_compiler_params(warps, stages),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name=f"jtp_paged_decode_attention_g{group}_p{ppi}_s{num_splits}",
     )(*meta, block_tables if block_tables.dtype == jnp.int32 else block_tables.astype(jnp.int32),
@@ -526,7 +483,7 @@ def paged_decode_attention(
         ],
         out_specs=pl.BlockSpec((None, group, d), lambda t, h: (t, h, 0)),
         out_shape=jax.ShapeDtypeStruct((T, hq, d), q.dtype),
-        compiler_params=_compiler_params(1 if group * d <= 512 else 2, 1),
+        compiler_params=plgpu.CompilerParams(num_warps=1 if group * d <= 512 else 2, num_stages=1),
         interpret=interpret,
         name=f"jtp_paged_decode_merge_g{group}_s{num_splits}",
     )(*meta, o_p.reshape(num_splits, T, hq, d), m_p.reshape(num_splits, T, hq), l_p.reshape(num_splits, T, hq))

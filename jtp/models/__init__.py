@@ -2,7 +2,7 @@
 
     param_layout(cfg, tp) -> {path: Source}     where each parameter comes from in the checkpoint
     init_cache(cfg, mesh, num_blocks, block_size, max_seqs, dtype) -> cache pytree
-    forward(params, cfg, tokens, cache, meta) -> (hidden [T, H], cache)
+    forward(params, cfg, tokens, cache, meta, attend) -> (hidden [T, H], cache)   attend: a PagedAttention
     compute_logits(params, hidden) -> float32 logits
 """
 

@@ -17,14 +17,14 @@ import jax.numpy as jnp
 
 from jax.sharding import NamedSharding
 
-from jtp.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
+from jtp.attention import AttentionMetadata, LayerKV, PagedAttention, write_kv
 from jtp.config import ModelConfig
 from jtp.sharding import KV_CACHE_SPEC, kv_head_replicas
 from jtp.sources import RepeatedHeads, Source, StackedExperts, Tensor
 from jtp.models.layers import apply_rope, linear, moe_experts, rms_norm, rope_cos_sin, route_top_k, swiglu_mlp
 
 
-def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: AttentionMetadata):
+def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, attend: PagedAttention):
     T, D = x.shape[0], cfg.head_dim
     q = linear(x, p["q_proj"], p.get("q_bias")).reshape(T, -1, D)
     k = linear(x, p["k_proj"], p.get("k_bias")).reshape(T, -1, D)
@@ -34,7 +34,7 @@ def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: Attenti
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kv = write_kv(kv, k, v, meta.slot_mapping)
-    o = paged_attention(q, kv, meta, scale=D**-0.5)
+    o = attend(q, kv, meta, scale=D**-0.5)
     return linear(o.reshape(T, -1), p["o_proj"], p.get("o_bias")), kv
 
 
@@ -45,13 +45,15 @@ def feed_forward(p: dict, cfg: ModelConfig, layer: int, x):
     return moe_experts(x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"])
 
 
-def forward(params: dict, cfg: ModelConfig, tokens, kv_cache: list[LayerKV], meta: AttentionMetadata):
+def forward(
+    params: dict, cfg: ModelConfig, tokens, kv_cache: list[LayerKV], meta: AttentionMetadata, attend: PagedAttention
+):
     """tokens [T] -> final hidden states [T, H] and the updated KV cache."""
     x = params["embed"][tokens]
     cos, sin = rope_cos_sin(meta.positions, cfg.head_dim, cfg.rope_theta, x.dtype)
     new_cache = []
     for i, p in enumerate(params["layers"]):
-        a, kv = attention(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), cos, sin, kv_cache[i], meta)
+        a, kv = attention(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), cos, sin, kv_cache[i], meta, attend)
         h = x + a
         x = h + feed_forward(p, cfg, i, rms_norm(h, p["post_norm"], cfg.rms_norm_eps))
         new_cache.append(kv)
@@ -80,20 +82,11 @@ def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, max_seq
 
 def param_layout(cfg: ModelConfig, tp: int = 1) -> dict[str, Source]:
     """Parameter path -> where it comes from in a HF Qwen3/Qwen3-MoE/Qwen2 checkpoint."""
-    H, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-    replicas = kv_head_replicas(cfg, tp)
-    layout: dict[str, Source] = {
-        "embed": Tensor("model.embed_tokens.weight", (V, H)),
-        "final_norm": Tensor("model.norm.weight", (H,)),
-    }
-    if not cfg.tie_word_embeddings:
-        layout["lm_head"] = Tensor("lm_head.weight", (V, H))
-
-    def kv(name, shape):
-        return Tensor(name, shape) if replicas == 1 else RepeatedHeads(name, shape, D, replicas)
-
+    H, D = cfg.hidden_size, cfg.head_dim
+    kv = kv_source(cfg, tp)
+    layout = embedding_layout(cfg)
     for i in range(cfg.num_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        hf = f"{cfg.checkpoint_prefix}layers.{i}."
         attn = hf + "self_attn."
         entries: dict[str, Source] = {
             "input_norm": Tensor(hf + "input_layernorm.weight", (H,)),
@@ -114,16 +107,59 @@ def param_layout(cfg: ModelConfig, tp: int = 1) -> dict[str, Source]:
             entries["k_norm"] = Tensor(attn + "k_norm.weight", (D,))
         mlp = hf + "mlp."
         if cfg.is_moe_layer(i):
-            E, I = cfg.num_experts, cfg.moe_intermediate_size
-            expert = [f"{mlp}experts.{e}." for e in range(E)]
-            entries["router"] = Tensor(mlp + "gate.weight", (E, H))
-            entries["experts_gate"] = StackedExperts(tuple(x + "gate_proj.weight" for x in expert), (I, H))
-            entries["experts_up"] = StackedExperts(tuple(x + "up_proj.weight" for x in expert), (I, H))
-            entries["experts_down"] = StackedExperts(tuple(x + "down_proj.weight" for x in expert), (H, I))
+            entries["router"] = Tensor(mlp + "gate.weight", (cfg.num_experts, H))
+            entries |= stacked_experts_layout(mlp, cfg)
         else:
-            I = cfg.intermediate_size
-            entries["gate_proj"] = Tensor(mlp + "gate_proj.weight", (I, H))
-            entries["up_proj"] = Tensor(mlp + "up_proj.weight", (I, H))
-            entries["down_proj"] = Tensor(mlp + "down_proj.weight", (H, I))
-        layout.update({ours + k: v for k, v in entries.items()})
+            entries |= mlp_layout(mlp, cfg)
+        layout.update({f"layers.{i}.{k}": v for k, v in entries.items()})
     return layout
+
+
+# Layout pieces the hybrid family shares.
+
+
+def embedding_layout(cfg: ModelConfig) -> dict[str, Source]:
+    """The embedding, the final norm and (unless tied) the LM head."""
+    H, V, prefix = cfg.hidden_size, cfg.vocab_size, cfg.checkpoint_prefix
+    layout: dict[str, Source] = {
+        "embed": Tensor(prefix + "embed_tokens.weight", (V, H)),
+        "final_norm": Tensor(prefix + "norm.weight", (H,)),
+    }
+    if not cfg.tie_word_embeddings:
+        layout["lm_head"] = Tensor("lm_head.weight", (V, H))
+    return layout
+
+
+def kv_source(cfg: ModelConfig, tp: int):
+    """(name, shape) -> the Source of a k/v projection, its heads repeated when tp > KV heads."""
+    replicas = kv_head_replicas(cfg, tp)
+
+    def kv(name: str, shape: tuple[int, ...]) -> Source:
+        return Tensor(name, shape) if replicas == 1 else RepeatedHeads(name, shape, cfg.head_dim, replicas)
+
+    return kv
+
+
+def mlp_layout(mlp: str, cfg: ModelConfig) -> dict[str, Source]:
+    """A dense SwiGLU MLP."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "gate_proj": Tensor(mlp + "gate_proj.weight", (I, H)),
+        "up_proj": Tensor(mlp + "up_proj.weight", (I, H)),
+        "down_proj": Tensor(mlp + "down_proj.weight", (H, I)),
+    }
+
+
+def stacked_experts_layout(mlp: str, cfg: ModelConfig) -> dict[str, Source]:
+    """Routed experts stored one by one (mlp.experts.{e}.*_proj), stacked for ragged_dot."""
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    experts = [f"{mlp}experts.{e}." for e in range(cfg.num_experts)]
+
+    def stacked(proj: str, shape: tuple[int, int]) -> StackedExperts:
+        return StackedExperts(tuple(x + proj + ".weight" for x in experts), shape)
+
+    return {
+        "experts_gate": stacked("gate_proj", (I, H)),
+        "experts_up": stacked("up_proj", (I, H)),
+        "experts_down": stacked("down_proj", (H, I)),
+    }

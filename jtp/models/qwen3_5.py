@@ -33,27 +33,24 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from jtp.attention import AttentionMetadata, LayerKV, paged_attention, write_kv
+from jtp.attention import AttentionMetadata, LayerKV, PagedAttention, write_kv
 from jtp.config import ModelConfig
 from jtp.models.layers import (
     apply_rope,
     gated_rms_norm,
     linear,
-    moe_experts,
     rms_norm_zero_centered,
     rope_cos_sin,
-    route_top_k,
     swiglu_mlp,
 )
+from jtp.models import qwen3
 from jtp.models.qwen3 import compute_logits, zeroed_layer_kv  # noqa: F401 - compute_logits is part of the family API
-from jtp.sharding import CONV_STATE_SPEC, RECURRENT_STATE_SPEC, kv_head_replicas
+from jtp.sharding import CONV_STATE_SPEC, RECURRENT_STATE_SPEC
 from jtp.sources import (
     FirstPresent,
     FusedExperts,
-    RepeatedHeads,
     Segment,
     Source,
-    StackedExperts,
     StridedRows,
     Tensor,
 )
@@ -259,7 +256,9 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: Row
 # ----------------------------------------------------------------------------- attention, FFN
 
 
-def gated_attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: AttentionMetadata):
+def gated_attention(
+    p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, attend: PagedAttention
+):
     T, D = x.shape[0], cfg.head_dim
     qg = linear(x, p["q_proj"]).reshape(T, -1, 2 * D)  # per head [q_h | gate_h]
     q, gate = qg[..., :D], qg[..., D:]
@@ -268,16 +267,13 @@ def gated_attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: A
     q = apply_rope(rms_norm_zero_centered(q, p["q_norm"], cfg.rms_norm_eps), cos, sin)
     k = apply_rope(rms_norm_zero_centered(k, p["k_norm"], cfg.rms_norm_eps), cos, sin)
     kv = write_kv(kv, k, v, meta.slot_mapping)
-    o = paged_attention(q, kv, meta, scale=D**-0.5) * jax.nn.sigmoid(gate)
+    o = attend(q, kv, meta, scale=D**-0.5) * jax.nn.sigmoid(gate)
     return linear(o.reshape(T, -1), p["o_proj"]), kv
 
 
 def feed_forward(p: dict, cfg: ModelConfig, layer: int, x):
-    if not cfg.is_moe_layer(layer):
-        return swiglu_mlp(x, p["gate_proj"], p["up_proj"], p["down_proj"])
-    weights, experts = route_top_k(x, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    y = moe_experts(x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"])
-    if "shared_gate" in p:
+    y = qwen3.feed_forward(p, cfg, layer, x)  # SwiGLU MLP or routed experts
+    if "shared_gate" in p:  # MoE layers' sigmoid-gated shared expert
         shared = swiglu_mlp(x, p["shared_gate"], p["shared_up"], p["shared_down"])
         y = y + jax.nn.sigmoid(linear(x, p["shared_expert_gate"])) * shared
     return y
@@ -301,7 +297,7 @@ def deltanet_row_length(meta: AttentionMetadata, num_tokens: int) -> tuple[int, 
     return -(-bound // chunk) * chunk, chunk
 
 
-def forward(params: dict, cfg: ModelConfig, tokens, cache: list, meta: AttentionMetadata):
+def forward(params: dict, cfg: ModelConfig, tokens, cache: list, meta: AttentionMetadata, attend: PagedAttention):
     """tokens [T] -> final hidden states [T, H] and the updated cache (K/V pages and slot states)."""
     T = tokens.shape[0]
     x = params["embed"][tokens]
@@ -316,7 +312,7 @@ def forward(params: dict, cfg: ModelConfig, tokens, cache: list, meta: Attention
                 rows = row_layout(meta, T, length, cache[i].recurrent.shape[0])
             a, layer_cache = gated_deltanet(p, cfg, h, cache[i], rows, chunk)
         else:
-            a, layer_cache = gated_attention(p, cfg, h, cos, sin, cache[i], meta)
+            a, layer_cache = gated_attention(p, cfg, h, cos, sin, cache[i], meta, attend)
         h = x + a
         x = h + feed_forward(p, cfg, i, rms_norm_zero_centered(h, p["post_norm"], cfg.rms_norm_eps))
         new_cache.append(layer_cache)
@@ -396,11 +392,6 @@ def _deltanet_layout(cfg: ModelConfig, la: str) -> dict[str, Source]:
 
 def _moe_layout(cfg: ModelConfig, mlp: str) -> dict[str, Source]:
     H, E, I, Is = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    expert = [f"{mlp}experts.{e}." for e in range(E)]
-
-    def per_expert(proj, shape):
-        return StackedExperts(tuple(x + proj + ".weight" for x in expert), shape)
-
     # Qwen3.5-MoE checkpoints fuse the experts on disk; Qwen3-Next (and HF's save_pretrained) write
     # them one by one. Accept both, preferring the family's usual form.
     fused = {
@@ -408,11 +399,7 @@ def _moe_layout(cfg: ModelConfig, mlp: str) -> dict[str, Source]:
         "experts_up": FusedExperts(mlp + "experts.gate_up_proj", (E, 2 * I, H), I, I),
         "experts_down": FusedExperts(mlp + "experts.down_proj", (E, H, I), 0, H),
     }
-    split = {
-        "experts_gate": per_expert("gate_proj", (I, H)),
-        "experts_up": per_expert("up_proj", (I, H)),
-        "experts_down": per_expert("down_proj", (H, I)),
-    }
+    split = qwen3.stacked_experts_layout(mlp, cfg)
     first, second = (split, fused) if cfg.model_type == "qwen3_next" else (fused, split)
     entries: dict[str, Source] = {k: FirstPresent((first[k], second[k])) for k in fused}
     entries["router"] = Tensor(mlp + "gate.weight", (E, H))
@@ -428,22 +415,11 @@ def _moe_layout(cfg: ModelConfig, mlp: str) -> dict[str, Source]:
 
 def param_layout(cfg: ModelConfig, tp: int = 1) -> dict[str, Source]:
     """Parameter path -> where it comes from in a HF Qwen3-Next / Qwen3.5 checkpoint."""
-    H, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-    prefix = cfg.checkpoint_prefix
-    replicas = kv_head_replicas(cfg, tp)
-    layout: dict[str, Source] = {
-        "embed": Tensor(prefix + "embed_tokens.weight", (V, H)),
-        "final_norm": Tensor(prefix + "norm.weight", (H,)),
-    }
-    if not cfg.tie_word_embeddings:
-        layout["lm_head"] = Tensor("lm_head.weight", (V, H))
-
-    def kv(name):
-        shape = (cfg.kv_size, H)
-        return Tensor(name, shape) if replicas == 1 else RepeatedHeads(name, shape, D, replicas)
-
+    H, D = cfg.hidden_size, cfg.head_dim
+    kv = qwen3.kv_source(cfg, tp)
+    layout = qwen3.embedding_layout(cfg)
     for i in range(cfg.num_layers):
-        hf = f"{prefix}layers.{i}."
+        hf = f"{cfg.checkpoint_prefix}layers.{i}."
         entries: dict[str, Source] = {
             "input_norm": Tensor(hf + "input_layernorm.weight", (H,)),
             "post_norm": Tensor(hf + "post_attention_layernorm.weight", (H,)),
@@ -454,21 +430,13 @@ def param_layout(cfg: ModelConfig, tp: int = 1) -> dict[str, Source]:
             attn = hf + "self_attn."
             entries |= {
                 "q_proj": Tensor(attn + "q_proj.weight", (2 * cfg.q_size, H)),  # [q_h | gate_h] per head
-                "k_proj": kv(attn + "k_proj.weight"),
-                "v_proj": kv(attn + "v_proj.weight"),
+                "k_proj": kv(attn + "k_proj.weight", (cfg.kv_size, H)),
+                "v_proj": kv(attn + "v_proj.weight", (cfg.kv_size, H)),
                 "o_proj": Tensor(attn + "o_proj.weight", (H, cfg.q_size)),
                 "q_norm": Tensor(attn + "q_norm.weight", (D,)),
                 "k_norm": Tensor(attn + "k_norm.weight", (D,)),
             }
         mlp = hf + "mlp."
-        if cfg.is_moe_layer(i):
-            entries |= _moe_layout(cfg, mlp)
-        else:
-            I = cfg.intermediate_size
-            entries |= {
-                "gate_proj": Tensor(mlp + "gate_proj.weight", (I, H)),
-                "up_proj": Tensor(mlp + "up_proj.weight", (I, H)),
-                "down_proj": Tensor(mlp + "down_proj.weight", (H, I)),
-            }
+        entries |= _moe_layout(cfg, mlp) if cfg.is_moe_layer(i) else qwen3.mlp_layout(mlp, cfg)
         layout.update({f"layers.{i}.{k}": v for k, v in entries.items()})
     return layout
