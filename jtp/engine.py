@@ -457,10 +457,13 @@ class Engine:
     def stream(self, request_id: str, timeout: float | None = None):
         """Yield TokenEvents of one request until its finished event, then release the request.
 
-        Closing the generator before the end (a consumer that goes away) aborts the request.
-        `timeout` bounds each wait for the next event (TimeoutError).
+        The request is claimed at this call (not at the first `next`), so an abort after it still
+        reaches this consumer as a finished event. Closing the generator before the end (a
+        consumer that goes away) aborts the request. `timeout` bounds each wait (TimeoutError).
         """
-        out = self._output(request_id)
+        return self._stream(request_id, self._output(request_id), timeout)
+
+    def _stream(self, request_id: str, out: _Output, timeout: float | None):
         finished = False
         try:
             while not finished:
