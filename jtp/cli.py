@@ -22,7 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from jtp.cli_support import (
-    EXIT_INTERRUPTED, add_common_args, enable_compilation_cache, interrupt_guard, open_engine, run_command, setup_logging,
+    EXIT_INTERRUPTED, add_common_args, interrupt_guard, open_engine, run_command, setup_logging,
 )
 from jtp.engine_args import DTYPES, EngineArgs
 from jtp.errors import ConfigError, RequestError
@@ -155,9 +155,8 @@ def cmd_serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
     vars(args).update(vars(build_serve_parser(add_server_args).parse_args(serve_argv)))  # --debug reaches run_command
     setup_logging(args)
     engine_args = EngineArgs.from_cli_args(args)
-    engine_args.validate()
-    enable_compilation_cache()
-    return run_server(engine_args, args)
+    engine_args.validate()  # bad flags fail before the port is bound
+    return run_server(engine_args, args)  # opens the engine with the compilation cache (open_engine)
 
 
 def build_serve_parser(add_server_args) -> argparse.ArgumentParser:

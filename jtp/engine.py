@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
-import numpy as np
 
 from jtp.errors import ContextLengthError, EngineClosedError, QueueFullError, RequestError
 from jtp.page_pool import PagePool
@@ -202,7 +201,6 @@ class Engine:
         # Intake, shared with caller threads under a short lock that is never held across device work.
         self._intake = threading.Condition()
         self._inbox: collections.deque[tuple[str, Request | str]] = collections.deque()
-        self._queued = 0  # submits in the inbox, not yet handed to the scheduler
         self._outputs: dict[str, _Output] = {}
         self._ids = itertools.count()
         self._closed = False
@@ -250,12 +248,16 @@ class Engine:
         one_request = -(-self.max_model_len // self.runner.block_size)
         return max(min(want, CPU_KV_BUDGET_BYTES // per_block), one_request)
 
+    def _num_waiting(self) -> int:
+        """Requests not yet admitted: in the scheduler's queue or still in the inbox (intake lock held)."""
+        return len(self.scheduler.waiting) + sum(kind == "add" for kind, _ in self._inbox)
+
     def stats(self) -> EngineStats:
         with self._intake:
-            queued = self._queued
+            waiting = self._num_waiting()
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + queued,
+            num_waiting=waiting,
             kv_blocks_used=self.pool.num_used_blocks,
             kv_blocks_total=self.pool.total_blocks,
         )
@@ -273,7 +275,7 @@ class Engine:
         with self._intake:
             if self._closed:
                 raise EngineClosedError("the engine is closed and accepts no new requests")
-            waiting = len(self.scheduler.waiting) + self._queued
+            waiting = self._num_waiting()
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting_requests}); retry later")
             rid = request_id
@@ -281,12 +283,11 @@ class Engine:
                 rid = f"req-{next(self._ids)}"  # never collides with a caller-chosen id
             if rid in self._outputs:
                 raise RequestError(f"request id {rid!r} is already in use")
-            seed = params.seed if params.seed is not None or self._seeds is None else self._seeds.randrange(2**32)
-            seed = request_seed(params) if seed is None else seed
+            # An engine seed makes the seeds of requests that bring none reproducible too.
+            seed = self._seeds.randrange(2**32) if params.seed is None and self._seeds else request_seed(params)
             req = Request(rid, prompt_ids, params, seed, frozenset(stop_ids))
             self._outputs[rid] = _Output(req, self.tokenizer)
             self._inbox.append(("add", req))
-            self._queued += 1
             self._intake.notify_all()
         return rid
 
@@ -336,7 +337,6 @@ class Engine:
         """Hand queued submits to the scheduler and carry out queued aborts (step lock held)."""
         with self._intake:
             work, self._inbox = list(self._inbox), collections.deque()
-            self._queued = 0
         for kind, item in work:
             if kind == "add":
                 self.scheduler.add(item)
@@ -498,11 +498,7 @@ class Engine:
 
     def _end_consumer(self, request_id: str, finished: bool) -> None:
         if not finished:
-            with self._intake:
-                out = self._outputs.get(request_id)
-                if out is not None:
-                    out.orphaned = True  # nobody will read its finished event: release it then
-            self.abort(request_id)
+            self.abort(request_id)  # marks it orphaned: released once its abort is carried out
         self.release(request_id)
 
     def result(self, request_id: str, timeout: float | None = None) -> Completion:
@@ -568,7 +564,6 @@ class Engine:
                 B = len(plan.context_lens)
                 for params in variants:
                     sampling = pack_sampling([params] * B, B, [0] * B, [0] * B)
-                    sampling = sampling._replace(seed=np.zeros(B, np.uint32))
                     jax.block_until_ready(self.runner.dispatch(plan, sampling))
                     bar.update()
         self.ready.set()

@@ -1,5 +1,5 @@
 """Cold vs warm start: the same model started twice in fresh processes sharing one
-persistent XLA compilation cache (what `jtp` uses by default, see jtp.cli.enable_compilation_cache).
+persistent XLA compilation cache (what `jtp` uses by default, see jtp.cli_support.enable_compilation_cache).
 
     python scripts/startup_time.py --model DIR [--tensor-parallel-size N] [--dtype bfloat16]
 
@@ -18,7 +18,7 @@ import time
 CHILD = """
 import sys, time, json
 t0 = time.perf_counter()
-from jtp.cli import enable_compilation_cache
+from jtp.cli_support import enable_compilation_cache
 enable_compilation_cache()
 from jtp.engine import Engine
 from jtp.sampling import SamplingParams
