@@ -131,6 +131,9 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    # Listen now, not when uvicorn starts: once the address is announced, a client that connects
+    # waits in the backlog instead of being refused while the app is still being set up.
+    sock.listen(2048)
     return sock
 
 
