@@ -8,14 +8,17 @@ Requests stream (server-sent events) from `--endpoint` (/v1/completions or /v1/c
 with `ignore_eos` so every completion is exactly `--output-len` tokens long. Prompts are random:
 `--input-len` random token ids sent as a token-id prompt (completions), or random words (chat,
 multi-turn, or `--prompt-kind text`; then the length is about `--input-len` tokens, and the
-server's usage reports the real count).
+server's usage reports the real count). `--words placeholder` draws the words as `t<id>`, which the
+placeholder tokenizer of scripts/make_random_checkpoint.py reads as one distinct token each (it
+reads every English word as the same unknown token, so English prompts would all be one prefix).
 
 Arrivals: `--request-rate inf` (default) sends everything at once; a finite rate spaces the
 starts by a Poisson process (`--arrival poisson`) or evenly (`--arrival constant`).
 `--max-concurrency N` caps the requests in flight (N clients). `--multi-turn T` makes each of the
 `--num-prompts` conversations T requests in a row, each resending the whole history (earlier user
-turns and the server's answers) plus a new user turn of `--input-len`; a conversation holds its
-concurrency slot from its first turn to its last, like one user in a chat.
+turns and the server's answers) plus a new user turn of `--input-len` (`--follow-up-len` for
+turns 2..T); a conversation holds its concurrency slot from its first turn to its last, like one
+user in a chat.
 
 Per request (timed on the client, so network and server overheads are included):
   TTFT  time to first token: request sent -> first chunk carrying generated text
@@ -23,7 +26,9 @@ Per request (timed on the client, so network and server overheads are included):
   ITL   inter-token latency: every gap between consecutive text chunks
   E2E   request sent -> stream ended
 Reported like vLLM's benchmark_serving: request / output / total token throughput over the whole
-run, and mean, median and percentiles (`--percentiles`, default 99) of each latency.
+run, and mean, median and percentiles (`--percentiles`, default 99) of each latency. Also TTFT by
+turn index (what a prefix cache changes: turn N resends turns 1..N-1), and the prompt tokens the
+server says it served from its prefix cache (`usage.prompt_tokens_details.cached_tokens`; absent = 0).
 """
 from __future__ import annotations
 
@@ -58,6 +63,8 @@ class RequestResult:
     itl: list[float] = dataclasses.field(default_factory=list)  # gaps between text chunks
     text: str = ""
     start: float = 0.0  # seconds since the run began
+    turn: int = 1  # 1-based index within its conversation
+    cached_tokens: int = 0  # prompt tokens the server took from its prefix cache
 
     @property
     def tpot(self) -> float | None:
@@ -77,11 +84,16 @@ class Workload:
     vocab_size: int
     ignore_eos: bool
     rng: random.Random
+    follow_up_len: int | None = None  # user-turn length of turns 2..T (None: input_len)
+    words: str = "english"  # or "placeholder": t<id> words
 
-    def user_turn(self) -> str | list[int]:
+    def user_turn(self, turn: int = 1) -> str | list[int]:
+        n = self.input_len if turn == 1 or self.follow_up_len is None else self.follow_up_len
         if self.prompt_kind == "tokens":
-            return [self.rng.randrange(self.vocab_size) for _ in range(self.input_len)]
-        return "".join(" " + self.rng.choice(WORDS) for _ in range(self.input_len))
+            return [self.rng.randrange(self.vocab_size) for _ in range(n)]
+        if self.words == "placeholder":
+            return "".join(f" t{self.rng.randrange(self.vocab_size)}" for _ in range(n))
+        return "".join(" " + self.rng.choice(WORDS) for _ in range(n))
 
     def payload(self, history: list[dict]) -> dict:
         """The request body for a conversation so far (`history`: chat messages, last one the user's)."""
@@ -106,6 +118,13 @@ def arrival_gaps(n: int, rate: float, arrival: str, rng: random.Random) -> list[
 
 
 # ----------------------------------------------------------------------------- one request
+
+
+def _cached_tokens(usage: dict) -> int:
+    """usage.prompt_tokens_details.cached_tokens; 0 where a server leaves any of it out (or null)."""
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) else 0
 
 
 def _chunk_text(data: dict) -> str:
@@ -144,6 +163,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, headers: dict, r
                 if data.get("usage"):
                     result.prompt_tokens = data["usage"].get("prompt_tokens", 0)
                     result.output_tokens = data["usage"].get("completion_tokens", 0)
+                    result.cached_tokens = _cached_tokens(data["usage"])
                 text = _chunk_text(data)
                 if text:
                     if last is None:
@@ -186,9 +206,10 @@ async def run_benchmark(args: argparse.Namespace, workload: Workload) -> tuple[l
         async def conversation() -> None:
             async with limit:
                 history: list[dict] = []
-                for _ in range(args.multi_turn):
-                    history.append({"role": "user", "content": workload.user_turn()})
+                for turn in range(1, args.multi_turn + 1):
+                    history.append({"role": "user", "content": workload.user_turn(turn)})
                     result = await send(client, url, workload.payload(history), headers, run_start)
+                    result.turn = turn
                     results.append(result)
                     if not result.ok:
                         return  # the rest of this conversation has no history to build on
@@ -208,11 +229,30 @@ async def run_benchmark(args: argparse.Namespace, workload: Workload) -> tuple[l
 # ----------------------------------------------------------------------------- statistics
 
 
+def _ms(values: list[float]) -> np.ndarray:
+    return np.asarray(values, dtype=np.float64) * 1000.0
+
+
+def ttft_by_turn(done: list[RequestResult]) -> list[dict]:
+    """Per turn index: requests, mean prompt / cached tokens, mean and median TTFT (ms)."""
+    rows = []
+    for turn in sorted({r.turn for r in done}):
+        of_turn = [r for r in done if r.turn == turn]
+        ttft = _ms([r.ttft for r in of_turn])
+        rows.append({"turn": turn, "requests": len(of_turn),
+                     "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in of_turn])),
+                     "mean_cached_tokens": float(np.mean([r.cached_tokens for r in of_turn])),
+                     "mean_ttft_ms": float(ttft.mean()), "median_ttft_ms": float(np.median(ttft))})
+    return rows
+
+
 def summarize(results: list[RequestResult], duration: float, percentiles: list[float]) -> dict:
-    """vLLM-style summary: counts, throughputs, and mean / median / percentiles (ms) of each latency."""
+    """vLLM-style summary: counts, throughputs, and mean / median / percentiles (ms) of each latency;
+    then the prefix-cache share of the prompt tokens and TTFT by turn."""
     done = [r for r in results if r.ok]
     prompt_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
+    cached_tokens = sum(r.cached_tokens for r in done)
     summary = {
         "duration_s": duration,
         "completed": len(done),
@@ -230,11 +270,15 @@ def summarize(results: list[RequestResult], duration: float, percentiles: list[f
         "e2el": [r.e2e for r in done],
     }
     for name, values in samples.items():
-        ms = np.asarray(values, dtype=np.float64) * 1000.0
+        ms = _ms(values)
         summary[f"mean_{name}_ms"] = float(ms.mean()) if ms.size else None
         summary[f"median_{name}_ms"] = float(np.median(ms)) if ms.size else None
         for p in percentiles:
             summary[f"p{p:g}_{name}_ms"] = float(np.percentile(ms, p)) if ms.size else None
+    summary["prompt_tokens"] = prompt_tokens  # = total_input_tokens, named beside the cached count
+    summary["cached_prompt_tokens"] = cached_tokens
+    summary["cached_prompt_fraction"] = cached_tokens / prompt_tokens if prompt_tokens else None
+    summary["ttft_by_turn"] = ttft_by_turn(done)
     return summary
 
 
@@ -267,6 +311,15 @@ def format_table(summary: dict, percentiles: list[float]) -> str:
         lines.append(row(f"Mean {short} (ms):", summary[f"mean_{key}_ms"]))
         lines.append(row(f"Median {short} (ms):", summary[f"median_{key}_ms"]))
         lines += [row(f"P{p:g} {short} (ms):", summary[f"p{p:g}_{key}_ms"]) for p in percentiles]
+    fraction = summary["cached_prompt_fraction"]
+    lines += [" Prefix Cache (server's usage) ".center(width, "-"),
+              row("Cached prompt tokens:", summary["cached_prompt_tokens"]),
+              row("Cached / prompt tokens (%):", None if fraction is None else 100.0 * fraction)]
+    if len(summary["ttft_by_turn"]) > 1:  # one turn would repeat the TTFT section
+        lines += [" TTFT by Turn (mean tokens, ms) ".center(width, "-"),
+                  f"{'Turn':>4}{'Reqs':>6}{'Prompt':>9}{'Cached':>9}{'Mean':>11}{'Median':>11}"]
+        lines += [f"{t['turn']:>4}{t['requests']:>6}{t['mean_prompt_tokens']:>9.0f}{t['mean_cached_tokens']:>9.0f}"
+                  f"{t['mean_ttft_ms']:>11.2f}{t['median_ttft_ms']:>11.2f}" for t in summary["ttft_by_turn"]]
     lines.append("=" * width)
     return "\n".join(lines)
 
@@ -288,13 +341,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-kind", choices=["auto", "tokens", "text"], default="auto",
                     help="random token ids or random words (auto: token ids for single-turn completions)")
     ap.add_argument("--vocab-size", type=int, default=1000,
-                    help="random token ids are drawn from [0, N); keep N below the model's special tokens")
+                    help="random token ids (and placeholder words t<id>) are drawn from [0, N); "
+                         "keep N below the model's special tokens")
+    ap.add_argument("--words", choices=["english", "placeholder"], default="english",
+                    help="text prompts: English words, or t<id> words (one distinct token each for the "
+                         "placeholder tokenizer of make_random_checkpoint.py, which maps English to one token)")
     ap.add_argument("--request-rate", type=float, default=math.inf,
                     help="requests (conversations) started per second; inf = all at once (default)")
     ap.add_argument("--arrival", choices=["poisson", "constant"], default="poisson",
                     help="with a finite rate: exponential (Poisson process) or equal gaps between starts")
     ap.add_argument("--max-concurrency", type=int, default=None, help="most requests (conversations) in flight")
     ap.add_argument("--multi-turn", type=int, default=1, metavar="T", help="turns per conversation (default: 1)")
+    ap.add_argument("--follow-up-len", type=int, default=None,
+                    help="user-turn tokens of turns 2..T (default: --input-len)")
     ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                     help="let requests stop at end-of-sequence (output lengths then vary)")
     ap.add_argument("--percentiles", default="99", help="comma-separated latency percentiles (default: 99)")
@@ -311,6 +370,8 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         ap.error("--max-concurrency must be at least 1")
+    if args.follow_up_len is not None and args.follow_up_len < 1:
+        ap.error("--follow-up-len must be at least 1")
     if not args.request_rate > 0:
         ap.error("--request-rate must be positive (inf: all at once)")
     if args.prompt_kind == "auto":
@@ -343,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot list the models at {args.base_url}: {e}", file=sys.stderr)
         return 1
     workload = Workload(args.endpoint, model, args.input_len, args.output_len, args.prompt_kind,
-                        args.vocab_size, args.ignore_eos, random.Random(args.seed))
+                        args.vocab_size, args.ignore_eos, random.Random(args.seed), args.follow_up_len, args.words)
     results, duration = asyncio.run(run_benchmark(args, workload))
     summary = summarize(results, duration, args.percentiles)
     print(format_table(summary, args.percentiles))

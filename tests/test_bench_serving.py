@@ -27,6 +27,7 @@ bench = sys.modules["bench_serving"] = importlib.util.module_from_spec(spec)  # 
 spec.loader.exec_module(bench)
 
 FIRST_DELAY, GAP = 0.15, 0.02  # the stub's time to first token and between tokens (s)
+TURN_STEP = 0.1  # the stub's extra time to first token per earlier turn of a chat (s)
 
 
 # ----------------------------------------------------------------------------- statistics alone
@@ -36,7 +37,7 @@ def test_summary_of_known_results():
     results = [
         bench.RequestResult(ok=True, prompt_tokens=10, output_tokens=5, ttft=0.1, e2e=0.5, itl=[0.1] * 4),
         bench.RequestResult(ok=True, prompt_tokens=10, output_tokens=3, ttft=0.3, e2e=0.7, itl=[0.2] * 2),
-        bench.RequestResult(error="HTTP 500"),
+        bench.RequestResult(error="HTTP 500", turn=3),  # failed: in no turn's row
     ]
     s = bench.summarize(results, duration=2.0, percentiles=[50, 99])
     assert (s["completed"], s["failed"], s["total_input_tokens"], s["total_output_tokens"]) == (2, 1, 20, 8)
@@ -45,8 +46,42 @@ def test_summary_of_known_results():
     assert s["mean_tpot_ms"] == pytest.approx(150)  # (0.5-0.1)/4 = 100 ms and (0.7-0.3)/2 = 200 ms
     assert s["median_itl_ms"] == pytest.approx(100) and s["p99_itl_ms"] == pytest.approx(200)
     assert s["p50_e2el_ms"] == pytest.approx(600)
+    assert (s["prompt_tokens"], s["cached_prompt_tokens"], s["cached_prompt_fraction"]) == (20, 0, 0.0)
+    assert s["ttft_by_turn"] == [{"turn": 1, "requests": 2, "mean_prompt_tokens": 10.0, "mean_cached_tokens": 0.0,
+                                  "mean_ttft_ms": pytest.approx(200), "median_ttft_ms": pytest.approx(200)}]
     table = bench.format_table(s, [50, 99])
     assert "Successful requests:" in table and "P99 ITL (ms):" in table and "Mean TPOT (ms):" in table
+    assert "Cached prompt tokens:" in table and "TTFT by Turn" not in table  # one turn: no per-turn rows
+
+
+def test_summary_by_turn():
+    results = [bench.RequestResult(ok=True, prompt_tokens=p, cached_tokens=c, output_tokens=2, ttft=t, e2e=1.0,
+                                   turn=turn)
+               for turn, p, c, t in [(1, 100, 0, 0.4), (2, 300, 96, 0.1), (1, 102, 0, 0.6), (2, 310, 96, 0.2),
+                                     (2, 320, 0, 0.6)]]
+    s = bench.summarize(results, duration=1.0, percentiles=[99])
+    assert s["cached_prompt_tokens"] == 192 and s["prompt_tokens"] == 1132
+    assert s["cached_prompt_fraction"] == pytest.approx(192 / 1132)
+    first, second = s["ttft_by_turn"]
+    assert (first["turn"], first["requests"], first["mean_prompt_tokens"]) == (1, 2, 101.0)
+    assert first["mean_ttft_ms"] == pytest.approx(500) and first["median_ttft_ms"] == pytest.approx(500)
+    assert (second["turn"], second["requests"], second["mean_prompt_tokens"], second["mean_cached_tokens"]) == \
+        (2, 3, 310.0, 64.0)
+    assert second["mean_ttft_ms"] == pytest.approx(300) and second["median_ttft_ms"] == pytest.approx(200)
+    table = bench.format_table(s, [99])
+    assert "TTFT by Turn" in table and "Cached / prompt tokens (%):" in table
+    assert re.search(r"^\s+2\s+3\s+310\s+64\s+300\.00\s+200\.00$", table, re.M), table
+
+
+@pytest.mark.parametrize("usage, cached", [
+    ({"prompt_tokens": 5}, 0),  # no details at all (an older server, or vLLM without prefix caching)
+    ({"prompt_tokens_details": None}, 0),
+    ({"prompt_tokens_details": {}}, 0),
+    ({"prompt_tokens_details": {"cached_tokens": None}}, 0),
+    ({"prompt_tokens_details": {"cached_tokens": 48}}, 48),
+])
+def test_cached_tokens_read_robustly(usage, cached):
+    assert bench._cached_tokens(usage) == cached
 
 
 def test_arrival_gaps():
@@ -61,7 +96,9 @@ def test_arrival_gaps():
 
 
 class Stub:
-    """An SSE server with fixed timings that records what it was sent and its peak concurrency."""
+    """An SSE server with fixed timings that records what it was sent and its peak concurrency.
+    A chat's usage counts words as tokens and reports all but the last message as cached (a
+    perfect prefix cache); completions' usage is a fixed 7 prompt tokens with no details."""
 
     def __init__(self):
         self.bodies, self.active, self.peak = [], 0, 0
@@ -77,14 +114,16 @@ class Stub:
             try:
                 if chat:
                     yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})  # no text: not a token
-                await asyncio.sleep(FIRST_DELAY)
+                turn = (len(body["messages"]) + 1) // 2 if chat else 1
+                await asyncio.sleep(FIRST_DELAY + TURN_STEP * (turn - 1))
                 for i in range(body["max_tokens"]):
                     if i:
                         await asyncio.sleep(GAP)
                     piece = f" w{i}"
                     yield _sse({"choices": [{"index": 0, "delta": {"content": piece}} if chat else
                                             {"index": 0, "text": piece}]})
-                yield _sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]}})
+                yield _sse({"choices": [], "usage": {"completion_tokens": body["max_tokens"],
+                                                     **(_chat_usage(body["messages"]) if chat else {"prompt_tokens": 7})}})
                 yield "data: [DONE]\n\n"
             finally:
                 self.active -= 1
@@ -94,6 +133,11 @@ class Stub:
 
 def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
+
+
+def _chat_usage(messages: list[dict]) -> dict:
+    words = [len(m["content"].split()) for m in messages]
+    return {"prompt_tokens": sum(words), "prompt_tokens_details": {"cached_tokens": sum(words[:-1])}}
 
 
 @pytest.fixture
@@ -138,6 +182,9 @@ def test_timings_against_the_stub(stub, tmp_path):
         assert (r["e2e"] - r["ttft"]) / 4 == pytest.approx(sum(r["itl"]) / 4, abs=0.01)
     # Two clients, three rounds each of about FIRST_DELAY + 4 * GAP.
     assert s["duration_s"] >= 3 * (FIRST_DELAY + 4 * GAP)
+    # Usage without prompt_tokens_details: nothing cached; every request is a turn 1.
+    assert (s["cached_prompt_tokens"], s["prompt_tokens"]) == (0, 42)
+    assert [(t["turn"], t["requests"]) for t in s["ttft_by_turn"]] == [(1, 6)]
 
 
 def test_multi_turn_chat_resends_the_history(stub, tmp_path):
@@ -153,6 +200,29 @@ def test_multi_turn_chat_resends_the_history(stub, tmp_path):
     assert len(last[0]["content"].split()) == 4
     # TTFT counts the first chunk with text, not the role chunk sent at once.
     assert result["summary"]["median_ttft_ms"] / 1000 >= FIRST_DELAY
+    # By turn: each conversation once per turn; the prompt is 4 words a user turn plus 3 an answer,
+    # and the stub reports the history (all but the new user turn) as cached.
+    s = result["summary"]
+    by_turn = s["ttft_by_turn"]
+    assert [(t["turn"], t["requests"]) for t in by_turn] == [(1, 2), (2, 2), (3, 2)]
+    assert [t["mean_prompt_tokens"] for t in by_turn] == [4, 11, 18]
+    assert [t["mean_cached_tokens"] for t in by_turn] == [0, 7, 14]
+    assert (s["prompt_tokens"], s["cached_prompt_tokens"]) == (2 * 33, 2 * 21)
+    assert s["cached_prompt_fraction"] == pytest.approx(21 / 33)
+    for t in by_turn:  # the stub's first-token delay grows by TURN_STEP a turn
+        assert 0 <= t["median_ttft_ms"] / 1000 - (FIRST_DELAY + TURN_STEP * (t["turn"] - 1)) < 0.08
+    assert sorted(r["turn"] for r in result["requests"]) == [1, 1, 2, 2, 3, 3]
+    assert all(r["cached_tokens"] == r["prompt_tokens"] - 4 for r in result["requests"])
+
+
+def test_placeholder_words_and_short_follow_ups(stub, tmp_path):
+    run_bench(tmp_path, "--base-url", stub.url, "--model", "m", "--endpoint", "/v1/chat/completions",
+              "--num-prompts", "1", "--multi-turn", "2", "--input-len", "6", "--follow-up-len", "2",
+              "--output-len", "1", "--words", "placeholder", "--vocab-size", "50", "--skip-test-request")
+    first, second = (b["messages"] for b in stub.bodies)
+    assert re.fullmatch(r"( t\d+){6}", first[0]["content"]) and second[0] == first[0]
+    assert re.fullmatch(r"( t\d+){2}", second[2]["content"])
+    assert all(int(w[1:]) < 50 for w in (first[0]["content"] + second[2]["content"]).split())
 
 
 def test_fixed_request_rate_spaces_the_starts(stub, tmp_path):
@@ -212,3 +282,33 @@ def test_multi_turn_chat_against_jtp_serve(jtp_server, tmp_path):
     assert (s["completed"], s["failed"], s["total_output_tokens"]) == (4, 0, 4 * 6)
     first, second = sorted(r["prompt_tokens"] for r in result["requests"])[::3]
     assert second > first + 6  # the second turn carries the first turn and its answer
+    by_turn = s["ttft_by_turn"]
+    assert [(t["turn"], t["requests"]) for t in by_turn] == [(1, 2), (2, 2)]  # each conversation once a turn
+    assert by_turn[1]["mean_prompt_tokens"] > by_turn[0]["mean_prompt_tokens"] + 6
+    assert all(t["mean_ttft_ms"] > 0 for t in by_turn)
+    # Cached tokens come from the server's usage: never the whole prompt (its last token is computed).
+    assert s["cached_prompt_tokens"] == sum(r["cached_tokens"] for r in result["requests"])
+    assert all(0 <= r["cached_tokens"] < r["prompt_tokens"] for r in result["requests"])
+
+
+def _prompt_tokens_metric(url: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(v) for v in re.findall(r"^jtp:prompt_tokens_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_prompt_and_cached_tokens_match_jtp_serve(jtp_server, tmp_path):
+    """The bench's prompt tokens against the server's own counter, and the usage field it reads
+    cached tokens from, as the server streams it."""
+    before = _prompt_tokens_metric(jtp_server)
+    result = run_bench(tmp_path, "--base-url", jtp_server, "--endpoint", "/v1/chat/completions",
+                       "--num-prompts", "1", "--multi-turn", "3", "--input-len", "8", "--output-len", "2",
+                       "--skip-test-request")
+    assert _prompt_tokens_metric(jtp_server) - before == result["summary"]["prompt_tokens"] > 0
+    body = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", jtp_server + "/v1/chat/completions", json=body, timeout=120) as response:
+        chunks = [json.loads(line[5:]) for line in response.iter_lines()
+                  if line.startswith("data:") and line != "data: [DONE]"]
+    usage = chunks[-1]["usage"]
+    assert isinstance(usage["prompt_tokens_details"]["cached_tokens"], int)  # the field the bench reads
+    assert bench._cached_tokens(usage) == usage["prompt_tokens_details"]["cached_tokens"]
