@@ -35,7 +35,10 @@ class AttentionMetadata(NamedTuple):
     # Per-row views of the ragged batch, for layers that scan a row's tokens in order (DeltaNet):
     row_starts: jax.Array  # i32[B] index in T of each row's first query token
     row_lens: jax.Array  # i32[B] query tokens of each row in this step (0 = padding row)
-    state_slots: jax.Array  # i32[B] recurrent-state slot of each row (-1 = padding row)
+    # Recurrent-state slots (hybrid models): each row restores its state from state_reads (-1: the
+    # zero state of a fresh sequence) and writes its final state to state_writes (-1: padding row).
+    state_reads: jax.Array
+    state_writes: jax.Array
     # i32[L] = arange(L): only its static length matters, a bucketed bound on row_lens (L = 1 in a
     # pure decode step), so per-row layouts can be [B, L] instead of [B, T]. None: no bound known.
     query_bound: jax.Array | None = None

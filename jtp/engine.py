@@ -34,11 +34,14 @@ from typing import TYPE_CHECKING
 
 import jax
 
+from jtp.block_hash import block_keys, root_key
 from jtp.errors import ContextLengthError, EngineClosedError, QueueFullError, RequestError
 from jtp.page_pool import PagePool
 from jtp.runner import ModelRunner
 from jtp.sampling import SamplingParams, pack_penalty_tokens, pack_sampling, request_seed
 from jtp.scheduler import Request, Scheduler, ScheduledRow, Status
+from jtp.snapshots import Snapshot, SnapshotRegistry
+from jtp.state_pool import StatePool
 from jtp.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -70,10 +73,19 @@ class EngineStats:
     num_waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
+    prefix_cache_queries: int = 0  # prompt tokens of admitted requests (with prefix caching on)
+    prefix_cache_hits: int = 0  # of those, tokens whose KV (and state) came from the cache
+    prefix_cache_blocks: int = 0  # KV blocks registered in the prefix cache
+    prompt_tokens_computed: int = 0  # prompt tokens prefilled (the work the cache saves)
+    num_snapshots: int = 0
 
     @property
     def kv_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclasses.dataclass
@@ -175,10 +187,18 @@ class Engine:
         tokenizer: Tokenizer | None | bool = True,
         max_waiting_requests: int | None = None,
         seed: int | None = None,
+        enable_prefix_caching: bool = True,
+        num_state_slots: int | None = None,
+        max_snapshots: int = 64,
+        snapshot_budget_bytes: int | None = None,
     ):
-        self.runner = ModelRunner(model_dir, tensor_parallel_size, dtype, block_size=block_size, max_seqs=max_num_seqs)
+        self.runner = ModelRunner(
+            model_dir, tensor_parallel_size, dtype, block_size=block_size, max_seqs=max_num_seqs,
+            num_state_slots=num_state_slots or 2 * max_num_seqs + 8,
+        )
         cfg = self.cfg = self.runner.cfg
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        hybrid = self.runner.bytes_per_state_slot() > 0
         num_blocks = num_blocks or self._blocks_for_memory(memory_utilization, max_num_seqs)
         self.runner.allocate_cache(num_blocks)
         self.pool = PagePool(num_blocks, block_size)
@@ -186,9 +206,20 @@ class Engine:
             "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB per device)",
             num_blocks, block_size, num_blocks * block_size, num_blocks * self.runner.bytes_per_block() / 2**20,
         )
+        self.states = StatePool(self.runner.num_state_slots) if hybrid else None
+        if hybrid:
+            log.info("recurrent-state slots: %d (%.1f MiB per device)", self.runner.num_state_slots,
+                     self.runner.num_state_slots * self.runner.bytes_per_state_slot() / 2**20)
+        # The prefix cache's keys start from the model's identity: a key names one model's KV.
+        self.cache_identity = f"{cfg!r}|{self.runner.dtype}|block_size={block_size}|tp={self.runner.tp}"
         self.scheduler = Scheduler(
             self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
             bucket_blocks=self.runner.attention.impl != "kernel",
+            states=self.states, cache_root=root_key(self.cache_identity) if enable_prefix_caching else None,
+        )
+        self.snapshots = SnapshotRegistry(
+            max_snapshots,
+            snapshot_budget_bytes if snapshot_budget_bytes is not None else num_blocks * self.runner.bytes_per_block() // 2,
         )
         if tokenizer is True:
             tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
@@ -225,6 +256,9 @@ class Engine:
             max_model_len=args.max_model_len,
             max_waiting_requests=args.max_waiting_requests,
             seed=args.seed,
+            enable_prefix_caching=args.enable_prefix_caching,
+            num_state_slots=args.num_state_slots,
+            max_snapshots=args.max_snapshots,
         )
 
     # ------------------------------------------------------------------ sizing
@@ -234,6 +268,7 @@ class Engine:
         stats = self.runner.memory_stats()
         if stats and "bytes_limit" in stats:
             free = stats["bytes_limit"] * utilization - stats.get("bytes_in_use", 0)
+            free -= self.runner.num_state_slots * self.runner.bytes_per_state_slot()
             blocks = int(free // per_block)
             log.info("KV pool sized from device memory: %.1f GiB free x %.2f", free / 2**30, utilization)
             if blocks < 1:
@@ -255,11 +290,17 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._intake:
             waiting = self._num_waiting()
+        sched = self.scheduler
         return EngineStats(
-            num_running=len(self.scheduler.running),
+            num_running=len(sched.running),
             num_waiting=waiting,
             kv_blocks_used=self.pool.num_used_blocks,
             kv_blocks_total=self.pool.total_blocks,
+            prefix_cache_queries=sched.prefix_queries,
+            prefix_cache_hits=sched.prefix_hits,
+            prefix_cache_blocks=self.pool.num_cached_blocks,
+            prompt_tokens_computed=sched.prompt_tokens_computed,
+            num_snapshots=len(self.snapshots),
         )
 
     # ------------------------------------------------------------------ requests
@@ -388,9 +429,7 @@ class Engine:
                 [q.prompt_ids if q else None for q in reqs], [q.output_ids if q else None for q in reqs], B
             )
         result = self.runner.dispatch(plan, sampling, penalty)
-        for row in rows:
-            row.request.num_computed += row.num_tokens
-            row.request.pending += row.samples
+        self.scheduler.dispatched(rows)
         return result
 
     def _process(self, rows: list[ScheduledRow], result) -> list[TokenEvent]:
@@ -438,6 +477,7 @@ class Engine:
         self.scheduler.remove(req)
         req.finish_reason = reason
         event = event or TokenEvent(req.id, [], "", error=out.error)
+        event.cached_tokens = req.cached_tokens
         event.text += out.take_text(True)
         event.finished, event.finish_reason = True, reason
         out.put(event)
@@ -536,6 +576,107 @@ class Engine:
                 self.release(rid)
             raise
         return [self.result(rid) for rid in ids]
+
+    # ------------------------------------------------------------------ prefix cache, snapshots
+
+    def snapshot(self, request_id: str | None = None, *, tokens=None) -> str:
+        """Pin a prefix in the cache and return a snapshot id to `restore` from later.
+
+        From a request (running, or finished and not yet released): its prompt and output so far.
+        From `tokens`: that sequence, prefilled first if the cache does not hold it. The snapshot
+        holds the longest cached prefix (whole blocks; on hybrid models ending at a state
+        checkpoint); `restore` recomputes the few tokens past it. Older snapshots are evicted
+        (LRU) to stay within the entry cap and byte budget; when it cannot be made, an error
+        says why and nothing is held.
+        """
+        if (request_id is None) == (tokens is None):
+            raise RequestError("snapshot() takes a request id or tokens, not both or neither")
+        if self.scheduler.cache_root is None:
+            raise RequestError("snapshots need prefix caching (the engine runs with enable_prefix_caching=False)")
+        if request_id is not None:
+            with self._lock:
+                req = self._output(request_id).request
+                if req.status is Status.RUNNING:
+                    self.scheduler._register(req)  # what the last steps computed
+                seq = req.prompt_ids + req.output_ids
+                return self._pin(seq)
+        seq = [int(t) for t in tokens]
+        if not seq:
+            raise RequestError("cannot snapshot an empty token sequence")
+        with self._lock:
+            snap_id = self._pin(seq, partial_ok=False)
+        if snap_id is None:  # not cached yet: prefill it (one sampled token, discarded), then pin
+            self.result(self.submit(seq, SamplingParams(max_tokens=1, temperature=0.0)))
+            with self._lock:
+                snap_id = self._pin(seq)
+        return snap_id
+
+    def _pin(self, seq: list[int], partial_ok: bool = True) -> str | None:
+        """Pin the cached prefix of `seq` as a new snapshot (step lock held). None when
+        `partial_ok` is False and less than every cacheable token is cached."""
+        sched, bs = self.scheduler, self.pool.block_size
+        keys = block_keys(sched.cache_root, seq, bs)
+        blocks = self.pool.lookup(keys)
+        slot = -1
+        if self.states is not None:
+            while blocks and self.states.lookup(keys[len(blocks) - 1]) is None:
+                blocks.pop()
+            slot = self.states.lookup(keys[len(blocks) - 1]) if blocks else -1
+        # Hybrid: the last state checkpoint of a prompt sits a block before its end.
+        full = len(keys) if self.states is None else (len(seq) - 1) // bs
+        if not partial_ok and len(blocks) < full:
+            return None
+        nbytes = len(blocks) * self.runner.bytes_per_block() + (self.runner.bytes_per_state_slot() if slot >= 0 else 0)
+        if nbytes > self.snapshots.budget_bytes or self.snapshots.max_entries == 0:
+            raise RequestError(
+                f"a snapshot of {len(blocks) * bs} cached tokens needs {nbytes} bytes; the snapshot budget is "
+                f"{self.snapshots.budget_bytes} bytes and {self.snapshots.max_entries} entries"
+            )
+        for victim in self.snapshots.victims(nbytes):
+            self._unpin(self.snapshots.pop(victim.id))
+        snap = Snapshot(self.snapshots.new_id(), list(seq), len(blocks) * bs, blocks, slot, nbytes)
+        if not self.pool.reserve(snap.pool_id, snap.num_cached_tokens, blocks):
+            raise RequestError(
+                f"the KV pool cannot pin {len(blocks)} more blocks now ({self.pool.num_available_blocks} available); "
+                "drop snapshots or retry when fewer requests run"
+            )
+        if slot >= 0:
+            self.states.acquire(slot)
+        self.snapshots.add(snap)
+        return snap.id
+
+    def _unpin(self, snap: Snapshot) -> None:
+        self.pool.free(snap.pool_id)
+        if snap.state_slot >= 0:
+            self.states.release(snap.state_slot)
+
+    def restore(self, snapshot_id: str, prompt_ids=(), params: SamplingParams | None = None, request_id=None) -> str:
+        """Continue generation from a snapshot: submit its tokens plus `prompt_ids` (new turn, if
+        any) as a request; only the tokens past the pinned prefix are prefilled."""
+        with self._lock:
+            snap = self.snapshots.get(snapshot_id)
+            seq = snap.tokens + [int(t) for t in prompt_ids]
+        return self.submit(seq, params, request_id)
+
+    def drop(self, snapshot_id: str) -> None:
+        """Let go of a snapshot: its blocks and state return to the ordinary (evictable) cache."""
+        with self._lock:
+            self._unpin(self.snapshots.pop(snapshot_id))
+
+    def list_snapshots(self) -> list[Snapshot]:
+        """Every snapshot, least recently used first."""
+        with self._lock:
+            return list(self.snapshots)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block and state checkpoint that nothing holds; returns how many blocks."""
+        with self._lock:
+            return self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> int:
+        if self.states is not None:
+            self.states.reset_cache()
+        return self.pool.reset_cache()
 
     # ------------------------------------------------------------------ warm-up
 
@@ -637,3 +778,4 @@ class Engine:
                         out = self._outputs[req.id]
                         out.error = f"{type(e).__name__}: {e}"
                         self._finish(out, "error")
+                    self._reset_prefix_cache()  # what the failed step was to write is not trustworthy

@@ -38,6 +38,9 @@ class EngineArgs:
     max_waiting_requests: int = 1024  # submit past this raises QueueFullError (HTTP 429)
     seed: int | None = None  # seeds requests that bring none, so a whole run is reproducible
     warmup: bool = True  # compile the step shapes before the engine reports ready
+    enable_prefix_caching: bool = True  # reuse the KV (and recurrent state) of earlier prompts' prefixes
+    num_state_slots: int | None = None  # hybrid models: recurrent-state slots (None = 2 x max_num_seqs + 8)
+    max_snapshots: int = 64  # explicit snapshots kept (LRU beyond it)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting that cannot work."""
@@ -59,6 +62,12 @@ class EngineArgs:
         need(self.block_size >= 1, "block_size", "must be at least 1")
         need(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", "must be at least 1 (omit it to size the pool from memory)")
         need(self.max_waiting_requests >= 1, "max_waiting_requests", "must be at least 1")
+        need(
+            self.num_state_slots is None or self.num_state_slots > self.max_num_seqs,
+            "num_state_slots",
+            f"must exceed --max-num-seqs ({self.max_num_seqs}): every running request needs a slot, and checkpoints more",
+        )
+        need(self.max_snapshots >= 0, "max_snapshots", "must be at least 0")
         if self.model is not None and not Path(self.model).is_dir():
             raise ConfigError(f"--model {self.model}: no such directory")
 
@@ -118,6 +127,11 @@ class EngineArgs:
         p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV page")
         p.add_argument("--num-blocks", type=int, default=None, help="KV pages (default: sized from device memory)")
         p.add_argument("--seed", type=int, default=None, help="seed for requests that bring none (reproducible runs)")
+        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                       help="reuse cached KV blocks (and recurrent-state checkpoints) of earlier prompts' prefixes")
+        p.add_argument("--num-state-slots", type=int, default=None,
+                       help="hybrid models: recurrent-state slots, running requests' plus cached checkpoints "
+                            "(default: 2 x max-num-seqs + 8)")
         if serving:
             p.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                            help="queued requests beyond which new ones are refused (HTTP 429)")

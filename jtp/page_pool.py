@@ -1,4 +1,4 @@
-"""Host-side paged KV block allocator for continuous batching.
+"""Host-side paged KV block allocator for continuous batching, with a prefix cache.
 
 The device keeps per-layer KV buffers of shape
 [num_blocks, block_size, kv_heads, head_dim]; this module only decides which
@@ -7,23 +7,33 @@ block holds which tokens. Pure Python + numpy, no jax.
 Model
 -----
 * Every block has a refcount: the number of sequence tables it appears in.
-  A block is on the free list exactly when its refcount is 0. Prefix sharing
-  (`share`) puts one block in several tables.
+  A block is on the free list exactly when its refcount is 0.
+* Prefix cache: a full block whose K/V is computed can be registered under a
+  content key (`cache_block`; the key is the hash chain of every token up to
+  the block's end, see `jtp.block_hash`). Registered blocks keep their key when
+  their last sequence lets go: they stay on the free list, in least-recently-
+  freed order, and a later sequence with the same prefix revives them
+  (`lookup`, then `reserve(..., prefix=blocks)`). A cached block loses its key
+  only when the free list hands it out again (LRU eviction) or on `reset_cache`.
 * Admission reserves the worst case up front (`reserve`), so an admitted
   sequence can always grow to its declared maximum (`append_slots` never runs
   out of blocks). A reservation is a count, not specific blocks: the pool
   guarantees `reserved <= free`, so any reserved block can be drawn from the
-  free list when it is actually needed.
+  free list when it is actually needed. Reviving a cached block takes it off
+  the free list, so admission counts it like a new one.
 * Block 0 is an ordinary block; padding slots (-1) are handled by callers.
 
 Usage for one request::
 
-    pool.can_ever_fit(max_tokens)          # submit time; False -> reject
-    pool.share(cached_seq, seq, n)         # optional: reuse a full-block prefix
-    if pool.reserve(seq, max_tokens):      # admission; False -> stay queued
-        pool.append_slots(seq, prompt_len) # then +1 per decode step
+    pool.can_ever_fit(max_tokens)              # submit time; False -> reject
+    prefix = pool.lookup(keys_of_prompt_blocks)  # optional: cached full blocks
+    if pool.reserve(seq, max_tokens, prefix):  # admission; False -> stay queued
+        pool.append_slots(seq, prompt_len)     # then +1 per decode step
         slots = pool.slot_mapping(seq, start, end)
-    pool.free(seq)                         # finish or abort, exactly once
+        pool.cache_block(seq, i, key)          # once block i's K/V is written
+    pool.free(seq)                             # finish or abort, exactly once
+
+A snapshot pins cached blocks the same way: `reserve(snap, n * block_size, blocks)`.
 
 Errors: an unknown sequence id raises KeyError (including a second `free`:
 the engine frees exactly once, so a double free is a bug we want loud);
@@ -32,8 +42,8 @@ ReservationExceeded.
 """
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,12 +73,16 @@ class PagePool:
         self.block_size = block_size
         self._refcount = [0] * num_blocks
         # FIFO: a freed block goes to the back, so blocks are reused in
-        # least-recently-freed order. That is the eviction order the prefix cache
-        # wants (a freed block's KV stays intact as long as possible), and a fresh
-        # pool hands out 0, 1, 2, ... which keeps plans easy to read.
-        self._free: deque[int] = deque(range(num_blocks))
+        # least-recently-freed order. That is the prefix cache's LRU eviction
+        # order (a freed block's KV stays intact as long as possible), and a fresh
+        # pool hands out 0, 1, 2, ... which keeps plans easy to read. Ordered so a
+        # revived cached block leaves from the middle in O(1).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._seqs: dict[Hashable, _Sequence] = {}
         self._num_reserved = 0
+        self._block_of_key: dict[bytes, int] = {}
+        self._key_of_block: dict[int, bytes] = {}
+        self.num_evicted = 0  # cached blocks handed out again (a count for tests and metrics)
 
     # ---- accounting -------------------------------------------------------
 
@@ -91,6 +105,11 @@ class PagePool:
         """What a new reservation can take: free blocks nobody was promised."""
         return len(self._free) - self._num_reserved
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (in use or not)."""
+        return len(self._block_of_key)
+
     def usage(self) -> dict[str, int]:
         return {
             "total_blocks": self.total_blocks,
@@ -100,6 +119,7 @@ class PagePool:
             "available_blocks": self.num_available_blocks,
             "shared_blocks": sum(1 for rc in self._refcount if rc > 1),
             "num_seqs": len(self._seqs),
+            "cached_blocks": self.num_cached_blocks,
         }
 
     # ---- sizing -----------------------------------------------------------
@@ -137,36 +157,39 @@ class PagePool:
 
     # ---- lifecycle --------------------------------------------------------
 
-    def reserve(self, seq_id: Hashable, max_total_tokens: int) -> bool:
-        """Reserve enough blocks for the sequence to reach `max_total_tokens`.
+    def reserve(self, seq_id: Hashable, max_total_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Start a sequence with the cached blocks `prefix` (from `lookup`) and reserve enough
+        blocks for it to reach `max_total_tokens`.
 
-        Blocks already in the sequence's table (from an earlier `share`) count
-        towards the total. Returns False, changing nothing, if the pool cannot
-        take it now. A size that can never fit raises ValueError: callers must
-        reject those at submit time (`can_ever_fit`), else they block the queue.
+        Returns False, changing nothing, if the pool cannot take it now. A size that can never
+        fit raises ValueError: callers must reject those at submit time (`can_ever_fit`), else
+        they block the queue.
         """
         if not self.can_ever_fit(max_total_tokens):
             raise ValueError(
                 f"sequence {seq_id!r} needs {self.blocks_needed(max_total_tokens)} blocks "
                 f"but the pool only has {self.total_blocks}"
             )
-        seq = self._seqs.get(seq_id)
-        if seq is not None and seq.max_tokens is not None:
+        if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already holds a reservation")
-        have_tokens = seq.num_tokens if seq is not None else 0
-        if max_total_tokens < have_tokens:
+        prefix = list(prefix)
+        if len(prefix) * self.block_size > max_total_tokens:
             raise ValueError(
-                f"max_total_tokens={max_total_tokens} is below the {have_tokens} tokens "
-                f"sequence {seq_id!r} already holds"
+                f"a prefix of {len(prefix)} blocks exceeds the {max_total_tokens} tokens sequence {seq_id!r} reserves"
             )
-        have_blocks = len(seq.table) if seq is not None else 0
-        needed = self.blocks_needed(max_total_tokens) - have_blocks
-        if needed > self.num_available_blocks:
+        if len(set(prefix)) != len(prefix) or any(b not in self._key_of_block for b in prefix):
+            raise ValueError(f"the prefix of sequence {seq_id!r} must be distinct cached blocks (from lookup)")
+        revived = sum(1 for b in prefix if self._refcount[b] == 0)
+        needed = self.blocks_needed(max_total_tokens) - len(prefix)
+        if needed + revived > self.num_available_blocks:
             return False
-        if seq is None:
-            seq = self._seqs[seq_id] = _Sequence()
-        seq.max_tokens = max_total_tokens
-        seq.reserved = needed
+        for block in prefix:
+            if self._refcount[block] == 0:
+                del self._free[block]
+            self._refcount[block] += 1
+        self._seqs[seq_id] = _Sequence(
+            table=prefix, num_tokens=len(prefix) * self.block_size, max_tokens=max_total_tokens, reserved=needed
+        )
         self._num_reserved += needed
         return True
 
@@ -187,52 +210,51 @@ class PagePool:
         # Holds by construction (table + reserved == blocks for max_tokens); guard anyway.
         assert grow <= seq.reserved <= len(self._free), "reservation accounting broken"
         for _ in range(grow):
-            block = self._free.popleft()
+            block, _ = self._free.popitem(last=False)
+            key = self._key_of_block.pop(block, None)
+            if key is not None:  # the least recently used cached block: evicted
+                del self._block_of_key[key]
+                self.num_evicted += 1
             self._refcount[block] = 1
             seq.table.append(block)
         seq.reserved -= grow
         self._num_reserved -= grow
         seq.num_tokens = new_num_tokens
 
-    def share(self, src_seq_id: Hashable, dst_seq_id: Hashable, num_tokens: int) -> int:
-        """Start dst's table with src's full blocks among its first `num_tokens` tokens.
+    # ---- prefix cache -----------------------------------------------------
 
-        Only whole blocks are shared (num_tokens // block_size of them), so
-        neither sequence ever writes into a shared block and no copy-on-write is
-        needed. dst must be new or still empty; if it already holds a
-        reservation, the shared blocks are taken out of it. Returns the number
-        of tokens dst now covers (a multiple of block_size). dst's table is
-        refcounted like any other: `free(dst)` releases it.
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of `keys` (one key per full block, in order)."""
+        blocks = []
+        for key in keys:
+            block = self._block_of_key.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def cache_block(self, seq_id: Hashable, index: int, key: bytes) -> bool:
+        """Register block `index` of the sequence (full, K/V written) under `key`.
+
+        False when the key already names a block (another sequence computed the same prefix) or
+        the block already has a key: the first registration stays, nothing changes.
         """
-        if src_seq_id == dst_seq_id:
-            raise ValueError(f"cannot share sequence {src_seq_id!r} with itself")
-        src = self._get(src_seq_id)
-        if not 0 <= num_tokens <= src.num_tokens:
-            raise ValueError(
-                f"cannot share {num_tokens} tokens: source {src_seq_id!r} holds {src.num_tokens}"
-            )
-        dst = self._seqs.get(dst_seq_id)
-        if dst is not None and dst.table:
-            raise ValueError(f"destination sequence {dst_seq_id!r} already holds blocks")
-        num_shared = num_tokens // self.block_size
-        shared_tokens = num_shared * self.block_size
-        if dst is not None and dst.max_tokens is not None and shared_tokens > dst.max_tokens:
-            raise ValueError(
-                f"sharing {shared_tokens} tokens exceeds the {dst.max_tokens} that {dst_seq_id!r} reserved"
-            )
-        if dst is None:
-            dst = self._seqs[dst_seq_id] = _Sequence()
-        shared = src.table[:num_shared]
-        for block in shared:
-            self._refcount[block] += 1
-        dst.table = list(shared)
-        dst.num_tokens = shared_tokens
-        if dst.max_tokens is not None:
-            # The shared blocks stand in for reserved ones (dst was empty, so its
-            # reservation was its whole worst case): give that many back.
-            dst.reserved -= num_shared
-            self._num_reserved -= num_shared
-        return shared_tokens
+        seq = self._get(seq_id)
+        if not 0 <= index < seq.num_tokens // self.block_size:
+            raise ValueError(f"block {index} of sequence {seq_id!r} is not a full block")
+        block = seq.table[index]
+        if key in self._block_of_key or block in self._key_of_block:
+            return False
+        self._block_of_key[key] = block
+        self._key_of_block[block] = key
+        return True
+
+    def reset_cache(self) -> int:
+        """Forget every cached block nobody holds (e.g. after a failed step); returns how many."""
+        dropped = [b for b in self._key_of_block if self._refcount[b] == 0]
+        for block in dropped:
+            del self._block_of_key[self._key_of_block.pop(block)]
+        return len(dropped)
 
     def free(self, seq_id: Hashable) -> None:
         """Drop the sequence: decref its blocks and release its unused reservation.
@@ -247,7 +269,7 @@ class PagePool:
         for block in reversed(seq.table):
             self._refcount[block] -= 1
             if self._refcount[block] == 0:
-                self._free.append(block)
+                self._free[block] = None
         self._num_reserved -= seq.reserved
 
     # ---- checking ---------------------------------------------------------
@@ -295,6 +317,9 @@ class PagePool:
         check(sum(len(s.table) for s in self._seqs.values()) >= used, "tables cover fewer blocks than are used")
         check(total_reserved == self._num_reserved, "reserved total disagrees with per-sequence reservations")
         check(0 <= self._num_reserved <= self.num_free_blocks, "reserved exceeds free")
+        check(len(self._block_of_key) == len(self._key_of_block), "cache index and its inverse differ in size")
+        for key, block in self._block_of_key.items():
+            check(self._key_of_block.get(block) == key, f"cached block {block} does not map back to its key")
 
     def _get(self, seq_id: Hashable) -> _Sequence:
         try:

@@ -37,7 +37,9 @@ class StepPlan:
     context_lens: np.ndarray  # i32[B]
     row_starts: np.ndarray  # i32[B]
     row_lens: np.ndarray  # i32[B]
-    state_slots: np.ndarray  # i32[B]
+    seq_slots: np.ndarray  # i32[B] each running request's index in the sampled-token buffer (-1 = padding row)
+    state_reads: np.ndarray  # i32[B] recurrent-state slot each row restores from (-1 = zero state)
+    state_writes: np.ndarray  # i32[B] recurrent-state slot each row writes (-1 = none)
     logits_indices: np.ndarray  # i32[B] index (into T) of the token whose logits each row samples from
     max_row_len: int | None = None  # static bound on tokens per row (a bucket); None = T
 
@@ -50,7 +52,8 @@ class StepPlan:
             context_lens=self.context_lens,
             row_starts=self.row_starts,
             row_lens=self.row_lens,
-            state_slots=self.state_slots,
+            state_reads=self.state_reads,
+            state_writes=self.state_writes,
             query_bound=np.arange(self.max_row_len or len(self.token_ids), dtype=np.int32),
         )
 
@@ -65,6 +68,7 @@ class ModelRunner:
         block_size: int = 16,
         max_seqs: int = 64,
         devices=None,
+        num_state_slots: int | None = None,
     ):
         self.cfg = ModelConfig.from_dir(model_dir)
         self.mesh = make_mesh(tensor_parallel_size, devices)
@@ -72,6 +76,7 @@ class ModelRunner:
         self.params = load_params(model_dir, self.cfg, self.mesh, self.dtype)
         self.block_size = block_size
         self.max_seqs = max_seqs
+        self.num_state_slots = num_state_slots or max_seqs  # recurrent-state slots (hybrid models)
         self.family = family_of(self.cfg)
         self.num_blocks = 0
         self.cache = None
@@ -96,18 +101,23 @@ class ModelRunner:
     def allocate_cache(self, num_blocks: int) -> None:
         self.cache = None  # drop the old buffers before allocating the new ones
         self.num_blocks = num_blocks
-        self.cache = self.family.init_cache(self.cfg, self.mesh, num_blocks, self.block_size, self.max_seqs, self.dtype)
+        self.cache = self.family.init_cache(
+            self.cfg, self.mesh, num_blocks, self.block_size, self.num_state_slots, self.dtype
+        )
+
+    def _cache_bytes(self, num_blocks: int, num_state_slots: int) -> int:
+        shapes = jax.eval_shape(
+            lambda: self.family.init_cache(self.cfg, self.mesh, num_blocks, self.block_size, num_state_slots, self.dtype)
+        )
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
     def bytes_per_block(self) -> int:
         """Device memory one more KV block costs on each device (shapes only, nothing allocated)."""
+        return (self._cache_bytes(2, 1) - self._cache_bytes(1, 1)) // self.tp
 
-        def cache_bytes(num_blocks):
-            shapes = jax.eval_shape(
-                lambda: self.family.init_cache(self.cfg, self.mesh, num_blocks, self.block_size, self.max_seqs, self.dtype)
-            )
-            return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-
-        return (cache_bytes(2) - cache_bytes(1)) // self.tp
+    def bytes_per_state_slot(self) -> int:
+        """Device memory one more recurrent-state slot costs on each device (0 without DeltaNet layers)."""
+        return (self._cache_bytes(1, 2) - self._cache_bytes(1, 1)) // self.tp
 
     def memory_stats(self) -> dict | None:
         """The first device's allocator stats (None on CPU, which keeps none)."""
@@ -148,19 +158,22 @@ class ModelRunner:
 
         The plan goes as int32 numpy arrays: the jitted call's C++ path transfers them (replicated)
         far faster than one `jax.device_put` per array (~0.2 ms each)."""
-        tokens, meta, idx = jax.tree.map(
-            lambda a: np.asarray(a, np.int32), (plan.token_ids, plan.metadata(), plan.logits_indices)
+        tokens, meta, idx, seq_slots = jax.tree.map(
+            lambda a: np.asarray(a, np.int32), (plan.token_ids, plan.metadata(), plan.logits_indices, plan.seq_slots)
         )
         flags = sampling.static_flags()
         # Any top-n request computes the maximum n: one compiled variant instead of twenty.
         flags = flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
-        return (self.params, self.cache, self.sampled, tokens, meta, idx, sampling, penalty_tokens), flags
+        return (self.params, self.cache, self.sampled, tokens, meta, idx, seq_slots, sampling, penalty_tokens), flags
 
 
-def _step(family, cfg, attention, params, cache, sampled, tokens, meta, logits_indices, sampling, penalty_tokens, flags):
+def _step(
+    family, cfg, attention, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling, penalty_tokens,
+    flags,
+):
     """The serving step: forward over the ragged batch, logits at each row's index, sampling."""
     _TRACES.count += 1
-    slot_of_token = meta.state_slots[meta.token_rows]
+    slot_of_token = seq_slots[meta.token_rows]
     tokens = jnp.where(tokens >= 0, tokens, sampled[jnp.maximum(slot_of_token, 0)])
     hidden, cache = family.forward(params, cfg, tokens, cache, meta, attention)
     logits = family.compute_logits(params, hidden[logits_indices])
@@ -175,7 +188,7 @@ def _step(family, cfg, attention, params, cache, sampled, tokens, meta, logits_i
         penalty_is_output=penalty_is_output,
     )
     # Rows without a slot (padding) point past the end and are dropped.
-    slots = jnp.where(meta.state_slots >= 0, meta.state_slots, sampled.shape[0])
+    slots = jnp.where(seq_slots >= 0, seq_slots, sampled.shape[0])
     return result, cache, sampled.at[slots].set(result.tokens, mode="drop")
 
 

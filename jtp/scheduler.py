@@ -13,6 +13,13 @@ Because the budget exceeds `max_num_seqs`, step 2/3 always get tokens: prompts a
 starved by decode. Admission reserves the worst case, so an admitted request always runs
 to completion and the queue always drains.
 
+Prefix caching: a request starts from the longest prefix of its prompt whose KV blocks are
+cached (and, on hybrid models, whose recurrent state is: the hit ends at a checkpoint), and
+prefills only the rest. Full blocks are registered in the cache once their tokens are known on
+the host; on hybrid models a row that ends at a checkpoint position freezes its state slot
+(see `Scheduler._checkpoint`). At least one prompt token is always computed: its logits give
+the first output token.
+
 The result is a plain-numpy `StepPlan` padded to bucket sizes (see `Buckets`).
 """
 
@@ -25,9 +32,11 @@ from collections import deque
 
 import numpy as np
 
+from jtp.block_hash import chain_key
 from jtp.page_pool import PagePool
 from jtp.runner import StepPlan
 from jtp.sampling import SamplingParams
+from jtp.state_pool import StatePool
 
 
 class Status(enum.Enum):
@@ -46,11 +55,22 @@ class Request:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V (and recurrent state) are in the cache
     pending: int = 0  # tokens sampled by a dispatched step that the host has not seen yet
-    state_slot: int = -1
+    seq_slot: int = -1  # row of the device's sampled-token buffer while running
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    # Prefix cache
+    cached_tokens: int = 0  # prompt tokens whose KV (and state) came from the cache
+    block_keys: list[bytes] = dataclasses.field(default_factory=list)  # keys of the known full blocks
+    num_registered: int = 0  # leading blocks already offered to the cache
+    kv_hit_end: int = 0  # tokens of the longest cached KV prefix at admission (>= cached_tokens)
+    # Recurrent state (hybrid models): the slot holding the state at num_computed (-1: zero state),
+    # whether a slot is reserved for the next write, and checkpoints waiting for their block's key.
+    state_slot: int = -1
+    state_reserved: bool = False
+    pending_checkpoints: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (block, slot)
+    decode_checkpoint: tuple[int, int] | None = None  # the latest one past the prompt (block, slot)
 
     @property
     def num_tokens(self) -> int:
@@ -141,6 +161,8 @@ class ScheduledRow:
     start: int  # first position fed this step
     num_tokens: int
     samples: bool = dataclasses.field(init=False)  # frozen now: the request grows once dispatched
+    state_read: int = -1  # recurrent-state slots (hybrid models)
+    state_write: int = -1
 
     def __post_init__(self):
         # The row reaches the end of the known tokens, so its last logits pick the next one.
@@ -150,21 +172,36 @@ class ScheduledRow:
 class Scheduler:
     def __init__(
         self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-        bucket_blocks: bool = True,
+        bucket_blocks: bool = True, states: StatePool | None = None, cache_root: bytes | None = None,
     ):
+        """`states`: the recurrent-state pool of a hybrid model (None: attention only).
+        `cache_root`: the root key of the prefix cache's hash chain (None: prefix caching off)."""
         if max_num_batched_tokens <= max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_num_seqs ({max_num_seqs}) "
                 "so prefill always gets tokens alongside a full batch of decodes"
             )
+        if states is not None and states.num_slots <= max_num_seqs:
+            raise ValueError(f"{states.num_slots} state slots cannot serve {max_num_seqs} running requests and checkpoints")
         self.pool = pool
+        self.states = states
+        self.cache_root = cache_root
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         max_blocks = -(-max_model_len // pool.block_size)
         self.buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, max_blocks, bucket_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.free_seq_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._release_after_dispatch: list[int] = []  # state slots the scheduled step still reads
+        # Counters: prompt tokens looked up / found in the prefix cache, prompt tokens computed.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.prompt_tokens_computed = 0
+
+    @property
+    def caching(self) -> bool:
+        return self.cache_root is not None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -173,17 +210,33 @@ class Scheduler:
         self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
-        """Drop a finished or aborted request and give back its blocks and state slot at once."""
+        """Drop a finished or aborted request: its full blocks go to the prefix cache, the rest of
+        its blocks and its state slots are given back at once."""
         if request.status is Status.RUNNING:
             self.running.remove(request)
+            if self.caching:
+                self._register(request)
             self.pool.free(request.id)
-            self.free_slots.append(request.state_slot)
-            request.state_slot = -1
+            self.free_seq_slots.append(request.seq_slot)
+            request.seq_slot = -1
+            if self.states is not None:
+                for _, slot in request.pending_checkpoints:  # their keys never became known
+                    self.states.release(slot)
+                request.pending_checkpoints.clear()
+                if request.state_slot >= 0:
+                    self.states.release(request.state_slot)
+                    request.state_slot = -1
+                if request.state_reserved:
+                    self.states.unreserve()
+                    request.state_reserved = False
         elif request.status is Status.WAITING:
             self.waiting.remove(request)
         request.status = Status.FINISHED
 
     def schedule(self) -> list[ScheduledRow]:
+        if self.caching:
+            for r in self.running:
+                self._register(r)
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         # A request whose last token is already pending has nothing left to run.
@@ -193,22 +246,168 @@ class Scheduler:
         for r in decoding + prefilling:
             if budget == 0:
                 break
-            n = min(r.num_tokens - r.num_computed, budget)
-            rows.append(ScheduledRow(r, r.num_computed, n))
-            budget -= n
+            rows.append(ScheduledRow(r, r.num_computed, self._chunk(r, budget)))
+            budget -= rows[-1].num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
-            if not self.pool.reserve(r.id, r.max_total_tokens):
-                break  # FCFS: the head waits for blocks, nobody overtakes it
+            if not self._admit(r):
+                break  # FCFS: the head waits for blocks (or a state slot), nobody overtakes it
             self.waiting.popleft()
-            r.status, r.state_slot = Status.RUNNING, self.free_slots.pop()
             self.running.append(r)
-            n = min(r.num_tokens, budget)
-            rows.append(ScheduledRow(r, 0, n))
-            budget -= n
+            rows.append(ScheduledRow(r, r.num_computed, self._chunk(r, budget)))
+            budget -= rows[-1].num_tokens
         for row in rows:
             self.pool.append_slots(row.request.id, row.start + row.num_tokens)
+            if self.states is not None:
+                self._assign_state_slots(row)
         return rows
+
+    def dispatched(self, rows: list[ScheduledRow]) -> None:
+        """The step of these rows is on the device: advance the requests, make checkpoints."""
+        for row in rows:
+            r, end = row.request, row.start + row.num_tokens
+            r.num_computed = end
+            r.pending += row.samples
+            self.prompt_tokens_computed += max(0, min(end, len(r.prompt_ids)) - row.start)
+            if self.states is not None and self.caching:
+                self._checkpoint(r)
+        for slot in self._release_after_dispatch:
+            self.states.release(slot)
+        self._release_after_dispatch.clear()
+
+    # ------------------------------------------------------------------ admission, chunks
+
+    def _admit(self, r: Request) -> bool:
+        """Reserve the request's worst case, starting from its longest cached prefix; False
+        (nothing changed) when the pool cannot take it now."""
+        prefix, state_slot = [], -1
+        if self.caching:
+            keys = self._keys(r)
+            limit = (len(r.prompt_ids) - 1) // self.pool.block_size  # leave a token to compute
+            prefix = self.pool.lookup(keys[:limit])
+            r.kv_hit_end = len(prefix) * self.pool.block_size
+            if self.states is not None:  # the hit ends where a state checkpoint exists
+                while prefix and self.states.lookup(keys[len(prefix) - 1]) is None:
+                    prefix.pop()
+                state_slot = self.states.lookup(keys[len(prefix) - 1]) if prefix else -1
+        if self.states is not None:
+            if state_slot >= 0:
+                self.states.acquire(state_slot)
+            if not self.states.reserve():
+                if state_slot >= 0:
+                    self.states.release(state_slot)
+                return False
+        if not self.pool.reserve(r.id, r.max_total_tokens, prefix):
+            if self.states is not None:
+                self.states.unreserve()
+                if state_slot >= 0:
+                    self.states.release(state_slot)
+            return False
+        r.status, r.seq_slot = Status.RUNNING, self.free_seq_slots.pop()
+        r.num_computed = r.cached_tokens = len(prefix) * self.pool.block_size
+        r.num_registered = len(prefix)
+        r.state_slot, r.state_reserved = state_slot, self.states is not None
+        if self.caching:
+            self.prefix_queries += len(r.prompt_ids)
+            self.prefix_hits += r.cached_tokens
+        return True
+
+    def _chunk(self, r: Request, budget: int) -> int:
+        """Tokens of the request's next row: what is left, within the budget, ending at the next
+        checkpoint position on hybrid models (a row's end is the only place its state exists)."""
+        start = r.num_computed
+        end = min(r.num_tokens, start + budget)
+        for target in self._checkpoint_targets(r):
+            if start < target < end:
+                end = target
+        return end - start
+
+    def _checkpoint_targets(self, r: Request) -> tuple[int, ...]:
+        """Where a hybrid model's prompt keeps its state (block-aligned positions):
+        * the end of the cached KV prefix found at admission, when its state was not cached: the
+          point where this prompt left a shared one (a document many questions ask about), so
+          the next request with that prefix restores from here instead of from the start;
+        * the prompt's last block boundary (a repeat of the prompt, or a follow-up turn that
+          rewrites the answer, e.g. without its reasoning, continues from here)."""
+        if self.states is None or not self.caching:
+            return ()
+        last = (len(r.prompt_ids) - 1) // self.pool.block_size * self.pool.block_size
+        return (r.kv_hit_end, last)
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _keys(self, r: Request) -> list[bytes]:
+        """The request's block keys, extended over every full block of host-known tokens."""
+        bs, keys = self.pool.block_size, r.block_keys
+        known = len(r.prompt_ids) + len(r.output_ids)
+        while (len(keys) + 1) * bs <= known:
+            start = len(keys) * bs
+            keys.append(chain_key(keys[-1] if keys else self.cache_root, [r.token(p) for p in range(start, start + bs)]))
+        return keys
+
+    def _register(self, r: Request) -> None:
+        """Offer the request's computed full blocks (and frozen state checkpoints) to the cache,
+        as far as their tokens are known on the host (a pending token's block waits a step)."""
+        keys = self._keys(r)
+        full = min(len(keys), r.num_computed // self.pool.block_size)
+        for i in range(r.num_registered, full):
+            self.pool.cache_block(r.id, i, keys[i])
+        r.num_registered = max(r.num_registered, full)
+        waiting = []
+        for block, slot in r.pending_checkpoints:
+            if block < len(keys):
+                self.states.cache(slot, keys[block])  # False: an equal checkpoint exists; this one goes
+                self.states.release(slot)
+            else:
+                waiting.append((block, slot))
+        r.pending_checkpoints = waiting
+
+    def _checkpoint(self, r: Request) -> None:
+        """After a row: keep the request's state as a checkpoint if the row ended at a checkpoint
+        position (`_checkpoint_targets`, or a block boundary past the prompt: the latest such one
+        serves a follow-up turn that resends this conversation; earlier ones are dropped). The
+        slot is frozen (an extra hold), so the request's next row writes a fresh slot instead."""
+        bs, end = self.pool.block_size, r.num_computed
+        if end == 0 or end % bs or r.state_slot < 0:
+            return
+        in_prompt = end < len(r.prompt_ids)
+        if in_prompt and end not in self._checkpoint_targets(r):
+            return
+        assert not r.state_reserved, "a request freezes a slot it has just written, never twice"
+        if not self.states.reserve():
+            return  # no spare slot for the request's next write: skip this checkpoint
+        r.state_reserved = True  # (a request holding no exclusive slot always has one reserved)
+        self.states.acquire(r.state_slot)
+        checkpoint = (end // bs - 1, r.state_slot)
+        r.pending_checkpoints.append(checkpoint)
+        if not in_prompt:
+            if r.decode_checkpoint is not None:
+                self._drop_checkpoint(r, r.decode_checkpoint)
+            r.decode_checkpoint = checkpoint
+
+    def _drop_checkpoint(self, r: Request, checkpoint: tuple[int, int]) -> None:
+        if checkpoint in r.pending_checkpoints:
+            r.pending_checkpoints.remove(checkpoint)
+            self.states.release(checkpoint[1])
+            return
+        block, slot = checkpoint
+        # Only if the slot still is that checkpoint and nobody holds it (a restore, a snapshot).
+        if block < len(r.block_keys) and self.states.lookup(r.block_keys[block]) == slot and not self.states.refs(slot):
+            self.states.uncache(slot)
+
+    def _assign_state_slots(self, row: ScheduledRow) -> None:
+        """The row reads the request's state slot and writes it in place, or writes a fresh slot
+        when the current one must stay intact (a checkpoint, a restored prefix, the zero state)."""
+        r = row.request
+        row.state_read = r.state_slot
+        if r.state_slot >= 0 and self.states.is_exclusive(r.state_slot):
+            row.state_write = r.state_slot
+            return
+        row.state_write = self.states.allocate()  # against the request's reservation
+        r.state_reserved = False
+        if r.state_slot >= 0:
+            self._release_after_dispatch.append(r.state_slot)
+        r.state_slot = row.state_write
 
     def build_plan(self, rows: list[ScheduledRow]) -> StepPlan:
         total = sum(r.num_tokens for r in rows)
@@ -225,7 +424,9 @@ class Scheduler:
         context_lens = np.zeros(B, np.int32)
         row_starts = np.full(B, total, np.int32)
         row_lens = np.zeros(B, np.int32)
-        state_slots = np.full(B, -1, np.int32)
+        seq_slots = np.full(B, -1, np.int32)
+        state_reads = np.full(B, -1, np.int32)
+        state_writes = np.full(B, -1, np.int32)
         logits_indices = np.zeros(B, np.int32)
         cursor = 0
         for b, (row, table) in enumerate(zip(rows, tables)):
@@ -237,12 +438,13 @@ class Scheduler:
             token_rows[span] = b
             block_tables[b, : len(table)] = table
             context_lens[b] = end
-            row_starts[b], row_lens[b], state_slots[b] = cursor, row.num_tokens, req.state_slot
+            row_starts[b], row_lens[b], seq_slots[b] = cursor, row.num_tokens, req.seq_slot
+            state_reads[b], state_writes[b] = row.state_read, row.state_write
             logits_indices[b] = cursor + row.num_tokens - 1
             cursor += row.num_tokens
         return StepPlan(
             token_ids, positions, slot_mapping, token_rows, block_tables, context_lens,
-            row_starts, row_lens, state_slots, logits_indices,
+            row_starts, row_lens, seq_slots, state_reads, state_writes, logits_indices,
             max_row_len=max_row_len,
         )
 
@@ -251,5 +453,5 @@ class Scheduler:
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         return StepPlan(
             zeros(T), zeros(T), np.full(T, -1, np.int32), zeros(T), zeros(B, M), zeros(B),
-            zeros(B), zeros(B), np.full(B, -1, np.int32), zeros(B), max_row_len=max_row_len,
+            zeros(B), zeros(B), *(np.full(B, -1, np.int32) for _ in range(3)), zeros(B), max_row_len=max_row_len,
         )

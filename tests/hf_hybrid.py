@@ -179,7 +179,9 @@ class Planner:
             context_lens=np.zeros(B, np.int32),
             row_starts=np.zeros(B, np.int32),
             row_lens=np.zeros(B, np.int32),
-            state_slots=np.full(B, -1, np.int32),
+            seq_slots=np.full(B, -1, np.int32),
+            state_reads=np.full(B, -1, np.int32),
+            state_writes=np.full(B, -1, np.int32),
             logits_indices=np.zeros(B, np.int32),
         )
         start = 0
@@ -196,7 +198,8 @@ class Planner:
             p["context_lens"][b] = base + n
             p["row_starts"][b] = start
             p["row_lens"][b] = n
-            p["state_slots"][b] = slot
+            p["seq_slots"][b] = p["state_writes"][b] = slot
+            p["state_reads"][b] = slot if base > 0 else -1  # a fresh sequence starts from the zero state
             p["logits_indices"][b] = start + n - 1
             self.seen[seq] = base + n
             start += n

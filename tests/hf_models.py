@@ -145,7 +145,9 @@ def run_step(runner, plan, positions=None) -> StepOutput:
             context_lens=np.zeros(n, np.int32),
             row_starts=np.full(n, plan.row_lens.sum(), np.int32),  # like the scheduler's padding rows
             row_lens=np.zeros(n, np.int32),
-            state_slots=np.full(n, -1, np.int32),
+            seq_slots=np.full(n, -1, np.int32),
+            state_reads=np.full(n, -1, np.int32),
+            state_writes=np.full(n, -1, np.int32),
             logits_indices=np.asarray(positions, np.int32),
         )
         plan = dataclasses.replace(plan, **{k: np.concatenate([getattr(plan, k), v]) for k, v in extra.items()})

@@ -588,11 +588,12 @@ def test_decode_and_prefill_never_starved(qwen3):
         assert results[rid] == qwen3.hf_greedy(p, m)
 
 
-def _fake_step(rows):
-    """What the engine does after a device step, with a dummy sampled token."""
+def _fake_step(sched: Scheduler, rows):
+    """What the engine does at dispatch and after the device step, with a dummy sampled token."""
+    sched.dispatched(rows)
     for row in rows:
-        row.request.num_computed += row.num_tokens
         if row.samples:
+            row.request.pending -= 1
             row.request.output_ids.append(0)
 
 
@@ -614,14 +615,14 @@ def test_scheduler_order_and_budget_unit():
     sched.add(a)
     rows = sched.schedule()
     assert [(r.request.id, r.start, r.num_tokens) for r in rows] == [("a", 0, 3)]
-    _fake_step(rows)
+    _fake_step(sched, rows)
     sched.add(b)
     rows = sched.schedule()  # a decodes (1), b gets the other 15
     assert [(r.request.id, r.start, r.num_tokens) for r in rows] == [("a", 3, 1), ("b", 0, 15)]
-    _fake_step(rows)
+    _fake_step(sched, rows)
     rows = sched.schedule()
     assert [(r.request.id, r.start, r.num_tokens) for r in rows] == [("a", 4, 1), ("b", 15, 15)]
-    _fake_step(rows)
+    _fake_step(sched, rows)
     # c does not fit in blocks yet (a: 13 tokens = 4 blocks, b: 43 = 11 blocks; 15 left; c needs 17)
     # and d (fits) must not overtake it.
     c, d = req("c", 60, 8), req("d", 2, 2)
@@ -630,7 +631,7 @@ def test_scheduler_order_and_budget_unit():
     rows = sched.schedule()
     assert [(r.request.id, r.start, r.num_tokens) for r in rows] == [("a", 5, 1), ("b", 30, 10)]
     assert list(sched.waiting) == [c, d]
-    _fake_step(rows)
+    _fake_step(sched, rows)
     steps = 0
     while sched.has_work():
         rows = sched.schedule()
@@ -641,12 +642,12 @@ def test_scheduler_order_and_budget_unit():
         # decode rows come first, then prompt chunks
         kinds = [r.num_tokens == 1 and r.start >= len(r.request.prompt_ids) for r in rows]
         assert kinds == sorted(kinds, reverse=True)
-        _fake_step(rows)
+        _fake_step(sched, rows)
         _finish_done(sched)
         pool.check_invariants()
         steps += 1
         assert steps < 100
-    assert pool.num_free_blocks == 30 and sched.free_slots and len(sched.free_slots) == 4
+    assert pool.num_free_blocks == 30 and len(sched.free_seq_slots) == 4
 
 
 def test_host_dispatches_next_step_before_waiting_for_the_previous(engine, monkeypatch):

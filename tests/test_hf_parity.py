@@ -44,7 +44,9 @@ def one_row_plan(ids, start, block_table, block_size) -> StepPlan:
         context_lens=i32(start + n),
         row_starts=i32(0),
         row_lens=i32(n),
-        state_slots=i32(0),
+        seq_slots=i32(0),
+        state_reads=i32(0 if start else -1),
+        state_writes=i32(0),
         logits_indices=i32(n - 1),
     )
 

@@ -44,7 +44,8 @@ def run_all(path, tp, work):
     batched = run_staggered(engine, [p for p, _ in work], params, waves=(3, 2, 3), gaps=(2, 3, 1))
     solo = [engine.generate([p], sp)[0] for (p, _), sp in zip(work, params)]
     assert engine.pool.num_free_blocks == engine.pool.total_blocks
-    assert sorted(engine.scheduler.free_slots) == list(range(ENGINE_KW["max_num_seqs"]))
+    assert sorted(engine.scheduler.free_seq_slots) == list(range(ENGINE_KW["max_num_seqs"]))
+    assert engine.states.available() == engine.states.num_slots, "a state slot leaked"
     return [c.token_ids for c in batched], [c.token_ids for c in solo]
 
 

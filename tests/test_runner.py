@@ -30,7 +30,9 @@ def prefill_plan(ids: list[int], block_size: int) -> StepPlan:
         context_lens=one(n),
         row_starts=one(0),
         row_lens=one(n),
-        state_slots=one(0),
+        seq_slots=one(0),
+        state_reads=one(-1),
+        state_writes=one(0),
         logits_indices=one(n - 1),
     )
 

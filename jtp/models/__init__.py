@@ -1,7 +1,7 @@
 """Model families. Each module exposes the same four functions:
 
     param_layout(cfg, tp) -> {path: Source}     where each parameter comes from in the checkpoint
-    init_cache(cfg, mesh, num_blocks, block_size, max_seqs, dtype) -> cache pytree
+    init_cache(cfg, mesh, num_blocks, block_size, num_state_slots, dtype) -> cache pytree
     forward(params, cfg, tokens, cache, meta, attend) -> (hidden [T, H], cache)   attend: a PagedAttention
     compute_logits(params, hidden) -> float32 logits
 """

@@ -74,9 +74,9 @@ def zeroed_layer_kv(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, dt
     return LayerKV(zeros(), zeros())
 
 
-def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, max_seqs: int, dtype) -> list[LayerKV]:
+def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype) -> list[LayerKV]:
     """Zeroed paged K/V for every layer."""
-    del max_seqs  # no per-sequence state beyond the pages
+    del num_state_slots  # no per-sequence state beyond the pages
     return [zeroed_layer_kv(cfg, mesh, num_blocks, block_size, dtype) for _ in range(cfg.num_layers)]
 
 

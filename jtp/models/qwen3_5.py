@@ -12,10 +12,12 @@ Mixer is, per `cfg.layer_types`, either
     head, run chunk-wise (64 tokens at a time, as in HF), and a gated RMSNorm on the output.
 FFN is a SwiGLU MLP or top-k routed experts plus a sigmoid-gated shared expert.
 
-A DeltaNet layer's memory of a sequence is its (conv, recurrent) state, kept in slot
-`meta.state_slots[b]` of per-layer arrays. A step gathers each row's tokens into a padded
-[B, L] layout, runs the row from its slot state (zero if the row starts at position 0), scatters
-the outputs back to the flat token order and writes the final state back to the slot. L is the
+A DeltaNet layer's memory of a sequence is its (conv, recurrent) state, kept in slots of
+per-layer arrays. A step gathers each row's tokens into a padded [B, L] layout, runs the row
+from the state in slot `meta.state_reads[b]` (the zero state when -1: a fresh sequence),
+scatters the outputs back to the flat token order and writes the final state to slot
+`meta.state_writes[b]` (the same slot, or another one when the read slot is a cached
+checkpoint that must stay intact; see jtp/state_pool.py). L is the
 static bound `meta.query_bound` on tokens per row (T when unknown). L = 1 (a pure decode step)
 takes the single-token recurrence (conv-state update + one delta-rule step, HF's decode path);
 L > 1 the chunked rule, min(64, L) tokens per chunk, rows padded to a multiple of the chunk.
@@ -60,7 +62,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST  # the recurrence is fp32 math; no TF32 sho
 
 
 class DeltaNetState(NamedTuple):
-    """Per-sequence state of one DeltaNet layer, `max_seqs` slots.
+    """Per-sequence state of one DeltaNet layer, `num_state_slots` slots.
 
     conv_*: the last K-1 pre-conv inputs of the q, k and v channels [slots, channels, K-1]
     (oldest first; HF keeps K columns, only the last K-1 matter). recurrent: [slots, Hv, dk, dv] fp32.
@@ -80,7 +82,7 @@ class RowLayout(NamedTuple):
 
     gather: jax.Array  # i32[B, L] flat index of row b's t-th token (clipped for padding)
     valid: jax.Array  # bool[B, L]
-    fresh: jax.Array  # bool[B] the row starts a sequence (position 0): zero state
+    fresh: jax.Array  # bool[B] the row starts from the zero state (no slot to read)
     read_slots: jax.Array  # i32[B]
     write_slots: jax.Array  # i32[B] state slot to write, out of range for padding rows (dropped)
     token_row: jax.Array  # i32[T] row of each flat token
@@ -91,16 +93,15 @@ def row_layout(meta: AttentionMetadata, num_tokens: int, length: int, num_slots:
     t = jnp.arange(length)
     gather = jnp.clip(meta.row_starts[:, None] + t[None, :], 0, num_tokens - 1)
     valid = t[None, :] < meta.row_lens[:, None]
-    real = (meta.row_lens > 0) & (meta.state_slots >= 0)
-    first_pos = meta.positions[jnp.clip(meta.row_starts, 0, num_tokens - 1)]
+    real = (meta.row_lens > 0) & (meta.state_writes >= 0)
     token_row = jnp.clip(meta.token_rows, 0, meta.row_starts.shape[0] - 1)
     token_t = jnp.clip(jnp.arange(num_tokens) - meta.row_starts[token_row], 0, length - 1)
     return RowLayout(
         gather=gather,
         valid=valid,
-        fresh=first_pos == 0,
-        read_slots=jnp.clip(meta.state_slots, 0, num_slots - 1),
-        write_slots=jnp.where(real, meta.state_slots, num_slots),
+        fresh=meta.state_reads < 0,
+        read_slots=jnp.clip(meta.state_reads, 0, num_slots - 1),
+        write_slots=jnp.where(real, meta.state_writes, num_slots),
         token_row=token_row,
         token_t=token_t,
     )
@@ -319,7 +320,7 @@ def forward(params: dict, cfg: ModelConfig, tokens, cache: list, meta: Attention
     return rms_norm_zero_centered(x, params["final_norm"], cfg.rms_norm_eps), new_cache
 
 
-def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, max_seqs: int, dtype) -> list:
+def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype) -> list:
     """Paged K/V for full-attention layers; zeroed slot states for DeltaNet layers."""
 
     def zeros(shape, dt, spec):
@@ -331,11 +332,11 @@ def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, max_seq
         if cfg.is_linear_layer(i):
             cache.append(
                 DeltaNetState(
-                    conv_q=zeros((max_seqs, cfg.linear_key_dim, K - 1), dtype, CONV_STATE_SPEC),
-                    conv_k=zeros((max_seqs, cfg.linear_key_dim, K - 1), dtype, CONV_STATE_SPEC),
-                    conv_v=zeros((max_seqs, cfg.linear_value_dim, K - 1), dtype, CONV_STATE_SPEC),
+                    conv_q=zeros((num_state_slots, cfg.linear_key_dim, K - 1), dtype, CONV_STATE_SPEC),
+                    conv_k=zeros((num_state_slots, cfg.linear_key_dim, K - 1), dtype, CONV_STATE_SPEC),
+                    conv_v=zeros((num_state_slots, cfg.linear_value_dim, K - 1), dtype, CONV_STATE_SPEC),
                     recurrent=zeros(
-                        (max_seqs, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                        (num_state_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
                         jnp.float32,
                         RECURRENT_STATE_SPEC,
                     ),
