@@ -1,0 +1,570 @@
+"""Snapshots on disk: save an engine's pinned prefixes, load them into a fresh engine after a restart.
+
+    ids = engine.snapshot(request_id)                      # pinned in the device cache
+    save_snapshots(engine, "/ckpt/snaps")                  # every snapshot (or snapshot_ids=[...])
+    ...restart...
+    new_ids = load_snapshots(engine, "/ckpt/snaps")        # pinned again, same tokens
+    engine.restore(new_ids[0], more_prompt, params)        # prefills only the tail
+
+What is saved is what a snapshot pins: the KV pages of its cached prefix and, on hybrid models,
+the recurrent-state checkpoint at that prefix's end; blocks (and states) shared by several
+snapshots are saved once. Pages and states stay sharded jax Arrays all the way to Orbax, so in a
+multi-process deployment each process writes (and later reads) only its own shards.
+
+On disk (a directory; written under a temporary name and renamed, so a failed save leaves no
+half checkpoint and a path that exists is complete):
+
+    PATH/snapshots.json   format and version, the engine identity, and per snapshot its id,
+                          tokens, cached-token count, block indices and state index
+    PATH/arrays/          Orbax (StandardCheckpointer) pytree, absent when nothing is cached:
+                          {"kv":    {"layer_NN": {"k": [U, block_size, kv_heads, head_dim], "v": ...}},
+                           "state": {"layer_NN": {"conv_q": [S, ...], "conv_k", "conv_v", "recurrent"}}}
+                          row i of "kv" is the block keyed blocks[i] in the JSON, row j of
+                          "state" the state keyed states[j].
+
+A load is refused (ConfigError, nothing changed) unless the engine matches what saved: model
+config, dtype, block size, mesh (axis names and sizes, process count) and the weights
+(a fingerprint of the safetensors headers plus a sample of every tensor's bytes). The saved
+prefix-cache keys are recomputed from the tokens and must agree too, which catches whatever the
+identity string adds. A load that cannot fit (blocks, state slots, the snapshot cap or budget)
+raises RequestError, also changing nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import struct
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from jtp.attention import LayerKV
+from jtp.block_hash import block_keys
+from jtp.errors import ConfigError, RequestError
+from jtp.snapshots import Snapshot
+
+if TYPE_CHECKING:
+    from jtp.engine import Engine
+
+__all__ = ["save_snapshots", "load_snapshots", "read_metadata", "weights_fingerprint", "FORMAT", "FORMAT_VERSION"]
+
+FORMAT = "jtp-snapshots"
+FORMAT_VERSION = 1
+METADATA_FILE = "snapshots.json"
+ARRAYS_DIR = "arrays"
+
+_SAMPLE_BYTES = 4096  # bytes hashed from the middle of every tensor
+_FILE_SAMPLE_BYTES = 1 << 16  # bytes hashed at the head, middle and tail of non-safetensors weight files
+
+
+# ----------------------------------------------------------------------------- identity
+
+
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """A cheap fingerprint of a model directory's weights: every safetensors file's name, size and
+    header (tensor names, dtypes, shapes, offsets), plus 4 KiB from the middle of every tensor, so
+    a fine-tune of the same architecture differs. An Orbax model directory (`jtp convert`) is
+    fingerprinted by its files' names, sizes and head/middle/tail bytes. Reads a few KiB per tensor."""
+    from jtp.weights import ORBAX_SUBDIR
+
+    model_dir = Path(model_dir)
+    h = hashlib.blake2b(digest_size=16)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        for file in files:
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = f.read(n)
+                h.update(file.name.encode() + b"\0" + str(file.stat().st_size).encode() + b"\0" + header)
+                tensors = json.loads(header)
+                spans = sorted(v["data_offsets"] for k, v in tensors.items() if k != "__metadata__")
+                for begin, end in spans:
+                    size = min(_SAMPLE_BYTES, end - begin)
+                    f.seek(8 + n + begin + (end - begin - size) // 2)
+                    h.update(f.read(size))
+        return h.hexdigest()
+    orbax = model_dir / ORBAX_SUBDIR
+    if orbax.is_dir():
+        for file in sorted(p for p in orbax.rglob("*") if p.is_file()):
+            size = file.stat().st_size
+            h.update(str(file.relative_to(orbax)).encode() + b"\0" + str(size).encode() + b"\0")
+            with open(file, "rb") as f:
+                for at in sorted({0, max(0, size // 2 - _FILE_SAMPLE_BYTES // 2), max(0, size - _FILE_SAMPLE_BYTES)}):
+                    f.seek(at)
+                    h.update(f.read(_FILE_SAMPLE_BYTES))
+        return h.hexdigest()
+    raise ConfigError(f"{model_dir}: no safetensors or Orbax weights to fingerprint")
+
+
+def _model_dir(engine: "Engine", model_dir: str | Path | None) -> Path:
+    found = model_dir or getattr(engine, "model_dir", None) or getattr(engine.runner, "model_dir", None)
+    if found is None:
+        raise ValueError("the engine does not record its model directory: pass model_dir=... (the weights are fingerprinted)")
+    return Path(found)
+
+
+def _mesh_info(engine: "Engine") -> dict[str, Any]:
+    mesh = engine.runner.mesh
+    return {
+        "axis_names": list(mesh.axis_names),
+        "shape": [int(mesh.shape[a]) for a in mesh.axis_names],
+        "process_count": jax.process_count(),
+    }
+
+
+def _identity(engine: "Engine", model_dir: Path) -> dict[str, Any]:
+    runner = engine.runner
+    return {
+        "cache_identity": engine.cache_identity,
+        "model_config": json.loads(json.dumps(dataclasses.asdict(engine.cfg))),
+        "dtype": np.dtype(runner.dtype).name,
+        "block_size": engine.pool.block_size,
+        "mesh": _mesh_info(engine),
+        "weights": weights_fingerprint(model_dir),
+    }
+
+
+def _mesh_text(mesh: dict[str, Any]) -> str:
+    axes = " x ".join(f"{a}={n}" for a, n in zip(mesh["axis_names"], mesh["shape"]))
+    procs = mesh["process_count"]
+    return f"{axes} ({procs} process{'es' if procs != 1 else ''})"
+
+
+def _identity_mismatches(saved: dict[str, Any], mine: dict[str, Any]) -> list[str]:
+    """What differs, one phrase each, saying what was saved and what this engine has."""
+    out = []
+    if saved["model_config"] != mine["model_config"]:
+        a, b = saved["model_config"], mine["model_config"]
+        fields = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        details = ", ".join(f"{k}: saved {a.get(k)!r}, this engine {b.get(k)!r}" for k in fields[:4])
+        more = f" and {len(fields) - 4} more" if len(fields) > 4 else ""
+        out.append(f"saved from a different model config ({details}{more})")
+    if saved["dtype"] != mine["dtype"]:
+        out.append(f"saved with dtype {saved['dtype']}, this engine runs {mine['dtype']}")
+    if saved["block_size"] != mine["block_size"]:
+        out.append(f"saved with block_size {saved['block_size']}, this engine uses {mine['block_size']}")
+    if saved["mesh"] != mine["mesh"]:
+        out.append(f"saved on a mesh of {_mesh_text(saved['mesh'])}, this engine runs on {_mesh_text(mine['mesh'])}")
+    if saved["weights"] != mine["weights"]:
+        out.append(
+            f"saved from different weights (fingerprint {saved['weights'][:12]}, this engine's {mine['weights'][:12]})"
+        )
+    if not out and saved["cache_identity"] != mine["cache_identity"]:
+        out.append(f"saved by an engine of identity {saved['cache_identity']!r}, this one is {mine['cache_identity']!r}")
+    return out
+
+
+# ----------------------------------------------------------------------------- device arrays
+
+
+def _layer_name(i: int) -> str:
+    return f"layer_{i:03d}"
+
+
+def _shardings(tree):
+    return jax.tree.map(lambda a: a.sharding, tree)
+
+
+def _cache_views(cache) -> tuple[dict[str, dict[str, jax.Array]], dict[str, dict[str, jax.Array]]]:
+    """The engine cache as {"layer_NN": {field: array}}: paged K/V layers, and state-slot layers."""
+    kv, state = {}, {}
+    for i, layer in enumerate(cache):
+        (kv if isinstance(layer, LayerKV) else state)[_layer_name(i)] = dict(layer._asdict())
+    return kv, state
+
+
+def _gather(kv, state, block_ids: np.ndarray, slot_ids: np.ndarray) -> dict:
+    """Rows `block_ids` of every K/V layer and `slot_ids` of every state layer, as new arrays sharded
+    like the cache (each process then holds, and writes, only its own shards)."""
+    tree = {}
+    if len(block_ids):
+        tree["kv"] = kv
+    if len(slot_ids) and state:
+        tree["state"] = state
+    if not tree:
+        return {}
+    fn = jax.jit(
+        lambda t, b, s: {
+            name: jax.tree.map(lambda a, name=name: a[b if name == "kv" else s], sub) for name, sub in t.items()
+        },
+        out_shardings=_shardings(tree),
+    )
+    return fn(tree, block_ids, slot_ids)
+
+
+def _scatter(cache, block_ids, block_rows, pages, slot_ids, slot_rows, states):
+    """The cache with pages[block_rows] written to blocks block_ids and states[slot_rows] to slots
+    slot_ids (pages / states: {"layer_NN": {field: array}}); the old cache is donated."""
+
+    def fn(cache, block_ids, block_rows, pages, slot_ids, slot_rows, states):
+        out = []
+        for i, layer in enumerate(cache):
+            name = _layer_name(i)
+            if name in pages:
+                src, ids, rows = pages[name], block_ids, block_rows
+            elif name in states:
+                src, ids, rows = states[name], slot_ids, slot_rows
+            else:
+                out.append(layer)
+                continue
+            out.append(type(layer)(**{f: getattr(layer, f).at[ids].set(src[f][rows]) for f in layer._fields}))
+        return out
+
+    jitted = jax.jit(fn, donate_argnums=0, out_shardings=_shardings(cache))
+    return jitted(cache, block_ids, block_rows, pages, slot_ids, slot_rows, states)
+
+
+def _sync(tag: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(tag)
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save_snapshots(
+    engine: "Engine",
+    path: str | Path,
+    snapshot_ids=None,
+    *,
+    model_dir: str | Path | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write snapshots (all of them, or `snapshot_ids`) to the directory `path`; returns it.
+
+    The pages and states are copied on device under the step lock (after the in-flight step is
+    processed); the write to disk happens outside it, so serving goes on meanwhile. The directory
+    appears only once complete. `model_dir`: the engine's model directory, for the weights
+    fingerprint (default: `engine.model_dir`). An existing `path` raises FileExistsError unless
+    `overwrite`. Every process of a multi-process deployment calls this with the same arguments
+    (a shared filesystem); each writes its own shards, process 0 the metadata.
+    """
+    path = Path(path).absolute()
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
+    identity = _identity(engine, _model_dir(engine, model_dir))
+    with engine._lock:
+        if engine.runner.cache is None:
+            raise RequestError("the engine is closed: its cache is gone")
+        engine._settle()
+        snaps = list(engine.snapshots)
+        if snapshot_ids is not None:
+            by_id = {s.id: s for s in snaps}
+            missing = [i for i in snapshot_ids if i not in by_id]
+            if missing:
+                raise KeyError(f"unknown snapshot {missing[0]!r} (never made, dropped, or evicted)")
+            snaps = [by_id[i] for i in dict.fromkeys(snapshot_ids)]
+        root, bs = engine.scheduler.cache_root, engine.pool.block_size
+        block_rows: dict[int, int] = {}  # engine block -> row in the saved arrays
+        block_keys_hex: list[str] = []
+        slot_rows: dict[int, int] = {}
+        slot_keys_hex: list[str] = []
+        entries = []
+        for snap in snaps:
+            n = len(snap.blocks)
+            keys = block_keys(root, snap.tokens, bs)[:n] if n else []
+            rows = []
+            for block, key in zip(snap.blocks, keys):
+                if block not in block_rows:
+                    block_rows[block] = len(block_keys_hex)
+                    block_keys_hex.append(key.hex())
+                elif block_keys_hex[block_rows[block]] != key.hex():  # the pool keys a block once
+                    raise AssertionError(f"block {block} is pinned under two keys")
+                rows.append(block_rows[block])
+            state = -1
+            if snap.state_slot >= 0:
+                if snap.state_slot not in slot_rows:
+                    slot_rows[snap.state_slot] = len(slot_keys_hex)
+                    slot_keys_hex.append(keys[-1].hex())
+                state = slot_rows[snap.state_slot]
+            entries.append({
+                "id": snap.id,
+                "tokens": list(snap.tokens),
+                "num_cached_tokens": snap.num_cached_tokens,
+                "blocks": rows,
+                "state": state,
+                "created": snap.created,
+            })
+        kv, state_layers = _cache_views(engine.runner.cache)
+        arrays = _gather(
+            kv, state_layers, np.asarray(list(block_rows), np.int32), np.asarray(list(slot_rows), np.int32)
+        )
+    metadata = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "saved_at": time.time(),
+        "identity": identity,
+        "platform": engine.runner.mesh.devices.flat[0].platform,
+        "device_kind": engine.runner.mesh.devices.flat[0].device_kind,
+        "layers": {"kv": sorted(kv), "state": sorted(state_layers)},
+        "blocks": block_keys_hex,
+        "states": slot_keys_hex,
+        "snapshots": entries,
+    }
+    _write(path, arrays, metadata, overwrite)
+    return path
+
+
+def _write(path: Path, arrays: dict, metadata: dict, overwrite: bool) -> None:
+    """Everything into a staging directory beside `path`, then one rename (process 0)."""
+    # The same name on every process: Orbax needs one path for all of them.
+    staging = path.parent / f".{path.name}.saving"
+    primary = jax.process_index() == 0
+    if primary:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)  # a crashed save's leftovers
+        staging.mkdir()
+    _sync("jtp-snapshots-staging")
+    try:
+        if arrays:
+            import orbax.checkpoint as ocp
+
+            with ocp.StandardCheckpointer() as ckptr:
+                ckptr.save(staging / ARRAYS_DIR, arrays)
+        _sync("jtp-snapshots-arrays")
+        if primary:
+            tmp = staging / (METADATA_FILE + ".tmp")
+            tmp.write_text(json.dumps(metadata, indent=1))
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            tmp.rename(staging / METADATA_FILE)
+            old = path.parent / f".{path.name}.old"
+            if path.exists():
+                if not overwrite:
+                    raise FileExistsError(f"{path} appeared while saving")
+                if old.exists():
+                    shutil.rmtree(old)
+                path.rename(old)
+            staging.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        if primary:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _sync("jtp-snapshots-done")
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The JSON side of a saved directory (format checked): identity, blocks, snapshots."""
+    path = Path(path)
+    file = path / METADATA_FILE
+    if not file.is_file():
+        raise ConfigError(f"{path}: not a saved snapshot directory (no {METADATA_FILE})")
+    try:
+        meta = json.loads(file.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{file}: unreadable ({e})") from e
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{file}: not a jtp snapshot file (format {meta.get('format')!r})")
+    if meta.get("version") != FORMAT_VERSION:
+        raise ConfigError(f"{file}: format version {meta.get('version')}, this jtp reads version {FORMAT_VERSION}")
+    return meta
+
+
+def load_snapshots(engine: "Engine", path: str | Path, *, model_dir: str | Path | None = None) -> list[str]:
+    """Pin the snapshots saved in `path` in this engine; returns their ids, in saved order (the
+    saved id where this engine has no snapshot of that name, else a new one).
+
+    Refuses (ConfigError, nothing changed) an engine that differs from the one that saved: model
+    config, dtype, block size, mesh or weights. RequestError (nothing changed) when the pool,
+    the state slots or the snapshot cap and budget cannot take them. Blocks and state checkpoints
+    the engine's prefix cache already holds are shared, not loaded again. Every process of a
+    multi-process deployment calls this with the same arguments.
+    """
+    path = Path(path).absolute()
+    meta = read_metadata(path)
+    if engine.scheduler.cache_root is None:
+        raise RequestError("snapshots need prefix caching (the engine runs with enable_prefix_caching=False)")
+    mismatches = _identity_mismatches(meta["identity"], _identity(engine, _model_dir(engine, model_dir)))
+    if mismatches:
+        raise ConfigError(f"cannot load the snapshots in {path} into this engine: " + "; ".join(mismatches))
+
+    root, bs = engine.scheduler.cache_root, engine.pool.block_size
+    block_keys_saved = [bytes.fromhex(k) for k in meta["blocks"]]
+    state_keys_saved = [bytes.fromhex(k) for k in meta["states"]]
+    hybrid = engine.states is not None
+    entries = meta["snapshots"]
+    if len(set(block_keys_saved)) != len(block_keys_saved) or len(set(state_keys_saved)) != len(state_keys_saved):
+        raise ConfigError(f"{path}: a block or state is saved twice (a corrupt file)")
+    for e in entries:
+        n = len(e["blocks"])
+        keys = block_keys(root, e["tokens"], bs)[:n] if n else []
+        if (
+            e["num_cached_tokens"] != n * bs
+            or len(keys) != n
+            or [block_keys_saved[r] for r in e["blocks"]] != keys
+            or (e["state"] >= 0) != (hybrid and n > 0)
+            or (e["state"] >= 0 and state_keys_saved[e["state"]] != keys[-1])
+        ):
+            raise ConfigError(
+                f"{path}: snapshot {e['id']!r} does not match its tokens under this engine's prefix-cache keys "
+                "(a corrupt file, or one saved by an engine of another identity)"
+            )
+
+    # What the registry can take (checked up front: evicting older snapshots is the only change it makes).
+    per_block, per_slot = engine.runner.bytes_per_block(), engine.runner.bytes_per_state_slot()
+    sizes = [len(e["blocks"]) * per_block + (per_slot if e["state"] >= 0 else 0) for e in entries]
+    registry = engine.snapshots
+    if len(entries) > registry.max_entries or sum(sizes) > registry.budget_bytes:
+        raise RequestError(
+            f"{len(entries)} snapshots of {sum(sizes)} bytes exceed the engine's snapshot limits "
+            f"({registry.max_entries} entries, {registry.budget_bytes} bytes)"
+        )
+
+    arrays = _read_arrays(engine, path, meta)
+    with engine._lock:
+        if engine.runner.cache is None:
+            raise RequestError("the engine is closed: its cache is gone")
+        engine._settle()
+        return _install(engine, entries, sizes, block_keys_saved, state_keys_saved, arrays)
+
+
+def _read_arrays(engine: "Engine", path: Path, meta: dict) -> dict:
+    """The saved pages and states, each process reading its own shards (sharded like the cache)."""
+    if not meta["blocks"] and not meta["states"]:
+        return {}
+    import orbax.checkpoint as ocp
+
+    kv, state = _cache_views(engine.runner.cache)
+    if sorted(kv) != meta["layers"]["kv"] or sorted(state) != meta["layers"]["state"]:
+        raise ConfigError(f"{path}: its cache layers do not match this engine's")
+    counts = {"kv": len(meta["blocks"]), "state": len(meta["states"])}
+    abstract = {}
+    for name, layers in (("kv", kv), ("state", state)):
+        if counts[name] and layers:
+            abstract[name] = jax.tree.map(
+                lambda a, n=counts[name]: jax.ShapeDtypeStruct((n, *a.shape[1:]), a.dtype, sharding=a.sharding), layers
+            )
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            return ckptr.restore(path / ARRAYS_DIR, abstract)
+        except Exception as e:  # noqa: BLE001 - Orbax's errors name no snapshot file: say which
+            raise ConfigError(f"{path / ARRAYS_DIR}: cannot read the saved pages ({type(e).__name__}: {e})") from e
+
+
+def _install(engine: "Engine", entries, sizes, block_keys_saved, state_keys_saved, arrays) -> list[str]:
+    """Allocate, write and pin (step lock held). Every check that can fail comes before the first
+    change that cannot be undone; a device failure undoes the host bookkeeping."""
+    pool, states, bs = engine.pool, engine.states, engine.pool.block_size
+    load_id = ("snapshot-load", id(entries), time.monotonic_ns())
+
+    # Blocks: what the prefix cache already holds is shared; the rest is written to fresh blocks.
+    held = {i: blocks[0] for i, key in enumerate(block_keys_saved) if (blocks := pool.lookup([key]))}
+    fresh = [i for i in range(len(block_keys_saved)) if i not in held]
+    total = len(block_keys_saved)
+    if total > pool.total_blocks:
+        raise RequestError(f"the snapshots need {total} KV blocks but the engine's whole pool has {pool.total_blocks}")
+
+    # State checkpoints likewise. Acquired / reserved first: the pool's block allocation below may
+    # evict cached blocks, which cannot be undone, so everything that can refuse goes before it.
+    acquired, reserved = [], 0
+    slot_of = {}
+    if states is not None and state_keys_saved:
+        for j, key in enumerate(state_keys_saved):
+            slot = states.lookup(key)
+            if slot is not None:
+                states.acquire(slot)
+                acquired.append(slot)
+                slot_of[j] = slot
+        fresh_states = [j for j in range(len(state_keys_saved)) if j not in slot_of]
+        for _ in fresh_states:
+            if not states.reserve():
+                for _ in range(reserved):
+                    states.unreserve()
+                for slot in acquired:
+                    states.release(slot)
+                raise RequestError(
+                    f"no state slots for {len(fresh_states)} snapshot checkpoints ({reserved} available); "
+                    "drop snapshots or retry when fewer requests run"
+                )
+            reserved += 1
+    else:
+        fresh_states = []
+
+    def undo_states():
+        for _ in range(reserved):
+            states.unreserve()
+        for slot in acquired:
+            states.release(slot)
+
+    cached_blocks = [held[i] for i in sorted(held)]
+    if not pool.reserve(load_id, total * bs, cached_blocks):
+        undo_states()
+        raise RequestError(
+            f"the KV pool cannot take {len(fresh)} more blocks now ({pool.num_available_blocks} available); "
+            "drop snapshots or retry when fewer requests run"
+        )
+    # From here on the only failure is the device's.
+    pool.append_slots(load_id, total * bs)
+    fresh_blocks = pool.block_table(load_id)[len(cached_blocks):]
+    block_of = dict(held) | dict(zip(fresh, fresh_blocks))
+    new_slots = []
+    for j in fresh_states:
+        slot = states.allocate()  # against the reservation made above
+        reserved -= 1
+        new_slots.append(slot)
+        slot_of[j] = slot
+    acquired += new_slots  # the load's own hold on each slot, let go at the end
+
+    try:
+        if fresh or new_slots:
+            kv = arrays.get("kv", {}) if fresh else {}
+            st = arrays.get("state", {}) if new_slots else {}
+            engine.runner.cache = _scatter(
+                engine.runner.cache,
+                np.asarray(fresh_blocks, np.int32), np.asarray(fresh, np.int32), kv,
+                np.asarray(new_slots, np.int32), np.asarray(fresh_states, np.int32), st,
+            )
+    except BaseException:
+        pool.free(load_id)  # fresh blocks have no key yet: plainly free again
+        undo_states()
+        raise
+
+    # The pages are in place: register them in the prefix cache, pin each snapshot, let go of the load's hold.
+    for k, row in enumerate(fresh):
+        pool.cache_block(load_id, len(cached_blocks) + k, block_keys_saved[row])
+    for j, slot in zip(fresh_states, new_slots):
+        states.cache(slot, state_keys_saved[j])
+    ids = []
+    registry = engine.snapshots
+    try:
+        for e, nbytes in zip(entries, sizes):
+            sid = e["id"] if e["id"] not in registry else registry.new_id()
+            blocks = [block_of[r] for r in e["blocks"]]
+            slot = slot_of[e["state"]] if e["state"] >= 0 else -1
+            for victim in registry.victims(nbytes):
+                engine._unpin(registry.pop(victim.id))
+            snap = Snapshot(sid, list(e["tokens"]), e["num_cached_tokens"], blocks, slot, nbytes)
+            if not pool.reserve(snap.pool_id, snap.num_cached_tokens, blocks):  # held blocks: cannot fail
+                raise AssertionError("pinning held blocks failed")
+            if slot >= 0:
+                states.acquire(slot)
+            snap.created = e.get("created", snap.created)
+            registry.add(snap)
+            ids.append(sid)
+    except BaseException:
+        for sid in ids:
+            engine._unpin(registry.pop(sid))
+        raise
+    finally:
+        pool.free(load_id)
+        for slot in acquired:
+            states.release(slot)
+    return ids

@@ -1,0 +1,275 @@
+"""Snapshots on disk (jtp.snapshot_store): saved by one engine, loaded by a fresh one after a
+"restart", a restore continues with exactly the tokens the uninterrupted run gives and prefills
+only the tail; an engine of another model, weights, dtype, block size or mesh is refused with a
+clear error and left exactly as it was; a failed save leaves nothing behind."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from jtp.demo import ensure_demo_checkpoint
+from jtp.engine import Engine
+from jtp.errors import ConfigError, RequestError
+from jtp import snapshot_store
+from jtp.sampling import SamplingParams
+from jtp.snapshot_store import METADATA_FILE, load_snapshots, read_metadata, save_snapshots
+
+KW = dict(dtype="float32", num_blocks=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+          tokenizer=False)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(path, **over) -> Engine:
+    engine = Engine(path, **{**KW, **over})
+    if getattr(engine, "model_dir", None) is None:  # until Engine records it itself
+        engine.model_dir = path
+    return engine
+
+
+def generate_and_snapshot(engine: Engine, prompt: list[int]) -> tuple[list[int], str]:
+    """Greedy tokens for `prompt`, and a snapshot of prompt + output taken as it finishes."""
+    rid, out, sid = engine.submit(prompt, GREEDY), [], None
+    for event in engine.stream(rid):
+        out += event.token_ids
+        if event.finished:
+            sid = engine.snapshot(rid)
+    return out, sid
+
+
+def restore_tokens(engine: Engine, sid: str, extra: list[int]):
+    """Tokens of a greedy continuation from the snapshot plus `extra`, and its finished event."""
+    events = list(engine.stream(engine.restore(sid, extra, GREEDY)))
+    return [t for e in events for t in e.token_ids], events[-1]
+
+
+def state(engine: Engine):
+    """Everything a refused load must leave as it was."""
+    states = None
+    if engine.states is not None:
+        states = (engine.states.available(), engine.states.num_cached, engine.states.num_reserved)
+    return engine.pool.usage(), [(s.id, s.blocks, s.state_slot) for s in engine.list_snapshots()], states
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return ensure_demo_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def saved(demo, tmp_path_factory):
+    """Engine A (kept open for the save tests): a generation, two snapshots sharing a prefix, A's
+    own continuations from them, and the snapshots saved to disk."""
+    engine = make_engine(demo)
+    prompt = list(range(10, 40))
+    out, sid = generate_and_snapshot(engine, prompt)
+    short = engine.snapshot(tokens=prompt[:17])  # 16 cached tokens: the first 4 blocks of `sid`'s
+    extra = [5, 6, 7]
+    ref, _ = restore_tokens(engine, sid, extra)
+    ref_short, _ = restore_tokens(engine, short, extra)
+    snaps = {s.id: s for s in engine.list_snapshots()}
+    path = save_snapshots(engine, tmp_path_factory.mktemp("saved") / "snaps")
+    yield dict(engine=engine, path=path, prompt=prompt, out=out, extra=extra, ids=[sid, short], refs=[ref, ref_short],
+               snaps=[snaps[sid], snaps[short]])
+    engine.close()
+
+
+def test_restore_after_restart_continues_exactly(demo, saved):
+    engine = make_engine(demo)
+    ids = load_snapshots(engine, saved["path"])
+    assert ids == saved["ids"]  # the saved ids are kept (this engine has none of those names)
+    loaded = {s.id: s for s in engine.list_snapshots()}
+    for sid, before in zip(ids, saved["snaps"]):
+        assert loaded[sid].tokens == before.tokens
+        assert loaded[sid].num_cached_tokens == before.num_cached_tokens > 0
+    # Shared blocks are saved and loaded once: the short snapshot's blocks are the long one's first.
+    long, short = (loaded[i] for i in ids)
+    assert short.blocks == long.blocks[: len(short.blocks)]
+    assert engine.pool.num_used_blocks == len(long.blocks)
+    engine.pool.check_invariants()
+
+    seq = saved["prompt"] + saved["out"] + saved["extra"]
+    tokens, finished = restore_tokens(engine, ids[0], saved["extra"])
+    assert tokens == saved["refs"][0]
+    assert finished.cached_tokens == long.num_cached_tokens
+    assert engine.stats().prompt_tokens_computed == len(seq) - long.num_cached_tokens
+    tokens, finished = restore_tokens(engine, ids[1], saved["extra"])
+    assert tokens == saved["refs"][1]
+    assert finished.cached_tokens == short.num_cached_tokens
+
+    # ... and it is the uninterrupted, uncached run's continuation.
+    plain = make_engine(demo, enable_prefix_caching=False)
+    assert plain.generate([seq], GREEDY)[0].token_ids == saved["refs"][0]
+    plain.close()
+    for sid in ids:
+        engine.drop(sid)
+    engine.pool.check_invariants()
+    assert engine.pool.num_used_blocks == 0
+    engine.close()
+
+
+def test_load_twice_shares_blocks_and_issues_new_ids(demo, saved):
+    engine = make_engine(demo)
+    first = load_snapshots(engine, saved["path"])
+    used = engine.pool.num_used_blocks
+    second = load_snapshots(engine, saved["path"])
+    assert not set(first) & set(second) and len(engine.list_snapshots()) == 4
+    assert engine.pool.num_used_blocks == used  # everything was already cached: nothing new written
+    engine.pool.check_invariants()
+    for sid in first + second:
+        engine.drop(sid)
+    assert engine.pool.num_used_blocks == 0
+    engine.pool.check_invariants()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def other_models(demo, tmp_path_factory):
+    """Copies of the demo checkpoint: one with another config, one with other weights (same shapes)."""
+    from safetensors.numpy import load_file, save_file
+
+    root = tmp_path_factory.mktemp("others")
+    config_dir, weights_dir = root / "config", root / "weights"
+    shutil.copytree(demo, config_dir)
+    shutil.copytree(demo, weights_dir)
+    cfg = json.loads((config_dir / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-5
+    (config_dir / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(weights_dir / "model.safetensors")
+    name = next(n for n in sorted(tensors) if n.endswith("mlp.down_proj.weight"))
+    tensors[name] = (tensors[name] * 1.01).astype(tensors[name].dtype)  # a "fine-tune" of one tensor
+    save_file(tensors, weights_dir / "model.safetensors", metadata={"format": "pt"})
+    return {"config": config_dir, "weights": weights_dir}
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("dtype", r"saved with dtype float32, this engine runs bfloat16"),
+        ("block_size", r"saved with block_size 4, this engine uses 8"),
+        ("tp", r"saved on a mesh of dp=1 x tp=1 \(1 process\), this engine runs on dp=1 x tp=2"),
+        ("config", r"saved from a different model config \(rms_norm_eps: saved 1e-06, this engine 1e-05\)"),
+        ("weights", r"saved from different weights"),
+    ],
+)
+def test_load_into_a_different_engine_is_refused(demo, saved, other_models, case, expected):
+    path = {"config": other_models["config"], "weights": other_models["weights"]}.get(case, demo)
+    over = {"dtype": {"dtype": "bfloat16"}, "block_size": {"block_size": 8}, "tp": {"tensor_parallel_size": 2}}
+    engine = make_engine(path, **over.get(case, {}))
+    pinned = engine.snapshot(tokens=list(range(50, 60))) if case == "weights" else None  # a busy engine
+    before = state(engine)
+    with pytest.raises(ConfigError, match=expected) as err:
+        load_snapshots(engine, saved["path"])
+    assert str(saved["path"]) in str(err.value)
+    assert state(engine) == before
+    engine.pool.check_invariants()
+    if pinned:
+        engine.drop(pinned)
+    engine.close()
+
+
+def test_load_refused_when_it_cannot_fit(demo, saved, tmp_path, monkeypatch):
+    engine = make_engine(demo, num_blocks=16, snapshot_budget_bytes=1 << 30)
+    engine.pool.reserve(("someone", 0), 40)  # 10 of 16 blocks promised elsewhere; the load needs 9
+    before = state(engine)
+    with pytest.raises(RequestError, match="cannot take 9 more blocks now"):
+        load_snapshots(engine, saved["path"])
+    assert state(engine) == before
+    engine.pool.free(("someone", 0))
+    engine.pool.check_invariants()
+    engine.close()
+
+    # A device failure while writing the pages undoes the allocation: nothing half-made.
+    engine = make_engine(demo, snapshot_budget_bytes=1 << 30)
+    before = state(engine)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(snapshot_store, "_scatter", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        load_snapshots(engine, saved["path"])
+    assert state(engine) == before
+    engine.pool.check_invariants()
+    monkeypatch.undo()
+    assert len(load_snapshots(engine, saved["path"])) == 2  # and a later load works
+    engine.close()
+
+    engine = make_engine(demo, max_snapshots=1)
+    with pytest.raises(RequestError, match="exceed the engine's snapshot limits"):
+        load_snapshots(engine, saved["path"])
+    assert len(engine.list_snapshots()) == 0 and engine.pool.num_used_blocks == 0
+    with pytest.raises(ConfigError, match="not a saved snapshot directory"):
+        load_snapshots(engine, tmp_path)
+    engine.close()
+
+
+def test_save_is_atomic(saved, tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    engine = saved["engine"]
+    with pytest.raises(FileExistsError):
+        save_snapshots(engine, saved["path"])
+
+    target = tmp_path / "snaps"
+
+    def broken(self, *args, **kwargs):
+        raise OSError("disk full")
+
+    with monkeypatch.context() as m:
+        m.setattr(ocp.StandardCheckpointer, "save", broken)
+        with pytest.raises(OSError, match="disk full"):
+            save_snapshots(engine, target)
+    assert list(tmp_path.iterdir()) == []  # neither the target nor a staging directory
+
+    # One snapshot, then replace it with both: the metadata says exactly what is there.
+    save_snapshots(engine, target, [saved["ids"][1]])
+    meta = read_metadata(target)
+    assert [s["id"] for s in meta["snapshots"]] == [saved["ids"][1]] and len(meta["blocks"]) == 4
+    save_snapshots(engine, target, overwrite=True)
+    meta = read_metadata(target)
+    assert [s["id"] for s in meta["snapshots"]] == saved["ids"]
+    assert meta["snapshots"][1]["blocks"] == meta["snapshots"][0]["blocks"][:4]  # shared blocks saved once
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snaps"]
+    assert (target / METADATA_FILE).is_file()
+
+
+def test_hybrid_restore_after_restart(tmp_path):
+    pytest.importorskip("torch")
+    from hf_hybrid import build_model, save
+
+    model_dir = save(build_model("qwen3_5_text", seed=1), tmp_path / "hybrid")
+    rng = np.random.default_rng(3)
+    prompt, extra = rng.integers(0, 128, 23).tolist(), rng.integers(0, 128, 5).tolist()
+
+    a = make_engine(model_dir)
+    out, sid = generate_and_snapshot(a, prompt)
+    snap = a.list_snapshots()[0]
+    assert snap.state_slot >= 0 and snap.num_cached_tokens > 0
+    ref, _ = restore_tokens(a, sid, extra)
+    path = save_snapshots(a, tmp_path / "snaps")
+    a.close()
+
+    b = make_engine(model_dir)
+    free_slots = b.states.available()
+    (loaded,) = load_snapshots(b, path)
+    got = b.list_snapshots()[0]
+    assert (got.tokens, got.num_cached_tokens) == (snap.tokens, snap.num_cached_tokens) and got.state_slot >= 0
+    assert b.states.available() == free_slots - 1
+    tokens, finished = restore_tokens(b, loaded, extra)
+    assert tokens == ref
+    assert finished.cached_tokens == snap.num_cached_tokens
+    assert b.stats().prompt_tokens_computed == len(prompt + out + extra) - snap.num_cached_tokens
+    b.drop(loaded)
+    b.pool.check_invariants()
+    b.states.check_invariants()
+    assert b.pool.num_used_blocks == 0 and b.states.available() == b.states.num_slots
+
+    # A hybrid engine of another dtype is refused before anything is touched.
+    c = make_engine(model_dir, dtype="bfloat16")
+    before = state(c)
+    with pytest.raises(ConfigError, match="saved with dtype float32, this engine runs bfloat16"):
+        load_snapshots(c, path)
+    assert state(c) == before
+    c.close()
