@@ -2,14 +2,20 @@
 
 Each app gets its own CollectorRegistry (tests build several apps in one process). Latency
 histograms and token counters are fed by the request handlers as events arrive; the running /
-waiting / KV-usage gauges are read from `engine.stats()` when Prometheus scrapes.
+waiting / KV-usage gauges and the prefix cache's counters and gauges are read from
+`engine.stats()` when Prometheus scrapes.
 Counts are per engine request: a request with n choices counts n times.
+
+Prefix cache (vLLM v1's `prefix_cache_queries` / `prefix_cache_hits`, in tokens, plus the older
+hit-rate gauge): queries are the prompt tokens of admitted requests, hits those of them whose KV
+came from the cache (a request's `usage.prompt_tokens_details.cached_tokens`). Both stay 0 with
+prefix caching off.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # Bucket edges in seconds, spanning a warm GPU decode step to a long generation on a CPU.
@@ -21,8 +27,8 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-class _EngineGauges(Collector):
-    """Gauges sampled from the engine at scrape time."""
+class _EngineStats(Collector):
+    """Gauges and counters sampled from the engine at scrape time."""
 
     def __init__(self, engine, model_name: str):
         self.engine, self.model_name = engine, model_name
@@ -37,10 +43,23 @@ class _EngineGauges(Collector):
             ("jtp:num_requests_running", "Requests in the running batch.", stats.num_running),
             ("jtp:num_requests_waiting", "Requests waiting to be admitted.", stats.num_waiting),
             ("jtp:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", usage),
+            ("jtp:prefix_cache_hit_rate", "Fraction of queried prompt tokens served from the prefix cache.",
+             stats.prefix_cache_hit_rate),
+            ("jtp:prefix_cache_blocks", "KV cache blocks registered in the prefix cache.",
+             stats.prefix_cache_blocks),
+            ("jtp:num_snapshots", "Snapshots pinned in the prefix cache.", stats.num_snapshots),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], value)
             yield gauge
+        for name, doc, value in (  # exposed with a _total suffix
+            ("jtp:prefix_cache_queries", "Prompt tokens of admitted requests looked up in the prefix cache.",
+             stats.prefix_cache_queries),
+            ("jtp:prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], value)
+            yield counter
 
 
 class ServerMetrics:
@@ -68,7 +87,7 @@ class ServerMetrics:
         self._success = Counter("jtp:request_success", "Requests finished, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._model_name = model_name
-        self.registry.register(_EngineGauges(engine, model_name))
+        self.registry.register(_EngineStats(engine, model_name))
 
     def first_token(self, prompt_tokens: int, seconds: float) -> None:
         self.prompt_tokens.inc(prompt_tokens)
