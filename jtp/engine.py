@@ -196,6 +196,7 @@ class Engine:
             model_dir, tensor_parallel_size, dtype, block_size=block_size, max_seqs=max_num_seqs,
             num_state_slots=num_state_slots or 2 * max_num_seqs + 8,
         )
+        self.model_dir = Path(model_dir)
         cfg = self.cfg = self.runner.cfg
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         hybrid = self.runner.bytes_per_state_slot() > 0
@@ -667,6 +668,18 @@ class Engine:
         """Every snapshot, least recently used first."""
         with self._lock:
             return list(self.snapshots)
+
+    def save_snapshots(self, path, snapshot_ids=None, overwrite: bool = False):
+        """Write snapshots (default: all) to `path` with orbax; see jtp/snapshot_store.py."""
+        from jtp.snapshot_store import save_snapshots
+
+        return save_snapshots(self, path, snapshot_ids, overwrite=overwrite)
+
+    def load_snapshots(self, path) -> list[str]:
+        """Load snapshots saved by an engine of the same model, config, dtype and mesh; their ids."""
+        from jtp.snapshot_store import load_snapshots
+
+        return load_snapshots(self, path)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block and state checkpoint that nothing holds; returns how many blocks."""

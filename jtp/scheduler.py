@@ -373,8 +373,7 @@ class Scheduler:
         in_prompt = end < len(r.prompt_ids)
         if in_prompt and end not in self._checkpoint_targets(r):
             return
-        assert not r.state_reserved, "a request freezes a slot it has just written, never twice"
-        if not self.states.reserve():
+        if not r.state_reserved and not self.states.reserve():
             return  # no spare slot for the request's next write: skip this checkpoint
         r.state_reserved = True  # (a request holding no exclusive slot always has one reserved)
         self.states.acquire(r.state_slot)
@@ -402,6 +401,9 @@ class Scheduler:
         row.state_read = r.state_slot
         if r.state_slot >= 0 and self.states.is_exclusive(r.state_slot):
             row.state_write = r.state_slot
+            if r.state_reserved:  # its checkpoint was a duplicate and went back: the slot is its own again
+                self.states.unreserve()
+                r.state_reserved = False
             return
         row.state_write = self.states.allocate()  # against the request's reservation
         r.state_reserved = False
