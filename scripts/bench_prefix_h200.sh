@@ -7,9 +7,9 @@
 # Shapes, each 3 conversations one at a time (concurrency 1, so TTFT is the prefill alone):
 #   prefix-<model>-<on|off>        5 turns of 1500-token user turns, 32-token answers: turn 5
 #                                  resends ~6k tokens of history plus 1.5k new ones (~7.7k).
-#   prefix-short-<model>-<on|off>  a 6000-token first turn, then a 64-token follow-up: the cached
+#   prefix-short-<model>-<on|off>  a 7500-token first turn, then a 64-token follow-up: the cached
 #                                  follow-up prefills ~0.1k tokens where the uncached one prefills
-#                                  ~6.1k. (In the 5-turn shape a cached turn still prefills its
+#                                  ~7.6k. (In the 5-turn shape a cached turn still prefills its
 #                                  1.5k new tokens, which bounds its TTFT ratio near 7.7k/1.5k ~ 5.)
 # Prompts are `--words placeholder` (t<id> words: one distinct token each for the placeholder
 # tokenizer of make_random_checkpoint.py, which reads every English word as the same token, so
@@ -54,14 +54,14 @@ bench() {  # name, then bench_serving.py arguments: an untimed warm pass (seed 1
     || echo "timed pass of $name failed"
 }
 
-for model in qwen3-8b qwen3.5-9b; do
+for model in ${MODELS:-qwen3-8b qwen3.5-9b}; do  # MODELS=qwen3-8b: one model per call
   dir=/tmp/ckpt-$model
   [ -f $dir/config.json ] || python3 scripts/make_random_checkpoint.py --preset $model --out $dir --generator jax
   for cache in on off; do
     echo "=== $model, prefix caching $cache"
     if start_server $dir $model-random $cache "$OUT/server-$model-$cache.log"; then
       bench prefix-$model-$cache --multi-turn 5 --input-len 1500
-      bench prefix-short-$model-$cache --multi-turn 2 --input-len 6000 --follow-up-len 64
+      bench prefix-short-$model-$cache --multi-turn 2 --input-len 7500 --follow-up-len 64
     fi
     stop_server
   done
