@@ -659,6 +659,7 @@ def test_host_dispatches_next_step_before_waiting_for_the_previous(engine, monke
     import jax
 
     log = []
+    monkeypatch.setattr(engine, "_step_done", lambda result: False)  # a device slower than the host
     inner_dispatch = engine.runner.dispatch
     monkeypatch.setattr(engine.runner, "dispatch", lambda *a, **k: (log.append("dispatch"), inner_dispatch(*a, **k))[1])
     real_get = jax.device_get
@@ -674,3 +675,24 @@ def test_host_dispatches_next_step_before_waiting_for_the_previous(engine, monke
     monkeypatch.undo()
     solo = [engine.generate([p], params)[0].token_ids for p in prompts]
     assert [c.token_ids for c in overlapped] == solo
+
+
+def test_finished_step_is_processed_before_the_next_is_built(engine, monkeypatch):
+    """A host-bound engine (step N already done when step N+1 is built) hands out step N's tokens
+    first: a first token is not held back by a whole host step. Same tokens either way."""
+    import jax
+
+    log = []
+    monkeypatch.setattr(engine, "_step_done", lambda result: True)
+    inner_dispatch = engine.runner.dispatch
+    monkeypatch.setattr(engine.runner, "dispatch", lambda *a, **k: (log.append("dispatch"), inner_dispatch(*a, **k))[1])
+    real_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: (log.append("wait"), real_get(x))[1])
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    rid = engine.submit([1, 2, 3, 4], params)
+    assert engine.step() == [] and log == ["dispatch"]
+    events = engine.step()
+    assert log == ["dispatch", "wait", "dispatch"] and events[0].token_ids, "processed before the next dispatch"
+    tokens = [t for e in engine.stream(rid) for t in e.token_ids]  # (the stream has that event too)
+    monkeypatch.undo()
+    assert tokens == engine.generate([[1, 2, 3, 4]], params)[0].token_ids
