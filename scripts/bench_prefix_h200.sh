@@ -33,8 +33,14 @@ trap stop_server EXIT
 start_server() {  # model dir, served name, on|off, log file
   local flag=--enable-prefix-caching
   [ "$3" = on ] || flag=--no-enable-prefix-caching
+  # The hybrid's DeltaNet prefill pads every row of a step to the longest (rows are tied to the
+  # token bucket): at 16 rows x 2048 tokens its temporaries outgrow what a 0.9 KV pool leaves
+  # (17.7 GiB, out of memory). Concurrency 1 needs few rows; smaller pool leaves headroom.
+  local rows=16 mem=0.9
+  case "$2" in qwen3.5*) rows=4 mem=0.75 ;; esac
   python3 -m jtp.cli serve --model "$1" --served-model-name "$2" --dtype bfloat16 $flag \
-    --max-model-len 16384 --max-num-batched-tokens 2048 --max-num-seqs 16 --port $PORT --no-warmup \
+    --max-model-len 16384 --max-num-batched-tokens 2048 --max-num-seqs $rows --gpu-memory-utilization $mem \
+    --port $PORT --no-warmup \
     > "$4" 2>&1 &
   server=$!
   for i in $(seq 600); do  # wait for readiness, not past the server's death

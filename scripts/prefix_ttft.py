@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=32)
     ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--json-out")
     ap.add_argument("--profile-host", action="store_true", help="cProfile engine.step() on fresh prompts, then exit")
     args = ap.parse_args()
@@ -118,8 +120,9 @@ def main() -> None:
 
     results = {}
     for cache in (True, False):
-        engine = Engine(args.model, dtype="bfloat16", max_num_seqs=16, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=16384, enable_prefix_caching=cache)
+        engine = Engine(args.model, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=16384,
+                        memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=cache)
         vocab = engine.cfg.vocab_size
         rows = []
         for conv in range(args.conversations + 1):  # the first is an untimed warm-up (compiles)
