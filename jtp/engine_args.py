@@ -132,6 +132,8 @@ class EngineArgs:
         p.add_argument("--num-state-slots", type=int, default=None,
                        help="hybrid models: recurrent-state slots, running requests' plus cached checkpoints "
                             "(default: 2 x max-num-seqs + 8)")
+        p.add_argument("--max-snapshots", type=int, default=d.max_snapshots,
+                       help="explicit KV snapshots kept (least recently used evicted beyond it)")
         if serving:
             p.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                            help="queued requests beyond which new ones are refused (HTTP 429)")
