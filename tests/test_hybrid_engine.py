@@ -6,15 +6,19 @@ boundaries anywhere relative to DeltaNet's 64-token chunks) produce exactly the 
 each produces alone, at tp = 1, 2 and 4, and the tokens HF generates.
 """
 
+import sys
+
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from jtp.block_hash import block_keys, root_key
 from jtp.page_pool import PagePool
 from jtp.sampling import SamplingParams
 from jtp.scheduler import Request, Scheduler, Status
+from jtp.state_pool import StatePool
 
 ENGINE_KW = dict(dtype="float32", num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=48, max_model_len=192)
 
@@ -64,57 +68,416 @@ def test_hybrid_batch_invariance_across_tp(hybrid):
         assert solo == base_solo, f"tp={tp}"
 
 
-class SlotMachine(RuleBasedStateMachine):
-    """Random submit / step / finish / abort against the real Scheduler and PagePool:
-    every state slot is owned by exactly one running request or free, never both, never lost."""
+BS = 4  # block size of the scheduler state machine
+TOKENS = st.integers(0, 2)  # prompts from a small alphabet share prefixes: the cache hits
 
-    @initialize(max_seqs=st.integers(1, 5), num_blocks=st.integers(4, 40))
-    def setup(self, max_seqs, num_blocks):
-        self.max_seqs = max_seqs
-        self.sched = Scheduler(PagePool(num_blocks, 4), max_seqs, max_seqs + 8, max_model_len=64)
+
+def sampled_token(tokens) -> int:
+    """The simulated model: the next token is a function of the sequence so far."""
+    return sum((i + 1) * (t + 1) for i, t in enumerate(tokens)) % 5
+
+
+def test_snapshot_pin_keeps_state_reservations():
+    """Engine._pin may not take an unreferenced (evictable) state checkpoint that a running
+    request's state reservation counts on. Bug: it acquires it unconditionally, so
+    `states.available()` drops to -1 and the request's next row finds no slot to write
+    (KeyError from StatePool.allocate in Scheduler._assign_state_slots). Refusing the pin, or
+    pinning a shorter prefix, is fine."""
+    from types import SimpleNamespace
+
+    from jtp.engine import Engine
+    from jtp.errors import RequestError
+    from jtp.snapshots import SnapshotRegistry
+
+    root = root_key("test")
+    pool, states = PagePool(6, BS), StatePool(2)
+    sched = Scheduler(pool, 1, 2, 64, states=states, cache_root=root)
+    req = Request("a", [0] * 10, SamplingParams(max_tokens=5), 0, frozenset())
+    sched.add(req)
+
+    def step():
+        rows = sched.schedule()
+        sched.dispatched(rows)
+        for row in rows:
+            if row.samples:
+                req.pending -= 1
+                req.output_ids.append(0)
+        if len(req.output_ids) >= req.params.max_tokens:
+            sched.remove(req)
+
+    for _ in range(7):  # the prompt in 2-token rows (a checkpoint at 8), then decodes to 12 (another)
+        step()
+    # The prompt's checkpoint is cached and unreferenced; the request's reservation counts on it.
+    checkpoint = states.lookup(block_keys(root, [0] * 10, BS)[1])
+    assert checkpoint is not None and states.refs(checkpoint) == 0
+    assert req.state_reserved and states.available() == 0
+
+    engine = SimpleNamespace(  # what Engine._pin uses
+        scheduler=sched, pool=pool, states=states, snapshots=SnapshotRegistry(8, 1 << 30),
+        runner=SimpleNamespace(bytes_per_block=lambda: 1, bytes_per_state_slot=lambda: 1),
+    )
+    try:
+        Engine._pin(engine, [0] * 10)
+    except RequestError:
+        pass
+    assert states.available() >= 0, "the pin took a slot promised to a running request"
+    states.check_invariants()
+    while sched.has_work():
+        step()  # the request's next row writes a fresh slot against its reservation
+
+
+class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
+    """The real Scheduler + PagePool + StatePool with prefix caching on, driven like the engine
+    drives them (dispatch, then the host sees the sampled tokens one step later or at once),
+    against a simulated device:
+
+    * KV: each slot holds the token prefix whose K/V was written there; a row's attention reads
+      (through its block table, after the step's writes) must find exactly its own prefixes;
+    * recurrent state: each state slot holds the token sequence whose state it is; a row must
+      read the state of exactly its tokens before `row.start` (-1: the zero state, start 0), so
+      a restored request never reads a recycled slot; the row writes its tokens' state.
+    Cached blocks and checkpoints must always hold what their keys name, snapshots their prefix,
+    running requests their state at `num_computed`; refs and reservations are accounted exactly;
+    nothing leaks once everything is finished and every snapshot dropped.
+    """
+
+    @initialize(
+        max_seqs=st.integers(1, 4), num_blocks=st.integers(6, 40), spare_slots=st.integers(1, 4),
+        extra_budget=st.integers(1, 16),
+    )
+    def setup(self, max_seqs, num_blocks, spare_slots, extra_budget):
+        self.root = root_key("test")
+        self.pool = PagePool(num_blocks, BS)
+        self.states = StatePool(max_seqs + spare_slots)
+        self.max_seqs, self.max_model_len = max_seqs, 64
+        self.sched = Scheduler(
+            self.pool, max_seqs, max_seqs + extra_budget, self.max_model_len, states=self.states, cache_root=self.root
+        )
         self.ids = 0
+        self.dev = {}  # request id -> every token on the device (prompt + sampled, pending included)
+        self.kv = {}  # KV slot -> the token prefix whose K/V it holds
+        self.state = {}  # state slot -> the token sequence whose state it holds
+        self.key_tokens = {}  # every block key seen -> the tokens it names
+        self.sources = []  # earlier prompts and finished sequences, to share prefixes with
+        self.snaps = {}  # pool id -> (tokens pinned, blocks, state slot)
+        self.inflight = None  # the dispatched step's sampled tokens the host has not seen: [(request, token)]
 
-    @rule(prompt=st.integers(1, 30), max_tokens=st.integers(1, 20))
-    def submit(self, prompt, max_tokens):
-        if not self.sched.pool.can_ever_fit(prompt + max_tokens):
+    # -- simulation helpers --
+
+    def _learn(self, tokens):
+        for i, key in enumerate(block_keys(self.root, tokens, BS)):
+            self.key_tokens.setdefault(key, tuple(tokens[: (i + 1) * BS]))
+
+    def _kv_holds(self, table, tokens, upto):
+        """Whether the blocks of `table` hold the K/V of tokens[:upto]."""
+        return all(self.kv.get(table[q // BS] * BS + q % BS) == tuple(tokens[: q + 1]) for q in range(upto))
+
+    def _tables_except(self, request):
+        tables = [self.pool.block_table(r.id) for r in self.sched.running if r is not request]
+        return tables + [blocks for _, blocks, _ in self.snaps.values()]
+
+    def _device(self, rows):
+        """Run the step on the simulated device and dispatch it; returns its sampled tokens."""
+        plan = self.sched.build_plan(rows)
+        step_slots, cursor = set(), 0
+        reads = {row.state_read for row in rows if row.state_read >= 0}
+        writes = [row.state_write for row in rows]
+        assert len(set(writes)) == len(writes), "two rows write one state slot"
+        for row in rows:
+            r, end = row.request, row.start + row.num_tokens
+            dev, known = self.dev[r.id], len(r.prompt_ids) + len(r.output_ids)
+            assert row.start == r.num_computed and end <= len(dev)
+            span = range(cursor, cursor + row.num_tokens)
+            assert [int(plan.token_ids[i]) for i in span] == [dev[p] if p < known else -1 for p in range(row.start, end)]
+            # State: written in place only when the slot is exclusive, never into a slot another row reads.
+            assert self.states.is_exclusive(row.state_write), "a row writes a shared or cached state slot"
+            assert row.state_write == row.state_read or row.state_write not in reads
+            # KV: written only into blocks nobody else holds.
+            others = {blk for table in self._tables_except(r) for blk in table}
+            for p, i in zip(range(row.start, end), span):
+                slot = int(plan.slot_mapping[i])
+                assert slot // BS not in others, "a row writes K/V into a block another sequence holds"
+                assert slot not in step_slots
+                step_slots.add(slot)
+                self.kv[slot] = tuple(dev[: p + 1])
+            cursor += row.num_tokens
+        for b, row in enumerate(rows):  # attention reads, after the step's writes
+            r, end = row.request, row.start + row.num_tokens
+            table = [int(x) for x in plan.block_tables[b]]
+            assert self._kv_holds(table, self.dev[r.id], end), f"{r.id} reads K/V that is not its own"
+        new_state = {}
+        for row in rows:
+            r, end = row.request, row.start + row.num_tokens
+            if row.state_read < 0:
+                assert row.start == 0, "a row continues from the zero state"
+            else:
+                assert self.state.get(row.state_read) == tuple(self.dev[r.id][: row.start]), (
+                    f"{r.id} reads a state slot that does not hold its prefix (a recycled slot)"
+                )
+                if row.start and row.start == r.cached_tokens:
+                    event("a row restores a cached state")
+            new_state[row.state_write] = tuple(self.dev[r.id][:end])
+        self.state.update(new_state)
+        sampled = []
+        for row in rows:
+            if row.samples:
+                dev = self.dev[row.request.id]
+                assert len(dev) == row.start + row.num_tokens
+                dev.append(sampled_token(dev))
+                sampled.append((row.request, dev[-1]))
+        self.sched.dispatched(rows)
+        for row in rows:
+            self._learn(self.dev[row.request.id])
+        return sampled
+
+    def _process(self, sampled):
+        """The host sees a step's tokens (Engine._process): finished or aborted requests discard theirs."""
+        for req, token in sampled:
+            req.pending -= 1
+            if req.status is Status.RUNNING:
+                req.output_ids.append(token)
+                if token in req.stop_ids or len(req.output_ids) >= req.params.max_tokens:
+                    self._remove(req)  # (a stop can leave a step for this request in flight)
+
+    def _remove(self, req):
+        self.sched.remove(req)
+        self.sources.append(req.prompt_ids + req.output_ids)
+
+    def _settle(self):
+        previous, self.inflight = self.inflight, None
+        if previous is not None:
+            self._process(previous)
+
+    def _draw_tokens(self, data, max_len):
+        """Tokens that often continue a prefix of an earlier prompt, sequence or snapshot."""
+        pool = self.sources[-10:] + [r.prompt_ids + r.output_ids for r in self.sched.running]
+        pool += [list(tokens) for tokens, _, _ in self.snaps.values()]
+        base = data.draw(st.sampled_from(pool)) if pool and data.draw(st.integers(0, 3)) else []
+        cut = data.draw(st.one_of(st.just(len(base)), st.integers(0, len(base))))
+        return (base[:cut] + data.draw(st.lists(TOKENS, max_size=10)))[:max_len]
+
+    # -- rules --
+
+    @rule(data=st.data(), max_tokens=st.lists(st.integers(1, 8), min_size=1, max_size=3))
+    def submit(self, data, max_tokens):
+        """A few requests, whose prompts often continue earlier ones (a follow-up turn, another
+        question about the same document); some stop at token 4."""
+        for m in max_tokens:
+            self._submit(data, m, data.draw(st.sampled_from([frozenset(), frozenset({4})])))
+
+    def _submit(self, data, max_tokens, stop_ids):
+        room = min(self.max_model_len, self.pool.total_blocks * BS) - max_tokens
+        prompt = self._draw_tokens(data, min(room, 40)) or [0]
+        if len(prompt) > room:
             return
         self.ids += 1
-        self.sched.add(Request(f"r{self.ids}", [1] * prompt, SamplingParams(max_tokens=max_tokens), 0, frozenset()))
+        req = Request(f"r{self.ids}", prompt, SamplingParams(max_tokens=max_tokens), 0, stop_ids)
+        self.dev[req.id] = list(prompt)
+        self._learn(prompt)
+        self.sources.append(prompt)
+        self.sched.add(req)
+
+    @rule(lockstep=st.lists(st.booleans(), min_size=1, max_size=16))
+    def step(self, lockstep):
+        """A few engine steps (one per flag): lockstep or overlapped."""
+        for flag in lockstep:
+            self._step(flag)
+
+    def _step(self, lockstep):
+        """Engine.step: the previous step's tokens are seen before scheduling (lockstep, or a step
+        that is already done) or after dispatching the next one (overlap)."""
+        previous, self.inflight = self.inflight, None
+        if previous is not None and lockstep:
+            self._process(previous)
+            previous = None
+        evicted = (self.pool.num_evicted, self.states.num_evicted)
+        rows = self.sched.schedule()
+        if rows:
+            self.inflight = self._device(rows)
+        if previous is not None:
+            self._process(previous)
+        if self.pool.num_evicted > evicted[0]:
+            event("evicted a cached KV block")
+        if self.states.num_evicted > evicted[1]:
+            event("evicted a state checkpoint")
 
     @rule()
-    def step(self):
-        for row in self.sched.schedule():  # what the engine does at dispatch and on the result
-            req = row.request
-            req.num_computed += row.num_tokens
-            if row.samples:
-                req.output_ids.append(7)
-                if len(req.output_ids) >= req.params.max_tokens:
-                    self.sched.remove(req)
+    def settle(self):
+        self._settle()
+
+    @rule()
+    def drain(self):
+        """Step until every request has finished (checking the invariants after each step)."""
+        self._drain()
+
+    def _drain(self):
+        for i in range(1000):
+            if not (self.sched.has_work() or self.inflight is not None):
+                return
+            idle = not self.sched.running and self.inflight is None
+            self._step(lockstep=i % 3 == 0)
+            self.check_all()
+            if idle and not self.sched.running:  # nothing ran and nothing was admitted: stuck
+                # Only snapshots can hold blocks and state slots while nothing runs; a request that
+                # needs them waits until they are dropped (what a client must do).
+                head = self.sched.waiting[0]
+                assert self.snaps, f"the queue is stuck with nothing pinned (head {head})"
+                kv_short = self.pool.num_available_blocks < self.pool.blocks_needed(head.max_total_tokens)
+                event(f"dropped a snapshot to unblock the queue ({'KV blocks' if kv_short else 'state slots'})")
+                self._drop(next(iter(self.snaps)))
+        raise AssertionError("the queue does not drain")
+
+    def check_all(self):
+        self.pools_are_consistent()
+        self.holds_and_reservations_are_exact()
+        self.device_contents_are_what_the_host_thinks()
 
     @precondition(lambda self: self.sched.running or self.sched.waiting)
     @rule(data=st.data())
     def abort(self, data):
+        """Engine.abort (between steps: a step may be in flight)."""
         reqs = list(self.sched.running) + list(self.sched.waiting)
-        self.sched.remove(data.draw(st.sampled_from(reqs)))
+        self._remove(data.draw(st.sampled_from(reqs)))
+
+    @rule()
+    def stop(self):
+        """Engine.stop: process the step in flight, then abort every unfinished request."""
+        self._settle()
+        for r in list(self.sched.running) + list(self.sched.waiting):
+            self._remove(r)
+
+    @rule(data=st.data(), from_running=st.booleans())
+    def pin(self, data, from_running):
+        """Engine._pin: the longest cached prefix that ends at a state checkpoint, held by a
+        snapshot (its blocks reserved under ("snapshot", id), its checkpoint acquired)."""
+        if from_running and self.sched.running:
+            req = data.draw(st.sampled_from(self.sched.running))
+            self.sched._register(req)  # what Engine.snapshot does for a running request
+            tokens = req.prompt_ids + req.output_ids
+        else:
+            tokens = self._draw_tokens(data, 64)
+        keys = block_keys(self.root, tokens, BS)
+        blocks = self.pool.lookup(keys)
+        while blocks and self.states.lookup(keys[len(blocks) - 1]) is None:
+            blocks.pop()
+        slot = self.states.lookup(keys[len(blocks) - 1]) if blocks else -1
+        if slot >= 0 and not self.states.refs(slot) and self.states.available() < 1:
+            # Acquiring an evictable checkpoint takes a slot that running requests' reservations
+            # count on; Engine._pin misses this check (test_snapshot_pin_keeps_state_reservations).
+            event("a snapshot's checkpoint is not spare")
+            return
+        self.ids += 1
+        pid = ("snapshot", f"s{self.ids}")
+        if not self.pool.reserve(pid, len(blocks) * BS, blocks):
+            event("a snapshot could not be pinned")
+            return
+        if slot >= 0:
+            self.states.acquire(slot)
+        pinned = tuple(tokens[: len(blocks) * BS])
+        assert self._kv_holds(blocks, pinned, len(pinned)) and (slot < 0 or self.state.get(slot) == pinned)
+        self.snaps[pid] = (pinned, blocks, slot)
+        event(f"pinned {'a prefix' if blocks else 'nothing'}")
+
+    @precondition(lambda self: self.snaps)
+    @rule(data=st.data())
+    def drop(self, data):
+        self._drop(data.draw(st.sampled_from(sorted(self.snaps))))
+
+    def _drop(self, pid):
+        """Engine._unpin: the blocks and the checkpoint go back to the ordinary (evictable) cache."""
+        _, _, slot = self.snaps.pop(pid)
+        self.pool.free(pid)
+        if slot >= 0:
+            self.states.release(slot)
+
+    @rule()
+    def reset_caches(self):
+        """Engine._reset_prefix_cache: forget every unreferenced block and checkpoint."""
+        self.states.reset_cache()
+        self.pool.reset_cache()
+
+    # -- invariants --
 
     @invariant()
-    def slots_are_owned_once(self):
+    def pools_are_consistent(self):
+        if hasattr(self, "sched"):
+            self.pool.check_invariants()
+            self.states.check_invariants()
+
+    @invariant()
+    def holds_and_reservations_are_exact(self):
         if not hasattr(self, "sched"):
             return
-        owned = [r.state_slot for r in self.sched.running]
-        assert len(set(owned)) == len(owned), "a slot is held by two running requests"
-        assert not set(owned) & set(self.sched.free_slots), "a slot is both free and owned"
-        assert sorted(owned + self.sched.free_slots) == list(range(self.max_seqs)), "a slot leaked"
-        assert all(r.state_slot == -1 and r.status is Status.WAITING for r in self.sched.waiting)
-        self.sched.pool.check_invariants()
+        sched, states = self.sched, self.states
+        refs = [0] * states.num_slots
+        for r in sched.running:
+            assert r.id in self.pool and r.status is Status.RUNNING
+            held = ([r.state_slot] if r.state_slot >= 0 else []) + [slot for _, slot in r.pending_checkpoints]
+            for slot in held:
+                refs[slot] += 1
+            # Its next row always finds a slot to write: its own exclusive one, or a reserved one.
+            assert r.state_reserved or (r.state_slot >= 0 and states.is_exclusive(r.state_slot))
+        for _, _, slot in self.snaps.values():
+            if slot >= 0:
+                refs[slot] += 1
+        assert [states.refs(s) for s in range(states.num_slots)] == refs, "state slot refs leaked or lost"
+        assert states.num_reserved == sum(r.state_reserved for r in sched.running)
+        assert states.available() >= 0
+        for r in sched.waiting:
+            assert r.status is Status.WAITING and r.state_slot == -1 and not r.state_reserved and r.id not in self.pool
+        reserved = sum(self.pool.blocks_needed(r.max_total_tokens) - len(self.pool.block_table(r.id)) for r in sched.running)
+        assert self.pool.num_reserved_blocks == reserved
+        assert sorted(sched.free_seq_slots + [r.seq_slot for r in sched.running]) == list(range(self.max_seqs))
+
+    @invariant()
+    def device_contents_are_what_the_host_thinks(self):
+        if not hasattr(self, "sched"):
+            return
+        # Every cached block holds the K/V its key names; every checkpoint the state it names.
+        blocks_found = slots_found = 0
+        for key, tokens in self.key_tokens.items():
+            block = self.pool.lookup([key])
+            if block:
+                blocks_found += 1
+                start = len(tokens) - BS
+                assert all(
+                    self.kv.get(block[0] * BS + j) == tokens[: start + j + 1] for j in range(BS)
+                ), "a cached block was overwritten"
+            slot = self.states.lookup(key)
+            if slot is not None:
+                slots_found += 1
+                assert self.state.get(slot) == tokens, "a state checkpoint was overwritten"
+        assert blocks_found == self.pool.num_cached_blocks and slots_found == self.states.num_cached
+        # Running requests: their computed K/V, and their state slot holds their state at num_computed.
+        for r in self.sched.running:
+            dev = self.dev[r.id]
+            assert self._kv_holds(self.pool.block_table(r.id), dev, r.num_computed)
+            if r.state_slot >= 0:
+                assert self.state.get(r.state_slot) == tuple(dev[: r.num_computed])
+            else:
+                assert r.num_computed == 0
+        for pinned, blocks, slot in self.snaps.values():
+            assert self._kv_holds(blocks, pinned, len(pinned)) and (slot < 0 or self.state.get(slot) == pinned)
 
     def teardown(self):
-        if hasattr(self, "sched"):
-            for r in list(self.sched.running) + list(self.sched.waiting):
-                self.sched.remove(r)
-            assert sorted(self.sched.free_slots) == list(range(self.max_seqs))
-            assert self.sched.pool.num_free_blocks == self.sched.pool.total_blocks
+        if not hasattr(self, "sched") or sys.exc_info()[0] is not None:
+            return  # (a failing step is being reported: don't bury it under the drain's failure)
+        self._drain()  # every request submitted runs to completion: more prefix hits, checked
+        assert not self.sched.running and not self.sched.waiting
+        for pid in list(self.snaps):
+            self._drop(pid)
+        self.pool.check_invariants()
+        self.states.check_invariants()
+        assert self.pool.num_free_blocks == self.pool.total_blocks and self.pool.num_reserved_blocks == 0
+        assert self.states.num_reserved == 0 and self.states.available() == self.states.num_slots, "a state slot leaked"
+        assert all(self.states.refs(s) == 0 for s in range(self.states.num_slots))
+        assert sorted(self.sched.free_seq_slots) == list(range(self.max_seqs))
+        # Unreferenced blocks and checkpoints stay cached (and count as available) until reset.
+        cached_blocks, checkpoints = self.pool.num_cached_blocks, self.states.num_cached
+        assert self.pool.reset_cache() == cached_blocks and self.states.reset_cache() == checkpoints
+        assert self.pool.num_cached_blocks == 0 and self.states.num_cached == 0
+        assert self.states.available() == self.states.num_slots and self.pool.num_available_blocks == self.pool.total_blocks
 
 
-TestStateSlots = SlotMachine.TestCase
+TestStateSlots = PrefixCacheSchedulerMachine.TestCase
 TestStateSlots.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
