@@ -416,6 +416,12 @@ class Engine:
             ):
                 events, previous = self._process(*previous), None
             rows = self.scheduler.schedule()
+            while not rows and self.scheduler.waiting and not self.scheduler.running and len(self.snapshots):
+                # Snapshots are a cache: they never hold a request back for good.
+                victim = next(iter(self.snapshots))
+                log.warning("evicting snapshot %s: the next request does not fit beside the snapshots", victim.id)
+                self._unpin(self.snapshots.pop(victim.id))
+                rows = self.scheduler.schedule()
             if rows:
                 self._inflight = (rows, self._dispatch(rows))
             if previous is not None:
@@ -646,6 +652,9 @@ class Engine:
             )
         for victim in self.snapshots.victims(nbytes):
             self._unpin(self.snapshots.pop(victim.id))
+        if slot >= 0 and not self.states.refs(slot) and self.states.available() < 1:
+            raise RequestError("no spare recurrent-state slot to pin a snapshot now (running requests hold "
+                               "them); drop snapshots or retry when fewer requests run")
         snap = Snapshot(self.snapshots.new_id(), list(seq), len(blocks) * bs, blocks, slot, nbytes)
         if not self.pool.reserve(snap.pool_id, snap.num_cached_tokens, blocks):
             raise RequestError(

@@ -265,6 +265,21 @@ def test_snapshot_cap_budget_and_refusal(qwen3_path):
         engine.snapshot("x", tokens=[1])
 
 
+def test_snapshots_never_hold_a_request_back(qwen3_path):
+    """A request that cannot fit beside the pinned snapshots (nothing else running) evicts them,
+    least recently used first, instead of waiting for good."""
+    engine = engine_for(qwen3_path, True, num_blocks=40, max_model_len=150, snapshot_budget_bytes=10**9)
+    first = engine.snapshot(tokens=list(range(60)))
+    second = engine.snapshot(tokens=list(range(60, 120)))
+    assert engine.pool.num_available_blocks < 30
+    big = [7] * 100
+    out = engine.generate([big], greedy(10))[0].token_ids
+    assert out == engine_for(qwen3_path, False, num_blocks=40, max_model_len=150).generate([big], greedy(10))[0].token_ids
+    assert first not in engine.snapshots, "the least recently used snapshot went first"
+    assert engine.pool.num_used_blocks == sum(len(s.blocks) for s in engine.list_snapshots())
+    del second
+
+
 # ----------------------------------------------------------------------------- state machine
 
 
