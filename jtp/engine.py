@@ -689,17 +689,19 @@ class Engine:
         with self._lock:
             return list(self.snapshots)
 
-    def save_snapshots(self, path, snapshot_ids=None, overwrite: bool = False):
-        """Write snapshots (default: all) to `path` with orbax; see jtp/snapshot_store.py."""
+    def save_snapshots(self, path, snapshot_ids=None, overwrite: bool = False, include_prefix_cache: bool = False):
+        """Write snapshots (default: all; with `include_prefix_cache` also the rest of the prefix
+        cache) to `path` with orbax; see jtp/snapshot_store.py."""
         from jtp.snapshot_store import save_snapshots
 
-        return save_snapshots(self, path, snapshot_ids, overwrite=overwrite)
+        return save_snapshots(self, path, snapshot_ids, overwrite=overwrite, include_prefix_cache=include_prefix_cache)
 
-    def load_snapshots(self, path) -> list[str]:
-        """Load snapshots saved by an engine of the same model, config, dtype and mesh; their ids."""
+    def load_snapshots(self, path, include_prefix_cache: bool = True) -> list[str]:
+        """Load snapshots (and any saved prefix-cache entries, as fit) saved by an engine of the same
+        model, config, dtype and mesh; their ids."""
         from jtp.snapshot_store import load_snapshots
 
-        return load_snapshots(self, path)
+        return load_snapshots(self, path, include_prefix_cache=include_prefix_cache)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block and state checkpoint that nothing holds; returns how many blocks."""

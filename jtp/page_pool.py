@@ -233,6 +233,13 @@ class PagePool:
             blocks.append(block)
         return blocks
 
+    def cached_blocks(self) -> dict[int, bytes]:
+        """Block -> key of every cached block, in eviction order: the unheld ones (on the free list)
+        least recently freed first, then those sequences hold. Read-only (for saving the cache)."""
+        out = {b: self._key_of_block[b] for b in self._free if b in self._key_of_block}
+        out.update((b, k) for b, k in self._key_of_block.items() if self._refcount[b])
+        return out
+
     def cache_block(self, seq_id: Hashable, index: int, key: bytes) -> bool:
         """Register block `index` of the sequence (full, K/V written) under `key`.
 

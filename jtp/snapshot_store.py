@@ -6,10 +6,17 @@
     new_ids = load_snapshots(engine, "/ckpt/snaps")        # pinned again, same tokens
     engine.restore(new_ids[0], more_prompt, params)        # prefills only the tail
 
+    save_snapshots(engine, "/ckpt/warm", include_prefix_cache=True)   # + the warm prefix cache
+    loaded = load_snapshots(engine, "/ckpt/warm")          # snapshot ids; loaded.cache_blocks_loaded
+
 What is saved is what a snapshot pins: the KV pages of its cached prefix and, on hybrid models,
 the recurrent-state checkpoint at that prefix's end; blocks (and states) shared by several
-snapshots are saved once. Pages and states stay sharded jax Arrays all the way to Orbax, so in a
-multi-process deployment each process writes (and later reads) only its own shards.
+snapshots are saved once. With `include_prefix_cache` every other cached block and state
+checkpoint is saved too, with its key (a chain hash that cannot be recomputed without the
+tokens, which the cache does not keep); a load registers those as ordinary unpinned cache
+entries, as many as fit (they are optional), never displacing a snapshot or a running request.
+Pages and states stay sharded jax Arrays all the way to Orbax, so in a multi-process deployment
+each process writes (and later reads) only its own shards.
 
 On disk (a directory; written under a temporary name and renamed, so a failed save leaves no
 half checkpoint and a path that exists is complete):
@@ -20,14 +27,15 @@ half checkpoint and a path that exists is complete):
                           {"kv":    {"layer_NN": {"k": [U, block_size, kv_heads, head_dim], "v": ...}},
                            "state": {"layer_NN": {"conv_q": [S, ...], "conv_k", "conv_v", "recurrent"}}}
                           row i of "kv" is the block keyed blocks[i] in the JSON, row j of
-                          "state" the state keyed states[j].
+                          "state" the state keyed states[j]. Rows no snapshot refers to are
+                          prefix-cache entries ("prefix_cache": true), least recently used first.
 
 A load is refused (ConfigError, nothing changed) unless the engine matches what saved: model
 config, dtype, block size, mesh (axis names and sizes, process count) and the weights
 (a fingerprint of the safetensors headers plus a sample of every tensor's bytes). The saved
 prefix-cache keys are recomputed from the tokens and must agree too, which catches whatever the
 identity string adds. A load that cannot fit (blocks, state slots, the snapshot cap or budget)
-raises RequestError, also changing nothing.
+raises RequestError, also changing nothing (cache entries that do not fit are left out instead).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 import struct
@@ -53,7 +62,9 @@ from jtp.snapshots import Snapshot
 if TYPE_CHECKING:
     from jtp.engine import Engine
 
-__all__ = ["save_snapshots", "load_snapshots", "read_metadata", "weights_fingerprint", "FORMAT", "FORMAT_VERSION"]
+log = logging.getLogger(__name__)
+
+__all__ = ["save_snapshots", "load_snapshots", "LoadedSnapshots", "read_metadata", "weights_fingerprint", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "jtp-snapshots"
 FORMAT_VERSION = 1
@@ -242,8 +253,14 @@ def save_snapshots(
     *,
     model_dir: str | Path | None = None,
     overwrite: bool = False,
+    include_prefix_cache: bool = False,
 ) -> Path:
     """Write snapshots (all of them, or `snapshot_ids`) to the directory `path`; returns it.
+
+    `include_prefix_cache`: also write the warm prefix cache, every cached KV block and state
+    checkpoint that no saved snapshot holds (in use or not), with its key; `load_snapshots`
+    registers them as ordinary evictable cache entries. The pages are copied on device first (as
+    a snapshot's are): the save needs free device memory for as many pages as it writes.
 
     The pages and states are copied on device under the step lock (after the in-flight step is
     processed); the write to disk happens outside it, so serving goes on meanwhile. The directory
@@ -298,6 +315,16 @@ def save_snapshots(
                 "state": state,
                 "created": snap.created,
             })
+        if include_prefix_cache:  # the rest of the cache, least recently used first
+            for block, key in engine.pool.cached_blocks().items():
+                if block not in block_rows:
+                    block_rows[block] = len(block_keys_hex)
+                    block_keys_hex.append(key.hex())
+            if engine.states is not None:
+                for slot, key in engine.states.cached_slots().items():
+                    if slot not in slot_rows:
+                        slot_rows[slot] = len(slot_keys_hex)
+                        slot_keys_hex.append(key.hex())
         kv, state_layers = _cache_views(engine.runner.cache)
         arrays = _gather(
             kv, state_layers, np.asarray(list(block_rows), np.int32), np.asarray(list(slot_rows), np.int32)
@@ -313,6 +340,7 @@ def save_snapshots(
         "blocks": block_keys_hex,
         "states": slot_keys_hex,
         "snapshots": entries,
+        "prefix_cache": include_prefix_cache,
     }
     _write(path, arrays, metadata, overwrite)
     return path
@@ -378,9 +406,31 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def load_snapshots(engine: "Engine", path: str | Path, *, model_dir: str | Path | None = None) -> list[str]:
+class LoadedSnapshots(list):
+    """What `load_snapshots` returns: the loaded snapshots' ids (a plain list of str otherwise),
+    and how many of the saved prefix-cache entries (`include_prefix_cache`) this engine's cache
+    now holds, written by the load or already there; the rest did not fit."""
+
+    cache_blocks_saved: int = 0
+    cache_blocks_loaded: int = 0
+    cache_states_saved: int = 0
+    cache_states_loaded: int = 0
+
+
+def load_snapshots(
+    engine: "Engine", path: str | Path, *, model_dir: str | Path | None = None, include_prefix_cache: bool = True
+) -> LoadedSnapshots:
     """Pin the snapshots saved in `path` in this engine; returns their ids, in saved order (the
     saved id where this engine has no snapshot of that name, else a new one).
+
+    A save made with `include_prefix_cache` also holds cache entries: KV blocks and state
+    checkpoints, with their keys, that no snapshot pins. Unless `include_prefix_cache=False` they
+    are registered as ordinary unpinned cache entries (evicted least recently used like any), in
+    the order they had, as many as fit after the snapshots: they take only blocks and slots nobody
+    holds or was promised (an allocation evicts this engine's least recently used unheld cache
+    entries, as any does), never a snapshot's or a running request's. The result's
+    `cache_blocks_loaded` / `cache_states_loaded` say how many made it (also logged). The saved
+    keys stay valid because they are rooted at the engine identity, checked first.
 
     Refuses (ConfigError, nothing changed) an engine that differs from the one that saved: model
     config, dtype, block size, mesh or weights. RequestError (nothing changed) when the pool,
@@ -403,7 +453,11 @@ def load_snapshots(engine: "Engine", path: str | Path, *, model_dir: str | Path 
     entries = meta["snapshots"]
     if len(set(block_keys_saved)) != len(block_keys_saved) or len(set(state_keys_saved)) != len(state_keys_saved):
         raise ConfigError(f"{path}: a block or state is saved twice (a corrupt file)")
+    if state_keys_saved and not hybrid:
+        raise ConfigError(f"{path}: holds recurrent states but this engine's model has none (a corrupt file)")
     for e in entries:
+        if not all(0 <= r < len(block_keys_saved) for r in e["blocks"]) or e["state"] >= len(state_keys_saved):
+            raise ConfigError(f"{path}: snapshot {e['id']!r} refers to a block or state that is not saved (a corrupt file)")
         n = len(e["blocks"])
         keys = block_keys(root, e["tokens"], bs)[:n] if n else []
         if (
@@ -428,12 +482,31 @@ def load_snapshots(engine: "Engine", path: str | Path, *, model_dir: str | Path 
             f"({registry.max_entries} entries, {registry.budget_bytes} bytes)"
         )
 
-    arrays = _read_arrays(engine, path, meta)
+    # Rows no snapshot refers to are prefix-cache entries (saved least recently used first).
+    snap_rows = {r for e in entries for r in e["blocks"]}
+    snap_state_rows = {e["state"] for e in entries if e["state"] >= 0}
+    cache_rows = [r for r in range(len(block_keys_saved)) if r not in snap_rows]
+    cache_state_rows = [j for j in range(len(state_keys_saved)) if j not in snap_state_rows]
+    if not include_prefix_cache:
+        cache_rows, cache_state_rows = [], []
+
+    arrays = _read_arrays(engine, path, meta) if (snap_rows or cache_rows or cache_state_rows) else {}
     with engine._lock:
         if engine.runner.cache is None:
             raise RequestError("the engine is closed: its cache is gone")
         engine._settle()
-        return _install(engine, entries, sizes, block_keys_saved, state_keys_saved, arrays)
+        loaded = _install(
+            engine, entries, sizes, block_keys_saved, state_keys_saved, arrays, cache_rows, cache_state_rows
+        )
+    if cache_rows or cache_state_rows:
+        log.info(
+            "prefix cache from %s: %d of %d KV blocks and %d of %d state checkpoints now cached%s",
+            path, loaded.cache_blocks_loaded, loaded.cache_blocks_saved, loaded.cache_states_loaded,
+            loaded.cache_states_saved,
+            "" if (loaded.cache_blocks_loaded, loaded.cache_states_loaded) == (len(cache_rows), len(cache_state_rows))
+            else " (the rest did not fit)",
+        )
+    return loaded
 
 
 def _read_arrays(engine: "Engine", path: Path, meta: dict) -> dict:
@@ -459,44 +532,31 @@ def _read_arrays(engine: "Engine", path: Path, meta: dict) -> dict:
             raise ConfigError(f"{path / ARRAYS_DIR}: cannot read the saved pages ({type(e).__name__}: {e})") from e
 
 
-def _install(engine: "Engine", entries, sizes, block_keys_saved, state_keys_saved, arrays) -> list[str]:
+def _install(
+    engine: "Engine", entries, sizes, block_keys_saved, state_keys_saved, arrays, cache_rows, cache_state_rows
+) -> LoadedSnapshots:
     """Allocate, write and pin (step lock held). Every check that can fail comes before the first
-    change that cannot be undone; a device failure undoes the host bookkeeping."""
+    change that cannot be undone; a device failure undoes the host bookkeeping. The snapshots go
+    all or nothing; then the cache entries (`cache_rows` / `cache_state_rows`, least recently
+    used first) take what is left, the most recently used first, and are registered unpinned."""
     pool, states, bs = engine.pool, engine.states, engine.pool.block_size
-    load_id = ("snapshot-load", id(entries), time.monotonic_ns())
+    stamp = (id(entries), time.monotonic_ns())
+    load_id, cache_id = ("snapshot-load", *stamp), ("cache-load", *stamp)
+    snap_rows = sorted({r for e in entries for r in e["blocks"]})
+    snap_state_rows = sorted({e["state"] for e in entries if e["state"] >= 0})
 
     # Blocks: what the prefix cache already holds is shared; the rest is written to fresh blocks.
-    held = {i: blocks[0] for i, key in enumerate(block_keys_saved) if (blocks := pool.lookup([key]))}
-    fresh = [i for i in range(len(block_keys_saved)) if i not in held]
-    total = len(block_keys_saved)
+    held = {i: blocks[0] for i in snap_rows if (blocks := pool.lookup([block_keys_saved[i]]))}
+    fresh = [i for i in snap_rows if i not in held]
+    total = len(snap_rows)
     if total > pool.total_blocks:
         raise RequestError(f"the snapshots need {total} KV blocks but the engine's whole pool has {pool.total_blocks}")
 
     # State checkpoints likewise. Acquired / reserved first: the pool's block allocation below may
     # evict cached blocks, which cannot be undone, so everything that can refuse goes before it.
-    acquired, reserved = [], 0
-    slot_of = {}
-    if states is not None and state_keys_saved:
-        for j, key in enumerate(state_keys_saved):
-            slot = states.lookup(key)
-            if slot is not None:
-                states.acquire(slot)
-                acquired.append(slot)
-                slot_of[j] = slot
-        fresh_states = [j for j in range(len(state_keys_saved)) if j not in slot_of]
-        for _ in fresh_states:
-            if not states.reserve():
-                for _ in range(reserved):
-                    states.unreserve()
-                for slot in acquired:
-                    states.release(slot)
-                raise RequestError(
-                    f"no state slots for {len(fresh_states)} snapshot checkpoints ({reserved} available); "
-                    "drop snapshots or retry when fewer requests run"
-                )
-            reserved += 1
-    else:
-        fresh_states = []
+    acquired: list[int] = []  # the load's own holds on slots, let go at the end (in this order)
+    reserved = 0
+    slot_of: dict[int, int] = {}
 
     def undo_states():
         for _ in range(reserved):
@@ -504,16 +564,60 @@ def _install(engine: "Engine", entries, sizes, block_keys_saved, state_keys_save
         for slot in acquired:
             states.release(slot)
 
-    cached_blocks = [held[i] for i in sorted(held)]
+    fresh_states = []
+    for j in snap_state_rows:
+        slot = states.lookup(state_keys_saved[j])
+        if slot is None:
+            fresh_states.append(j)
+            continue
+        if not states.refs(slot) and states.available() < 1:  # every spare slot is promised to a request
+            undo_states()
+            raise RequestError("no spare recurrent-state slot to pin a loaded snapshot now (running requests hold "
+                               "them); drop snapshots or retry when fewer requests run")
+        states.acquire(slot)
+        acquired.append(slot)
+        slot_of[j] = slot
+    for _ in fresh_states:
+        if not states.reserve():
+            undo_states()
+            raise RequestError(
+                f"no state slots for {len(fresh_states)} snapshot checkpoints ({reserved} available); "
+                "drop snapshots or retry when fewer requests run"
+            )
+        reserved += 1
+
+    cached_blocks = [held[i] for i in snap_rows if i in held]
     if not pool.reserve(load_id, total * bs, cached_blocks):
         undo_states()
         raise RequestError(
             f"the KV pool cannot take {len(fresh)} more blocks now ({pool.num_available_blocks} available); "
             "drop snapshots or retry when fewer requests run"
         )
-    # From here on the only failure is the device's.
+    # From here on nothing refuses: the cache entries take what is left, and the only failure is the device's.
+
+    # Cache entries already cached here are kept through the load (revived by its temporary
+    # sequence, so its own allocations cannot evict them); the others get fresh blocks, as many as
+    # are available, the most recently used first.
+    c_keep = [(r, blocks[0]) for r in cache_rows if (blocks := pool.lookup([block_keys_saved[r]]))]
+    c_fresh = [r for r in cache_rows if not pool.lookup([block_keys_saved[r]])]
+    keep = [b for _, b in c_keep]
+    available = pool.num_available_blocks
+    revived = 0
+    if keep and pool.reserve(cache_id, len(keep) * bs, keep):  # what keeping them costs (revived blocks)
+        revived = available - pool.num_available_blocks
+        pool.free(cache_id)
+    else:
+        keep = []
+    n = max(0, min(len(c_fresh), available - revived))
+    if not pool.reserve(cache_id, (len(keep) + n) * bs, keep):  # n + revived <= available: fits
+        raise AssertionError("reserving the available blocks failed")
+    # Table order: most recently used first, so freeing it (tail first) leaves them in their saved LRU order.
+    c_chosen = c_fresh[len(c_fresh) - n:][::-1]
+
     pool.append_slots(load_id, total * bs)
+    pool.append_slots(cache_id, (len(keep) + n) * bs)
     fresh_blocks = pool.block_table(load_id)[len(cached_blocks):]
+    c_fresh_blocks = pool.block_table(cache_id)[len(keep):]
     block_of = dict(held) | dict(zip(fresh, fresh_blocks))
     new_slots = []
     for j in fresh_states:
@@ -521,28 +625,60 @@ def _install(engine: "Engine", entries, sizes, block_keys_saved, state_keys_save
         reserved -= 1
         new_slots.append(slot)
         slot_of[j] = slot
-    acquired += new_slots  # the load's own hold on each slot, let go at the end
+    acquired += new_slots
+
+    # State checkpoints of the cache: only where their KV block is cached (else no hit can end
+    # there); those already here are held through the load when that takes no promised slot.
+    c_new_slots, c_states = [], []  # most recently used first
+    if cache_state_rows:
+        cached_keys = {block_keys_saved[r] for r in snap_rows} | {block_keys_saved[r] for r in c_chosen}
+        wanted = []
+        for j in cache_state_rows:
+            key = state_keys_saved[j]
+            if key not in cached_keys and not pool.lookup([key]):
+                continue
+            slot = states.lookup(key)
+            if slot is None:
+                wanted.append(j)
+            elif states.refs(slot) or states.available() >= 1:
+                states.acquire(slot)
+                acquired.append(slot)
+        for j in reversed(wanted):
+            if not states.reserve():
+                break
+            reserved += 1
+            c_new_slots.append(states.allocate())
+            reserved -= 1
+            c_states.append(j)
 
     try:
-        if fresh or new_slots:
-            kv = arrays.get("kv", {}) if fresh else {}
-            st = arrays.get("state", {}) if new_slots else {}
+        b_ids, b_rows = fresh_blocks + c_fresh_blocks, fresh + c_chosen
+        s_ids, s_rows = new_slots + c_new_slots, fresh_states + c_states
+        if b_ids or s_ids:
             engine.runner.cache = _scatter(
                 engine.runner.cache,
-                np.asarray(fresh_blocks, np.int32), np.asarray(fresh, np.int32), kv,
-                np.asarray(new_slots, np.int32), np.asarray(fresh_states, np.int32), st,
+                np.asarray(b_ids, np.int32), np.asarray(b_rows, np.int32), arrays.get("kv", {}) if b_ids else {},
+                np.asarray(s_ids, np.int32), np.asarray(s_rows, np.int32), arrays.get("state", {}) if s_ids else {},
             )
     except BaseException:
         pool.free(load_id)  # fresh blocks have no key yet: plainly free again
+        pool.free(cache_id)
+        for slot in c_new_slots:
+            states.release(slot)
         undo_states()
         raise
 
     # The pages are in place: register them in the prefix cache, pin each snapshot, let go of the load's hold.
     for k, row in enumerate(fresh):
         pool.cache_block(load_id, len(cached_blocks) + k, block_keys_saved[row])
+    for k, row in enumerate(c_chosen):
+        pool.cache_block(cache_id, len(keep) + k, block_keys_saved[row])
     for j, slot in zip(fresh_states, new_slots):
         states.cache(slot, state_keys_saved[j])
-    ids = []
+    for j, slot in zip(c_states, c_new_slots):
+        states.cache(slot, state_keys_saved[j])
+    acquired += c_new_slots[::-1]  # released least recently used first: evicted in their saved order
+    ids = LoadedSnapshots()
     registry = engine.snapshots
     try:
         for e, nbytes in zip(entries, sizes):
@@ -564,7 +700,11 @@ def _install(engine: "Engine", entries, sizes, block_keys_saved, state_keys_save
             engine._unpin(registry.pop(sid))
         raise
     finally:
+        pool.free(cache_id)
         pool.free(load_id)
         for slot in acquired:
             states.release(slot)
+    ids.cache_blocks_saved, ids.cache_states_saved = len(cache_rows), len(cache_state_rows)
+    ids.cache_blocks_loaded = sum(1 for r in cache_rows if pool.lookup([block_keys_saved[r]]))
+    ids.cache_states_loaded = sum(1 for j in cache_state_rows if states.lookup(state_keys_saved[j]) is not None)
     return ids

@@ -103,6 +103,13 @@ class StatePool:
     def lookup(self, key: bytes) -> int | None:
         return self._slot_of_key.get(key)
 
+    def cached_slots(self) -> dict[int, bytes]:
+        """Slot -> key of every checkpoint, in eviction order: the unreferenced ones least recently
+        used first, then those held. Read-only (for saving the cache)."""
+        out = {s: self._key_of_slot[s] for s in self._evictable}
+        out.update((s, k) for s, k in self._key_of_slot.items() if self._refs[s])
+        return out
+
     def cache(self, slot: int, key: bytes) -> bool:
         """Register a held slot as the state at the end of the block keyed `key`; False (nothing
         changes) if that key already has a slot or this slot a key."""

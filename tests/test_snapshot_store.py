@@ -273,3 +273,156 @@ def test_hybrid_restore_after_restart(tmp_path):
         load_snapshots(c, path)
     assert state(c) == before
     c.close()
+
+
+# ----------------------------------------------------------------------------- the warm prefix cache
+
+
+def run(engine: Engine, prompt: list[int]):
+    """Greedy tokens for `prompt` and its finished event."""
+    events = list(engine.stream(engine.submit(prompt, GREEDY)))
+    return [t for e in events for t in e.token_ids], events[-1]
+
+
+@pytest.fixture(scope="module")
+def warm(demo, tmp_path_factory):
+    """Engine A serves prompts sharing prefixes, pins one snapshot, and saves with its prefix cache;
+    then (after the save) A answers a follow-up that extends one of its prompts, for reference."""
+    a = make_engine(demo)
+    base, other = list(range(10, 40)), list(range(60, 85))
+    prompts = [base + [1, 2, 3], base + [4, 5, 6, 7, 8], other]
+    outs = [c.token_ids for c in a.generate(prompts, GREEDY)]
+    sid = a.snapshot(tokens=base[:17])  # pins 4 blocks that are also plain cache entries of the prompts
+    cached = a.pool.cached_blocks()
+    snap_keys = [cached[b] for b in a.list_snapshots()[0].blocks]
+    root = tmp_path_factory.mktemp("warm")
+    path = a.save_snapshots(root / "warm", include_prefix_cache=True)
+    plain_path = save_snapshots(a, root / "plain")  # the default: snapshots only
+    follow = prompts[2] + outs[2] + [7, 7]  # no snapshot covers any of it
+    ref, ref_finished = run(a, follow)
+    a.close()
+    yield dict(path=path, plain_path=plain_path, sid=sid, cached=list(cached.values()), snap_keys=snap_keys,
+               loose=[k for k in cached.values() if k not in snap_keys], follow=follow, ref=ref,
+               ref_cached=ref_finished.cached_tokens, extend=prompts[1] + outs[1] + [9, 9])
+
+
+def test_save_with_prefix_cache_writes_every_cached_block_once(warm):
+    meta = read_metadata(warm["path"])
+    assert meta["prefix_cache"] is True and meta["states"] == []
+    # Every cached block once: the snapshot's rows first, then the rest least recently used first.
+    assert meta["blocks"] == [k.hex() for k in warm["snap_keys"] + warm["loose"]]
+    assert [s["id"] for s in meta["snapshots"]] == [warm["sid"]] and meta["snapshots"][0]["blocks"] == [0, 1, 2, 3]
+    plain = read_metadata(warm["plain_path"])
+    assert plain["prefix_cache"] is False and plain["blocks"] == meta["blocks"][:4]
+
+
+def test_prefix_cache_survives_restart(demo, warm):
+    b = make_engine(demo)
+    loaded = load_snapshots(b, warm["path"])
+    n = len(warm["loose"])
+    assert loaded == [warm["sid"]] and n > 8
+    assert (loaded.cache_blocks_saved, loaded.cache_blocks_loaded, loaded.cache_states_saved) == (n, n, 0)
+    # Unpinned: only the snapshot holds blocks; the cache entries sit on the free list, in A's LRU order.
+    assert b.pool.num_used_blocks == 4 and b.pool.num_cached_blocks == len(warm["cached"])
+    assert list(b.pool.cached_blocks().values())[:n] == warm["loose"]
+    b.pool.check_invariants()
+
+    # A request extending one of A's prompts starts from the loaded cache, as it would have on A...
+    tokens, finished = run(b, warm["follow"])
+    assert finished.cached_tokens == warm["ref_cached"] > 0
+    assert b.stats().prompt_tokens_computed == len(warm["follow"]) - finished.cached_tokens
+    assert tokens == warm["ref"]
+    # ... and continues exactly as an engine without any cache does.
+    plain = make_engine(demo, enable_prefix_caching=False)
+    assert plain.generate([warm["follow"]], GREEDY)[0].token_ids == tokens
+    extended, finished = run(b, warm["extend"])  # the snapshot's blocks and loose ones after them
+    assert finished.cached_tokens > 16
+    assert plain.generate([warm["extend"]], GREEDY)[0].token_ids == extended
+    plain.close()
+    b.pool.check_invariants()
+
+    # Loading again finds everything cached: nothing new is written, every entry counts as loaded.
+    used = b.pool.num_used_blocks
+    again = load_snapshots(b, warm["path"])
+    assert again.cache_blocks_loaded == n and b.pool.num_used_blocks == used
+    for sid in loaded + again:
+        b.drop(sid)
+    assert b.pool.num_used_blocks == 0
+    b.pool.check_invariants()
+    b.close()
+
+
+def test_prefix_cache_load_takes_only_what_is_free(demo, warm, monkeypatch):
+    # A small pool: its own snapshot pinned, a running request's reservation, then the load.
+    b = make_engine(demo, num_blocks=16)
+    own = b.snapshot(tokens=list(range(90, 100)))  # 2 blocks pinned
+    own_blocks = b.list_snapshots()[0].blocks
+    b.pool.reserve(("someone", 0), 20)  # 5 blocks promised to a "running request"
+    loaded = load_snapshots(b, warm["path"])
+    assert len(loaded) == 1 and loaded[0] != own  # the saved id is taken here: a new one
+    fit = 16 - 2 - 5 - 4  # what is left after the snapshot's 4 blocks
+    assert loaded.cache_blocks_loaded == fit < loaded.cache_blocks_saved
+    # The most recently used entries, nothing else: the pin, the promise and the snapshot are intact.
+    unpinned = {k for blk, k in b.pool.cached_blocks().items() if blk not in own_blocks} - set(warm["snap_keys"])
+    assert unpinned == set(warm["loose"][-fit:])
+    assert {s.id: s.blocks for s in b.list_snapshots()}[own] == own_blocks
+    assert b.pool.num_reserved_blocks == 5
+    b.pool.check_invariants()
+    b.pool.append_slots(("someone", 0), 20)  # the promise holds (evicting loaded entries is fine)
+    b.pool.free(("someone", 0))
+    b.pool.check_invariants()
+    b.close()
+
+    # A device failure while writing undoes everything: no half-written entry is registered.
+    b = make_engine(demo)
+    before = state(b)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(snapshot_store, "_scatter", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        load_snapshots(b, warm["path"])
+    assert state(b) == before and b.pool.num_cached_blocks == 0
+    b.pool.check_invariants()
+    monkeypatch.undo()
+    # And the cache entries are optional: left out on request.
+    loaded = b.load_snapshots(warm["path"], include_prefix_cache=False)
+    assert b.pool.num_cached_blocks == 4 and loaded.cache_blocks_saved == 0
+    b.close()
+
+
+def test_hybrid_prefix_cache_survives_restart(tmp_path):
+    pytest.importorskip("torch")
+    from hf_hybrid import build_model, save
+
+    model_dir = save(build_model("qwen3_5_text", seed=1), tmp_path / "hybrid")
+    rng = np.random.default_rng(5)
+    prompt, extra = rng.integers(0, 128, 23).tolist(), rng.integers(0, 128, 5).tolist()
+
+    a = make_engine(model_dir)
+    out, _ = run(a, prompt)
+    checkpoints = a.states.num_cached
+    assert checkpoints > 0
+    path = save_snapshots(a, tmp_path / "warm", include_prefix_cache=True)
+    follow = prompt + out + extra
+    ref, ref_finished = run(a, follow)
+    a.close()
+    meta = read_metadata(path)
+    assert meta["snapshots"] == [] and len(meta["states"]) == checkpoints
+
+    b = make_engine(model_dir)
+    loaded = load_snapshots(b, path)
+    assert loaded == [] and loaded.cache_states_loaded == loaded.cache_states_saved == checkpoints
+    assert b.states.num_cached == checkpoints and b.states.available() == b.states.num_slots  # none held
+    assert b.pool.num_used_blocks == 0
+    tokens, finished = run(b, follow)
+    assert finished.cached_tokens == ref_finished.cached_tokens > 0
+    assert b.stats().prompt_tokens_computed == len(follow) - finished.cached_tokens
+    assert tokens == ref
+    b.pool.check_invariants()
+    b.states.check_invariants()
+    b.close()
+    plain = make_engine(model_dir, enable_prefix_caching=False)
+    assert plain.generate([follow], GREEDY)[0].token_ids == ref
+    plain.close()
