@@ -42,6 +42,7 @@ from jtp.sampling import SamplingParams, pack_penalty_tokens, pack_sampling, req
 from jtp.scheduler import Request, Scheduler, ScheduledRow, Status
 from jtp.snapshots import Snapshot, SnapshotRegistry
 from jtp.state_pool import StatePool
+from jtp.step_input import StepInput
 from jtp.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -446,7 +447,7 @@ class Engine:
             penalty = pack_penalty_tokens(
                 [q.prompt_ids if q else None for q in reqs], [q.output_ids if q else None for q in reqs], B
             )
-        result = self.runner.dispatch(plan, sampling, penalty)
+        result = self.runner.dispatch(StepInput(plan, sampling, penalty))
         self.scheduler.dispatched(rows)
         return result
 
@@ -740,7 +741,7 @@ class Engine:
                 B = len(plan.context_lens)
                 for params in variants:
                     sampling = pack_sampling([params] * B, B, [0] * B, [0] * B)
-                    jax.block_until_ready(self.runner.dispatch(plan, sampling))
+                    jax.block_until_ready(self.runner.dispatch(StepInput(plan, sampling)))
                     bar.update()
         self.ready.set()
         compiled = self.runner.compilations - before

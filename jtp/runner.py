@@ -8,7 +8,6 @@ executes. Followers in a multi-process deployment run the very same calls on the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import threading
 from pathlib import Path
@@ -20,42 +19,26 @@ import numpy as np
 from jtp.attention import AttentionMetadata, choose_attention
 from jtp.config import ModelConfig
 from jtp.models import family_of
-from jtp.sampling import MAX_LOGPROBS, SampleResult, SamplingBatch, pack_sampling, sample
+from jtp.sampling import MAX_LOGPROBS, SampleResult, pack_sampling, sample
 from jtp.sharding import make_mesh, replicated, tp_size
+from jtp.step_input import StepInput, StepPlan
 from jtp.weights import load_params, resolve_dtype
 
 
-@dataclasses.dataclass
-class StepPlan:
-    """One step of work, as numpy arrays padded to bucket sizes (T tokens, B rows, M blocks per row)."""
-
-    token_ids: np.ndarray  # i32[T]
-    positions: np.ndarray  # i32[T]
-    slot_mapping: np.ndarray  # i32[T], -1 for padding tokens
-    token_rows: np.ndarray  # i32[T]
-    block_tables: np.ndarray  # i32[B, M]
-    context_lens: np.ndarray  # i32[B]
-    row_starts: np.ndarray  # i32[B]
-    row_lens: np.ndarray  # i32[B]
-    seq_slots: np.ndarray  # i32[B] each running request's index in the sampled-token buffer (-1 = padding row)
-    state_reads: np.ndarray  # i32[B] recurrent-state slot each row restores from (-1 = zero state)
-    state_writes: np.ndarray  # i32[B] recurrent-state slot each row writes (-1 = none)
-    logits_indices: np.ndarray  # i32[B] index (into T) of the token whose logits each row samples from
-    max_row_len: int | None = None  # static bound on tokens per row (a bucket); None = T
-
-    def metadata(self) -> AttentionMetadata:
-        return AttentionMetadata(
-            positions=self.positions,
-            slot_mapping=self.slot_mapping,
-            token_rows=self.token_rows,
-            block_tables=self.block_tables,
-            context_lens=self.context_lens,
-            row_starts=self.row_starts,
-            row_lens=self.row_lens,
-            state_reads=self.state_reads,
-            state_writes=self.state_writes,
-            query_bound=np.arange(self.max_row_len or len(self.token_ids), dtype=np.int32),
-        )
+def plan_metadata(plan: StepPlan) -> AttentionMetadata:
+    """The plan's arrays the model and attention read (the kernels' view of the batch)."""
+    return AttentionMetadata(
+        positions=plan.positions,
+        slot_mapping=plan.slot_mapping,
+        token_rows=plan.token_rows,
+        block_tables=plan.block_tables,
+        context_lens=plan.context_lens,
+        row_starts=plan.row_starts,
+        row_lens=plan.row_lens,
+        state_reads=plan.state_reads,
+        state_writes=plan.state_writes,
+        query_bound=np.arange(plan.max_row_len or len(plan.token_ids), dtype=np.int32),
+    )
 
 
 class ModelRunner:
@@ -126,13 +109,13 @@ class ModelRunner:
         except Exception:  # noqa: BLE001 - some backends raise instead of returning None
             return None
 
-    def dispatch(self, plan: StepPlan, sampling: SamplingBatch, penalty_tokens=None) -> SampleResult:
+    def dispatch(self, step: StepInput) -> SampleResult:
         """Enqueue one step (forward + sampling) and return at once with device-side results.
 
         Token id -1 in the plan means "the token last sampled for this row's state slot".
         `jax.device_get` on the result waits for the device; only sampled results come back.
         """
-        args, flags = self._step_args(plan, sampling, penalty_tokens)
+        args, flags = self._step_args(step)
         with _count_traces(self):
             result, self.cache, self.sampled = self._step_fn(*args, flags=flags)
         return result
@@ -142,7 +125,7 @@ class ModelRunner:
         inspect its collectives. Sampling defaults to greedy rows without logprobs."""
         if sampling is None:
             sampling = pack_sampling([], len(plan.context_lens), [], [])
-        args, flags = self._step_args(plan, sampling, penalty_tokens)
+        args, flags = self._step_args(StepInput(plan, sampling, penalty_tokens))
         return self._step_fn.lower(*args, flags=flags).compile().as_text()
 
     def close(self) -> None:
@@ -153,13 +136,14 @@ class ModelRunner:
                 leaf.delete()
         self.params = self.cache = self.sampled = None
 
-    def _step_args(self, plan: StepPlan, sampling: SamplingBatch, penalty_tokens):
+    def _step_args(self, step: StepInput):
         """The step's positional arguments and static sampling flags.
 
         The plan goes as int32 numpy arrays: the jitted call's C++ path transfers them (replicated)
         far faster than one `jax.device_put` per array (~0.2 ms each)."""
+        plan, sampling, penalty_tokens = step.plan, step.sampling, step.penalty_tokens
         tokens, meta, idx, seq_slots = jax.tree.map(
-            lambda a: np.asarray(a, np.int32), (plan.token_ids, plan.metadata(), plan.logits_indices, plan.seq_slots)
+            lambda a: np.asarray(a, np.int32), (plan.token_ids, plan_metadata(plan), plan.logits_indices, plan.seq_slots)
         )
         flags = sampling.static_flags()
         # Any top-n request computes the maximum n: one compiled variant instead of twenty.

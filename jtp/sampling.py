@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-GREEDY_EPS = 1e-5  # temperatures below this are greedy (x / 1e-6 would overflow)
+from jtp.step_input import GREEDY_EPS, SamplingBatch, SamplingFlags  # noqa: F401 - numpy-only step inputs
 MAX_LOGPROBS = 20
 
 
@@ -186,41 +186,6 @@ def _type_names(kinds: tuple) -> str:
 def request_seed(params: SamplingParams) -> int:
     """The seed a request samples with: the user's, else a fresh random one."""
     return params.seed if params.seed is not None else secrets.randbits(32)
-
-
-class SamplingFlags(NamedTuple):
-    """Compile-time (static, hashable) facts about a batch."""
-    needs_top_k_p_min_p: bool
-    needs_penalties: bool
-    num_logprobs: int
-
-
-class SamplingBatch(NamedTuple):
-    """Per-row sampling parameters as numpy arrays [B] (a pytree of arrays)."""
-    temperature: np.ndarray  # f32
-    top_p: np.ndarray  # f32
-    top_k: np.ndarray  # i32, <= 0 disabled
-    min_p: np.ndarray  # f32
-    repetition_penalty: np.ndarray  # f32
-    presence_penalty: np.ndarray  # f32
-    frequency_penalty: np.ndarray  # f32
-    seed: np.ndarray  # u32, the request seed mod 2**32
-    step: np.ndarray  # i32, tokens generated so far by the request
-    logprobs: np.ndarray  # i32, -1 => none
-
-    def static_flags(self) -> SamplingFlags:
-        greedy = np.asarray(self.temperature) < GREEDY_EPS
-        sampled = ~greedy
-        truncates = ((np.asarray(self.top_k) > 0) | (np.asarray(self.top_p) < 1.0)
-                     | (np.asarray(self.min_p) > 0.0))
-        penalised = ((np.asarray(self.repetition_penalty) != 1.0)
-                     | (np.asarray(self.presence_penalty) != 0.0)
-                     | (np.asarray(self.frequency_penalty) != 0.0))
-        return SamplingFlags(
-            needs_top_k_p_min_p=bool(np.any(sampled & truncates)),
-            needs_penalties=bool(np.any(penalised)),
-            num_logprobs=int(max(0, np.max(self.logprobs, initial=0))),
-        )
 
 
 def pack_sampling(params: Sequence[SamplingParams | None], num_rows: int,

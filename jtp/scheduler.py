@@ -34,9 +34,9 @@ import numpy as np
 
 from jtp.block_hash import chain_key
 from jtp.page_pool import PagePool
-from jtp.runner import StepPlan
 from jtp.sampling import SamplingParams
 from jtp.state_pool import StatePool
+from jtp.step_input import StepPlan
 
 
 class Status(enum.Enum):

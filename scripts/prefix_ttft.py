@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jtp.block_hash import block_keys, root_key  # noqa: E402
 from jtp.engine import Engine  # noqa: E402
 from jtp.sampling import SamplingParams  # noqa: E402
+from jtp.step_input import StepInput  # noqa: E402
 
 
 def ttft(engine: Engine, prompt: list[int], n: int) -> tuple[float, list[int], int]:
@@ -59,11 +60,11 @@ def step_breakdown(engine: Engine, cached_prompt: list[int], n: int, vocab: int)
         plan = engine.scheduler.build_plan(rows)
         B = len(plan.context_lens)
         sampling = pack_sampling([SamplingParams(temperature=0.0)] * B, B, [0] * B, [0] * B)
-        jax.block_until_ready(engine.runner.dispatch(plan, sampling))
+        jax.block_until_ready(engine.runner.dispatch(StepInput(plan, sampling)))
         t3 = time.perf_counter()
         reps = 10
         for _ in range(reps):
-            r = engine.runner.dispatch(plan, sampling)
+            r = engine.runner.dispatch(StepInput(plan, sampling))
         jax.block_until_ready(r)
         t4 = time.perf_counter()
         out[name] = {"host_schedule_dispatch": 1e3 * (t1 - t0), "first_step_wait": 1e3 * (t2 - t1),

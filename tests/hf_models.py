@@ -136,6 +136,7 @@ def run_step(runner, plan, positions=None) -> StepOutput:
     out of one real step.
     """
     from jtp.sampling import SamplingParams, pack_sampling
+    from jtp.step_input import StepInput
 
     rows = len(plan.context_lens)
     if positions is not None:
@@ -153,7 +154,7 @@ def run_step(runner, plan, positions=None) -> StepOutput:
         plan = dataclasses.replace(plan, **{k: np.concatenate([getattr(plan, k), v]) for k, v in extra.items()})
     B = len(plan.context_lens)
     greedy = SamplingParams(temperature=0.0, logprobs=20)
-    result = runner.dispatch(plan, pack_sampling([greedy] * B, B, [0] * B, [0] * B))
+    result = runner.dispatch(StepInput(plan, pack_sampling([greedy] * B, B, [0] * B, [0] * B)))
     out = StepOutput(*(np.asarray(x) for x in (result.tokens, result.top_ids, result.top_logprobs)))
     return out.take(slice(rows, None)) if positions is not None else out
 

@@ -15,7 +15,8 @@ pytest.importorskip("transformers")
 
 from hf_models import StepOutput, hf_greedy, logprob_error, make_hf_checkpoint, run_step  # noqa: E402
 from jtp.engine import Engine  # noqa: E402
-from jtp.runner import ModelRunner, StepPlan  # noqa: E402
+from jtp.runner import ModelRunner  # noqa: E402
+from jtp.step_input import StepPlan  # noqa: E402
 from jtp.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.hf

@@ -50,7 +50,8 @@ def tokens(seed: int, n: int) -> list[int]:
 def make_runner(path, tp=1, max_seqs=4):
     from jtp.runner import ModelRunner
 
-    return ModelRunner(path, tensor_parallel_size=tp, num_blocks=128, block_size=16, max_seqs=max_seqs)
+    return ModelRunner(path, tensor_parallel_size=tp, num_blocks=128, block_size=16, max_seqs=max_seqs,
+                       num_state_slots=2 * max_seqs)
 
 
 def state_of(runner, slot: int) -> dict[str, np.ndarray]:
@@ -210,7 +211,7 @@ def test_row_length_follows_query_bound():
     from jtp.attention import AttentionMetadata
     from jtp.models.qwen3_5 import deltanet_row_length
 
-    meta = AttentionMetadata(*(np.zeros(1, np.int32) for _ in range(8)))
+    meta = AttentionMetadata(*(np.zeros(1, np.int32) for _ in range(9)))
     assert deltanet_row_length(meta, 48) == (48, 48)  # no bound: L = T
     assert deltanet_row_length(meta, 150) == (192, 64)
     for bound, T, want in [(1, 16, (1, 1)), (2, 16, (2, 2)), (16, 48, (16, 16)), (100, 128, (128, 64)), (64, 48, (48, 48))]:
@@ -225,8 +226,10 @@ def drive_scheduler(runner, prompts, arrivals, max_tokens, general: bool):
     from jtp.page_pool import PagePool
     from jtp.sampling import SamplingParams
     from jtp.scheduler import Request, Scheduler
+    from jtp.state_pool import StatePool
 
-    sched = Scheduler(PagePool(runner.num_blocks, runner.block_size), 4, 16, max_model_len=64)
+    sched = Scheduler(PagePool(runner.num_blocks, runner.block_size), 4, 16, max_model_len=64,
+                      states=StatePool(runner.num_state_slots))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     reqs = [Request(str(i), p, params, 0, frozenset()) for i, p in enumerate(prompts)]
     steps = []
@@ -241,10 +244,11 @@ def drive_scheduler(runner, prompts, arrivals, max_tokens, general: bool):
             plan.max_row_len = None
         out = run_step(runner, plan).take(slice(0, len(rows)))
         sampled = []
+        sched.dispatched(rows)  # what the engine does once the step is on the device
         for b, row in enumerate(rows):
-            row.request.num_computed += row.num_tokens
             if row.samples:
                 sampled.append((int(row.request.id), row.request.num_computed - 1, out.take([b])))
+                row.request.pending -= 1
                 row.request.output_ids.append(int(out.tokens[b]))
         steps.append((bound, [row.num_tokens for row in rows], out, sampled))
         for r in list(sched.running):

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jtp.demo import ensure_demo_checkpoint
-from jtp.runner import ModelRunner, StepPlan
+from jtp.runner import ModelRunner
+from jtp.step_input import StepInput, StepPlan
 from jtp.sampling import pack_sampling
 
 
@@ -43,7 +44,7 @@ def test_close_frees_weights_cache_and_sampled_tokens(tp):
     baseline = live_bytes()
     runner = ModelRunner(path, tp, num_blocks=16, block_size=16, max_seqs=4)
     # After a step the cache and the sampled tokens are the step's outputs (the inputs were donated).
-    result = jax.device_get(runner.dispatch(prefill_plan(list(range(1, 20)), 16), pack_sampling([], 1, [], [])))
+    result = jax.device_get(runner.dispatch(StepInput(prefill_plan(list(range(1, 20)), 16), pack_sampling([], 1, [], []))))
     assert result.tokens.shape == (1,)
     weights = sum(a.nbytes for a in jax.tree.leaves(runner.params))
     cache = sum(a.nbytes for a in jax.tree.leaves(runner.cache))

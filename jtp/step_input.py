@@ -1,0 +1,129 @@
+"""The one object a step needs, as plain numpy: `StepInput`.
+
+What the scheduler decided (`StepPlan`: token ids, positions, KV slots, block tables, rows,
+state slots), the rows' sampling parameters (`SamplingBatch`) and, for penalties, their token
+histories. The engine builds one per step and hands it to `ModelRunner.dispatch`; in a
+multi-process deployment it is what the leader sends every follower, so it serialises to framed
+bytes (`encode` / `decode`: a length-prefixed JSON header naming each array's dtype and shape,
+then the raw arrays; no pickle, nothing executable). Imports numpy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from typing import NamedTuple
+
+import numpy as np
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (x / 1e-6 would overflow)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One step of work, as numpy arrays padded to bucket sizes (T tokens, B rows, M blocks per row)."""
+
+    token_ids: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T]
+    slot_mapping: np.ndarray  # i32[T], -1 for padding tokens
+    token_rows: np.ndarray  # i32[T]
+    block_tables: np.ndarray  # i32[B, M]
+    context_lens: np.ndarray  # i32[B]
+    row_starts: np.ndarray  # i32[B]
+    row_lens: np.ndarray  # i32[B]
+    seq_slots: np.ndarray  # i32[B] each running request's index in the sampled-token buffer (-1 = padding row)
+    state_reads: np.ndarray  # i32[B] recurrent-state slot each row restores from (-1 = zero state)
+    state_writes: np.ndarray  # i32[B] recurrent-state slot each row writes (-1 = none)
+    logits_indices: np.ndarray  # i32[B] index (into T) of the token whose logits each row samples from
+    max_row_len: int | None = None  # static bound on tokens per row (a bucket); None = T
+
+
+class SamplingFlags(NamedTuple):
+    """Compile-time (static, hashable) facts about a batch."""
+    needs_top_k_p_min_p: bool
+    needs_penalties: bool
+    num_logprobs: int
+
+
+class SamplingBatch(NamedTuple):
+    """Per-row sampling parameters as numpy arrays [B] (a pytree of arrays)."""
+    temperature: np.ndarray  # f32
+    top_p: np.ndarray  # f32
+    top_k: np.ndarray  # i32, <= 0 disabled
+    min_p: np.ndarray  # f32
+    repetition_penalty: np.ndarray  # f32
+    presence_penalty: np.ndarray  # f32
+    frequency_penalty: np.ndarray  # f32
+    seed: np.ndarray  # u32, the request seed mod 2**32
+    step: np.ndarray  # i32, tokens generated so far by the request
+    logprobs: np.ndarray  # i32, -1 => none
+
+    def static_flags(self) -> SamplingFlags:
+        greedy = np.asarray(self.temperature) < GREEDY_EPS
+        sampled = ~greedy
+        truncates = ((np.asarray(self.top_k) > 0) | (np.asarray(self.top_p) < 1.0)
+                     | (np.asarray(self.min_p) > 0.0))
+        penalised = ((np.asarray(self.repetition_penalty) != 1.0)
+                     | (np.asarray(self.presence_penalty) != 0.0)
+                     | (np.asarray(self.frequency_penalty) != 0.0))
+        return SamplingFlags(
+            needs_top_k_p_min_p=bool(np.any(sampled & truncates)),
+            needs_penalties=bool(np.any(penalised)),
+            num_logprobs=int(max(0, np.max(self.logprobs, initial=0))),
+        )
+
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    plan: StepPlan
+    sampling: SamplingBatch
+    penalty_tokens: tuple[np.ndarray, np.ndarray] | None = None  # (ids [B, N], is_output [B, N])
+
+    MAGIC = b"JTPS"
+    VERSION = 1
+
+    def encode(self) -> bytes:
+        """Framed bytes: magic, version, header length, JSON header, then the arrays back to back."""
+        arrays: list[tuple[str, np.ndarray]] = [
+            (f"plan.{f.name}", getattr(self.plan, f.name))
+            for f in dataclasses.fields(StepPlan) if f.name != "max_row_len"
+        ]
+        arrays += [(f"sampling.{name}", value) for name, value in zip(SamplingBatch._fields, self.sampling)]
+        if self.penalty_tokens is not None:
+            arrays += [("penalty.ids", self.penalty_tokens[0]), ("penalty.is_output", self.penalty_tokens[1])]
+        arrays = [(name, np.ascontiguousarray(a)) for name, a in arrays]
+        header = json.dumps({
+            "max_row_len": self.plan.max_row_len,
+            "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays],
+        }).encode()
+        return b"".join([self.MAGIC, struct.pack("<HI", self.VERSION, len(header)), header]
+                        + [a.tobytes() for _, a in arrays])
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> "StepInput":
+        data = memoryview(data)
+        if bytes(data[:4]) != cls.MAGIC:
+            raise ValueError("not a jtp step input (bad magic)")
+        version, length = struct.unpack_from("<HI", data, 4)
+        if version != cls.VERSION:
+            raise ValueError(f"step input version {version}, this jtp reads {cls.VERSION}")
+        header = json.loads(bytes(data[10 : 10 + length]))
+        offset, fields = 10 + length, {}
+        for name, dtype, shape in header["arrays"]:
+            dt = np.dtype(dtype)
+            if dt.hasobject:
+                raise ValueError(f"array {name}: object dtypes are not allowed")
+            size = dt.itemsize * int(np.prod(shape, dtype=np.int64))
+            if offset + size > len(data):
+                raise ValueError(f"array {name} runs past the end of the message")
+            fields[name] = np.frombuffer(data[offset : offset + size], dt).reshape(shape).copy()
+            offset += size
+        if offset != len(data):
+            raise ValueError(f"{len(data) - offset} bytes left over after the arrays")
+        plan = StepPlan(**{k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("plan.")},
+                        max_row_len=header["max_row_len"])
+        sampling = SamplingBatch(*(fields[f"sampling.{n}"] for n in SamplingBatch._fields))
+        penalty = (fields["penalty.ids"], fields["penalty.is_output"]) if "penalty.ids" in fields else None
+        return cls(plan, sampling, penalty)

@@ -1,0 +1,73 @@
+"""StepInput: the one numpy-only object a step needs, and its framed binary encoding."""
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jtp.sampling import SamplingParams, pack_penalty_tokens, pack_sampling
+from jtp.step_input import StepInput
+
+
+def engine_step_input(engine, prompts, params):
+    """The StepInput the engine's real scheduler builds for the first step of these prompts."""
+    for p in prompts:
+        engine.submit(p, params)
+    engine._drain_inbox()
+    rows = engine.scheduler.schedule()
+    plan = engine.scheduler.build_plan(rows)
+    B = len(plan.context_lens)
+    sampling = pack_sampling([params] * len(rows), B, [r.request.seed for r in rows], [0] * len(rows))
+    penalty = pack_penalty_tokens([r.request.prompt_ids for r in rows], [[] for _ in rows], B)
+    return StepInput(plan, sampling, penalty), rows
+
+
+def assert_same(a: StepInput, b: StepInput):
+    for x, y in zip(jax.tree.leaves((a.plan.__dict__, a.sampling, a.penalty_tokens)),
+                    jax.tree.leaves((b.plan.__dict__, b.sampling, b.penalty_tokens))):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(x, y)
+    assert a.plan.max_row_len == b.plan.max_row_len
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from jtp.demo import ensure_demo_checkpoint
+    from jtp.engine import Engine
+
+    return Engine(ensure_demo_checkpoint(), dtype="float32", num_blocks=64, block_size=4, max_num_seqs=4,
+                  max_num_batched_tokens=32, max_model_len=64, tokenizer=False)
+
+
+def test_round_trip_and_the_decoded_input_runs_the_same_step(engine):
+    params = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, repetition_penalty=1.2, seed=3)
+    step, _ = engine_step_input(engine, [[1, 2, 3, 4, 5], [9, 8, 7]], params)
+    data = step.encode()
+    assert isinstance(data, bytes) and data[:4] == b"JTPS"
+    decoded = StepInput.decode(data)
+    assert_same(step, decoded)
+    # The runner consumes the decoded copy exactly like the original: same sampled tokens.
+    cache_before = jax.tree.map(np.asarray, engine.runner.cache)
+    first = jax.device_get(engine.runner.dispatch(step))
+    engine.runner.cache = jax.tree.map(jax.numpy.asarray, cache_before)
+    second = jax.device_get(engine.runner.dispatch(decoded))
+    np.testing.assert_array_equal(first.tokens, second.tokens)
+
+
+def test_without_penalties_and_bad_messages(engine):
+    step, _ = engine_step_input(engine, [[4, 4, 4]], SamplingParams(max_tokens=2))
+    step = StepInput(step.plan, step.sampling)
+    assert StepInput.decode(step.encode()).penalty_tokens is None
+    data = step.encode()
+    with pytest.raises(ValueError, match="magic"):
+        StepInput.decode(b"XXXX" + data[4:])
+    with pytest.raises(ValueError, match="past the end"):
+        StepInput.decode(data[:-4])
+    with pytest.raises(ValueError, match="left over"):
+        StepInput.decode(data + b"\0")
+
+
+def test_imports_numpy_only():
+    code = "import sys, jtp.step_input; sys.exit('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "jtp.step_input imported jax"
