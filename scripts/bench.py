@@ -267,13 +267,14 @@ class StepTimer:
         runner.dispatch = self.dispatch
         jax.device_get = self.device_get
 
-    def dispatch(self, plan, *args, **kwargs):
+    def dispatch(self, step):
+        plan = step.plan
         self.last_shape = (len(plan.token_ids), *plan.block_tables.shape)
         key = "x".join(map(str, self.last_shape))
         self.shapes[key] = self.shapes.get(key, 0) + 1
         before = self.runner.compilations
         t = time.perf_counter()
-        out = self.inner_dispatch(plan, *args, **kwargs)
+        out = self.inner_dispatch(step)
         if self.runner.compilations != before:
             self.compile_s += time.perf_counter() - t
             self.compile_calls += 1

@@ -439,13 +439,14 @@ def test_compilation_count_is_bounded(qwen3):
     variants, signatures = set(), set()
     inner = runner.dispatch
 
-    def dispatch(plan, sampling, penalty=None):
-        flags = sampling.static_flags()
+    def dispatch(step):
+        plan, penalty = step.plan, step.penalty_tokens
+        flags = step.sampling.static_flags()
         flags = flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
         variants.add(flags)
         pen_len = None if penalty is None else penalty[0].shape[1]
         signatures.add((plan.token_ids.shape, plan.block_tables.shape, plan.max_row_len, flags, pen_len))
-        return inner(plan, sampling, penalty)
+        return inner(step)
 
     runner.dispatch = dispatch
     work = _compile_workload()
