@@ -71,7 +71,7 @@ def make_plan(rng, rows, num_blocks, max_blocks=None, first_block=0):
         cur += n
     meta = AttentionMetadata(
         jnp.asarray(positions), jnp.full(T, -1, jnp.int32), jnp.asarray(token_rows), jnp.asarray(tables),
-        jnp.asarray(ctx), jnp.asarray(starts), jnp.asarray(lens), jnp.full(B, -1, jnp.int32),
+        jnp.asarray(ctx), jnp.asarray(starts), jnp.asarray(lens), jnp.full(B, -1, jnp.int32), jnp.full(B, -1, jnp.int32),
         jnp.arange(bucket(max(n for n, _ in rows), 1), dtype=jnp.int32),  # query_bound, as the runner
     )
     kv_bytes = int(sum(c for _, c in rows)) * HKV * D * 2 * 2

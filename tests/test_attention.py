@@ -59,7 +59,7 @@ def make_batch(rng, rows, T, B, hkv, group, D, dtype, block_size=16, num_blocks=
     v_new = jnp.asarray(rng.standard_normal((T, hkv, D)), dtype)
     meta = AttentionMetadata(
         jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(token_rows), jnp.asarray(tables),
-        jnp.asarray(ctx), jnp.asarray(starts), jnp.asarray(lens), jnp.full(B, -1, jnp.int32),
+        jnp.asarray(ctx), jnp.asarray(starts), jnp.asarray(lens), jnp.full(B, -1, jnp.int32), jnp.full(B, -1, jnp.int32),
         None if bound is None else jnp.arange(bound, dtype=jnp.int32),
     )
     assert bound is None or all(n <= bound for n, _ in rows)
@@ -228,7 +228,7 @@ def test_decode_path_op_count(monkeypatch, splits):
     S = jax.ShapeDtypeStruct
     T, B, hq, hkv, D, M = 16, 8, 32, 8, 128, 64  # Qwen3-8B, decode B <= 8
     i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
-    meta = AttentionMetadata(i32(T), i32(T), i32(T), i32(B, M), i32(B), i32(B), i32(B), i32(B), i32(1))
+    meta = AttentionMetadata(i32(T), i32(T), i32(T), i32(B, M), i32(B), i32(B), i32(B), i32(B), i32(B), i32(1))
     cache = LayerKV(S((256, 16, hkv, D), jnp.bfloat16), S((256, 16, hkv, D), jnp.bfloat16))
     jaxpr = jax.make_jaxpr(lambda q, c, m: KERNEL(q, c, m, D**-0.5))(S((T, hq, D), jnp.bfloat16), cache, meta)
     ops, kernels = _ops_around_kernel(jaxpr.jaxpr)
