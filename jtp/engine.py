@@ -635,12 +635,7 @@ class Engine:
         `partial_ok` is False and less than every cacheable token is cached."""
         sched, bs = self.scheduler, self.pool.block_size
         keys = block_keys(sched.cache_root, seq, bs)
-        blocks = self.pool.lookup(keys)
-        slot = -1
-        if self.states is not None:
-            while blocks and self.states.lookup(keys[len(blocks) - 1]) is None:
-                blocks.pop()
-            slot = self.states.lookup(keys[len(blocks) - 1]) if blocks else -1
+        blocks, slot = sched.restorable(self.pool.lookup(keys), keys)
         # Hybrid: the last state checkpoint of a prompt sits a block before its end.
         full = len(keys) if self.states is None else (len(seq) - 1) // bs
         if not partial_ok and len(blocks) < full:

@@ -286,10 +286,7 @@ class Scheduler:
             limit = (len(r.prompt_ids) - 1) // self.pool.block_size  # leave a token to compute
             prefix = self.pool.lookup(keys[:limit])
             r.kv_hit_end = len(prefix) * self.pool.block_size
-            if self.states is not None:  # the hit ends where a state checkpoint exists
-                while prefix and self.states.lookup(keys[len(prefix) - 1]) is None:
-                    prefix.pop()
-                state_slot = self.states.lookup(keys[len(prefix) - 1]) if prefix else -1
+            prefix, state_slot = self.restorable(prefix, keys)
         if self.states is not None:
             if state_slot >= 0:
                 self.states.acquire(state_slot)
@@ -311,6 +308,17 @@ class Scheduler:
             self.prefix_queries += len(r.prompt_ids)
             self.prefix_hits += r.cached_tokens
         return True
+
+    def restorable(self, blocks: list[int], keys: list[bytes]) -> tuple[list[int], int]:
+        """The leading cached `blocks` (of the blocks keyed `keys`) a sequence can start from, and
+        the state slot it restores (-1: none). Hybrid models: the prefix must end at a state
+        checkpoint, so it is cut back to the last one."""
+        if self.states is None:
+            return blocks, -1
+        blocks = list(blocks)
+        while blocks and self.states.lookup(keys[len(blocks) - 1]) is None:
+            blocks.pop()
+        return blocks, self.states.lookup(keys[len(blocks) - 1]) if blocks else -1
 
     def _chunk(self, r: Request, budget: int) -> int:
         """Tokens of the request's next row: what is left, within the budget, ending at the next
