@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from jtp.block_hash import block_keys, root_key
-from jtp.errors import ContextLengthError, EngineClosedError, QueueFullError, RequestError
+from jtp.errors import ContextLengthError, EngineClosedError, QueueFullError, RequestError, WorkerGroupError
 from jtp.page_pool import PagePool
 from jtp.runner import ModelRunner
 from jtp.sampling import SamplingParams, pack_penalty_tokens, pack_sampling, request_seed
@@ -66,6 +66,7 @@ class TokenEvent:
     finish_reason: str | None = None
     error: str | None = None  # set when finish_reason == "error"
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (finished event)
+    retryable: bool = False  # an "error" the same request may succeed on later (worker group restart)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +117,7 @@ class _Output:
         self.top_logprobs: list[dict[int, float]] = []
         self.done = threading.Event()
         self.error: str | None = None
+        self.retryable = False
         self.stopped_by_string = False
         self.orphaned = False  # its consumer went away before the end
         stops = request.params.stop
@@ -192,11 +194,21 @@ class Engine:
         num_state_slots: int | None = None,
         max_snapshots: int = 64,
         snapshot_budget_bytes: int | None = None,
+        group=None,
+        devices=None,
     ):
-        self.runner = ModelRunner(
-            model_dir, tensor_parallel_size, dtype, block_size=block_size, max_seqs=max_num_seqs,
-            num_state_slots=num_state_slots or 2 * max_num_seqs + 8,
-        )
+        # A multi-process group (jtp/group.py): the runner sends each collective call to the followers.
+        runner_args = dict(block_size=block_size, max_seqs=max_num_seqs, devices=devices,
+                           num_state_slots=num_state_slots or 2 * max_num_seqs + 8)
+        if group is None:
+            self.runner = ModelRunner(model_dir, tensor_parallel_size, dtype, **runner_args)
+        else:
+            from jtp.group import GroupRunner
+
+            self.runner = GroupRunner(group, model_dir, tensor_parallel_size, dtype, **runner_args)
+        self.group = group
+        self.failure: str | None = None  # why the worker group failed (then this engine runs no more steps)
+        self.failed = threading.Event()
         self.model_dir = Path(model_dir)
         cfg = self.cfg = self.runner.cfg
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -243,9 +255,26 @@ class Engine:
         self._inflight: tuple[list[ScheduledRow], object] | None = None  # dispatched, not yet processed
         self._loop: threading.Thread | None = None
         self._stopping = False
+        self._draining = False
+        if group is not None:
+            group.on_failure(self._on_group_failure)
 
     @classmethod
     def from_args(cls, args: "EngineArgs") -> "Engine":
+        group = devices = None
+        if args.is_multiprocess:
+            from jtp.group import start_leader
+
+            group, devices = start_leader(args)
+        try:
+            return cls._from_args(args, group, devices)
+        except BaseException:
+            if group is not None:
+                group.close(kill=True)
+            raise
+
+    @classmethod
+    def _from_args(cls, args: "EngineArgs", group, devices) -> "Engine":
         return cls(
             args.model_dir(),
             args.tensor_parallel_size,
@@ -261,6 +290,8 @@ class Engine:
             enable_prefix_caching=args.enable_prefix_caching,
             num_state_slots=args.num_state_slots,
             max_snapshots=args.max_snapshots,
+            group=group,
+            devices=devices,
         )
 
     # ------------------------------------------------------------------ sizing
@@ -316,8 +347,12 @@ class Engine:
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
         with self._intake:
+            if self.failure is not None:
+                raise WorkerGroupError(self.failure)
             if self._closed:
                 raise EngineClosedError("the engine is closed and accepts no new requests")
+            if self._draining:
+                raise EngineClosedError("the engine is shutting down (draining) and accepts no new requests")
             waiting = self._num_waiting()
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting_requests}); retry later")
@@ -491,11 +526,16 @@ class Engine:
             out.put(event)
         return event
 
-    def _finish(self, out: _Output, reason: str, event: TokenEvent | None = None) -> None:
+    def _finish(self, out: _Output, reason: str, event: TokenEvent | None = None, touch_scheduler: bool = True) -> None:
+        if out.done.is_set():  # already ended (a worker-group failure ends requests from another thread)
+            return
         req = out.request
-        self.scheduler.remove(req)
+        if touch_scheduler:
+            self.scheduler.remove(req)
+        else:
+            req.status = Status.FINISHED
         req.finish_reason = reason
-        event = event or TokenEvent(req.id, [], "", error=out.error)
+        event = event or TokenEvent(req.id, [], "", error=out.error, retryable=out.retryable)
         event.cached_tokens = req.cached_tokens
         event.text += out.take_text(True)
         event.finished, event.finish_reason = True, reason
@@ -766,8 +806,11 @@ class Engine:
             self._stopping = True
             self._intake.notify_all()
         if self._loop is not None and self._loop is not threading.current_thread():
-            self._loop.join()
+            # After a worker-group failure the loop may be stuck in a collective that never ends.
+            self._loop.join(None if self.failure is None else 5.0)
         self._loop = None
+        if self.failure is not None:  # its requests were ended by _on_group_failure
+            return
         with self._lock:
             try:
                 self._settle()
@@ -784,13 +827,51 @@ class Engine:
             self._closed = True
         self.stop()
         self.ready.clear()
-        self.runner.close()
+        if self.failure is None:
+            self.runner.close()
+        else:  # the device may be stuck in a collective: free nothing there, just end the group
+            self.group.close(kill=True)
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def drain(self, timeout: float) -> bool:
+        """Stop admitting requests and wait up to `timeout` seconds for the unfinished ones to
+        finish (SIGTERM); True if all did. `stop()` then aborts whatever is left."""
+        with self._intake:
+            self._draining = True
+        deadline = time.monotonic() + timeout
+        while self.has_unfinished() and self.failure is None and time.monotonic() < deadline:
+            if self._loop is None:
+                self.step()
+            else:
+                time.sleep(0.05)
+        return not self.has_unfinished()
+
+    def _on_group_failure(self, reason: str) -> None:
+        """A follower died, hung or diverged (called from the group's monitor): end every unfinished
+        request with a retryable error and run no more steps. The step thread may be stuck in a
+        collective, so the step lock is only waited for briefly."""
+        message = f"the worker group failed ({reason}); the server restarts it: retry the request"
+        with self._intake:
+            self.failure = message
+            self._stopping = True
+            self._intake.notify_all()
+        locked = self._lock.acquire(timeout=2.0)
+        try:
+            with self._intake:
+                outs = [out for out in self._outputs.values() if not out.done.is_set()]
+            for out in outs:
+                out.error, out.retryable = message, True
+                self._finish(out, "error", touch_scheduler=locked)
+        finally:
+            if locked:
+                self._lock.release()
+        self.ready.clear()
+        self.failed.set()
 
     def _run_loop(self) -> None:
         while True:
@@ -802,6 +883,11 @@ class Engine:
             try:
                 self.step()
             except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
+                if self.group is not None:  # in a group a failed step means a broken group
+                    if not self.group.failed.wait(1.0):  # let the monitor name the cause if it can
+                        self.group.fail(f"a step failed: {type(e).__name__}: {e}")
+                if self.failure is not None:  # its requests are ended already
+                    return
                 log.exception("engine step failed; failing the running requests")
                 with self._lock:
                     self._inflight = None

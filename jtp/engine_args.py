@@ -41,6 +41,22 @@ class EngineArgs:
     enable_prefix_caching: bool = True  # reuse the KV (and recurrent state) of earlier prompts' prefixes
     num_state_slots: int | None = None  # hybrid models: recurrent-state slots (None = 2 x max_num_seqs + 8)
     max_snapshots: int = 64  # explicit snapshots kept (LRU beyond it)
+    # Multi-process groups (jtp/launcher.py): one JAX process per host or device group.
+    num_processes: int = 1
+    process_id: int | None = None  # None: spawn the followers on this host (or ask the cluster)
+    coordinator_address: str | None = None  # HOST:PORT of the leader's JAX coordinator (across machines)
+    secret_file: str | None = None  # the launch secret across machines (else $JTP_LAUNCH_SECRET)
+    heartbeat_timeout: float = 10.0  # seconds without a follower heartbeat before the group is failed
+    step_timeout: float = 300.0  # seconds one dispatched step may take (compilation included)
+    digest_interval: int = 64  # compare a digest of the sampled tokens every N steps (0: never)
+
+    @property
+    def is_multiprocess(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_follower(self) -> bool:
+        return self.is_multiprocess and self.process_id not in (None, 0)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting that cannot work."""
@@ -68,6 +84,19 @@ class EngineArgs:
             f"must exceed --max-num-seqs ({self.max_num_seqs}): every running request needs a slot, and checkpoints more",
         )
         need(self.max_snapshots >= 0, "max_snapshots", "must be at least 0")
+        need(self.num_processes >= 1, "num_processes", "must be at least 1")
+        need(
+            self.tensor_parallel_size % self.num_processes == 0,
+            "num_processes",
+            f"must divide --tensor-parallel-size ({self.tensor_parallel_size}): each process holds as many devices",
+        )
+        need(self.process_id is None or 0 <= self.process_id < self.num_processes, "process_id",
+             f"must be in [0, --num-processes {self.num_processes})")
+        need(self.process_id is None or self.coordinator_address is not None or self.num_processes == 1,
+             "process_id", "needs --coordinator-address HOST:PORT (the leader's) on every host")
+        need(self.heartbeat_timeout > 0, "heartbeat_timeout", "must be positive")
+        need(self.step_timeout > 0, "step_timeout", "must be positive")
+        need(self.digest_interval >= 0, "digest_interval", "must be at least 0")
         if self.model is not None and not Path(self.model).is_dir():
             raise ConfigError(f"--model {self.model}: no such directory")
 
@@ -134,6 +163,22 @@ class EngineArgs:
                             "(default: 2 x max-num-seqs + 8)")
         p.add_argument("--max-snapshots", type=int, default=d.max_snapshots,
                        help="explicit KV snapshots kept (least recently used evicted beyond it)")
+        g = p.add_argument_group("multi-process (one JAX process per host or device group; see the README)")
+        g.add_argument("--num-processes", type=int, default=d.num_processes,
+                       help="processes in the group; alone, the leader spawns the others on this host")
+        g.add_argument("--process-id", type=int, default=None,
+                       help="this process's rank across machines (0 = the leader; others follow it)")
+        g.add_argument("--coordinator-address", default=None,
+                       help="HOST:PORT of the leader's JAX coordinator across machines (the control channel "
+                            "listens on PORT+1)")
+        g.add_argument("--secret-file", default=None,
+                       help="file holding the launch secret shared by every host (default: $JTP_LAUNCH_SECRET, hex)")
+        g.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout,
+                       help="seconds without a follower heartbeat before the group is restarted")
+        g.add_argument("--step-timeout", type=float, default=d.step_timeout,
+                       help="seconds one step may take (first-use compilation included) before the group is restarted")
+        g.add_argument("--digest-interval", type=int, default=d.digest_interval,
+                       help="compare a digest of every process's sampled tokens every N steps (0: never)")
         if serving:
             p.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                            help="queued requests beyond which new ones are refused (HTTP 429)")

@@ -46,3 +46,11 @@ class EngineClosedError(RequestError):
 
     status = 503
     code = "engine_closed"
+
+
+class WorkerGroupError(RequestError):
+    """A follower process of a multi-process group died, hung or diverged; the group is being
+    restarted and the same request may be retried (HTTP 503 with Retry-After)."""
+
+    status = 503
+    code = "worker_group_failed"

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from jtp.errors import QueueFullError, RequestError
+from jtp.errors import RequestError
 
-RETRY_AFTER_SECONDS = 1  # what a 429 asks the client to wait
+RETRY_AFTER_SECONDS = 1  # what a 429 / 503 asks the client to wait
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -32,7 +32,7 @@ class APIError(Exception):
 
     @classmethod
     def from_request_error(cls, e: RequestError) -> "APIError":
-        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if isinstance(e, QueueFullError) else None
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if e.status in (429, 503) else None
         return cls(str(e), e.status, e.code, headers=headers)
 
     def body(self) -> dict:

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from jtp.errors import ContextLengthError
 from jtp.server.choices import ChatChoice, CompletionChoice
-from jtp.server.errors import APIError
+from jtp.server.errors import RETRY_AFTER_SECONDS, APIError
 from jtp.server.generation import ChoiceRequest, Generation
 from jtp.server.logprobs import TokenNames
 from jtp.server.metrics import ServerMetrics
@@ -153,5 +153,8 @@ class OpenAIServing:
 
 def _raise_if_failed(event) -> None:
     if event.finished and event.finish_reason == "error":
+        if event.retryable:  # the worker group failed and is being restarted: the same request may succeed
+            raise APIError(f"generation failed: {event.error}", 503, code="worker_group_failed",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         raise APIError(f"generation failed: {event.error}", 500)
 

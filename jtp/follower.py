@@ -1,0 +1,151 @@
+"""A follower process: joins the leader's group, then runs exactly the operations the leader
+sends, in order, on its own devices. It schedules nothing and samples nothing of its own: each
+step arrives as a `StepInput` and goes through the same `ModelRunner.dispatch` as the leader's.
+
+    python -m jtp.follower                 spawned by a local leader (reads $JTP_LAUNCH)
+    jtp serve ... --process-id 1 ...       one host of a launch across machines
+
+A reader thread takes the leader's messages; when the channel closes (the leader exited or was
+killed) the follower exits at once, even with its main thread stuck in a collective. A heartbeat
+thread tells the leader it is alive; every `digest_interval` steps it reports a digest of the
+sampled tokens so the leader can detect divergence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+
+from jtp.control import Channel, ChannelError, Kind, connect_handshake
+from jtp.engine_args import EngineArgs
+from jtp.errors import ConfigError
+from jtp.launcher import (
+    LAUNCH_ENV, SECRET_ENV, LaunchSpec, describe_mesh, exit_with_parent, fingerprint, init_distributed,
+    mesh_devices, sanity_check, split_address,
+)
+
+log = logging.getLogger("jtp.follower")
+
+EXIT_LEADER_GONE = 75  # EX_TEMPFAIL: the group ended under us; a supervisor may start us again
+
+
+def connect(spec: LaunchSpec, timeout: float) -> Channel:
+    """Connect to the leader's control channel, retrying until it listens (or `timeout`)."""
+    host, port = split_address(spec.control_address)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=5)
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"no leader at {spec.control_address} within {timeout:.0f} s: {e}") from None
+            time.sleep(0.2)
+    return connect_handshake(sock, spec.secret)
+
+
+def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0) -> int:
+    channel = connect(spec, init_timeout)
+    channel.send(Kind.HELLO, json.dumps({"process_id": spec.process_id, "pid": os.getpid(),
+                                         "fingerprint": fingerprint(args)}).encode())
+    kind, payload = channel.recv()
+    welcome = json.loads(payload) if kind is Kind.WELCOME else {"refused": f"unexpected {kind.name}"}
+    if "refused" in welcome:
+        raise ConfigError(f"the leader refused process {spec.process_id}: {welcome['refused']}")
+
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_read, args=(channel, inbox), name="jtp-control-reader", daemon=True).start()
+    threading.Thread(target=_heartbeat, args=(channel, args.heartbeat_timeout / 4), name="jtp-heartbeat",
+                     daemon=True).start()
+
+    per_process = args.tensor_parallel_size // spec.num_processes
+    init_distributed(spec, per_process, args.heartbeat_timeout)
+    devices = mesh_devices(spec.num_processes, per_process)
+    sanity_check(devices)
+
+    from jtp.group import tokens_digest
+    from jtp.runner import ModelRunner
+    from jtp.step_input import StepInput
+
+    runner = ModelRunner(
+        args.model_dir(), args.tensor_parallel_size, None if args.dtype == "auto" else args.dtype,
+        block_size=args.block_size, max_seqs=args.max_num_seqs, devices=devices,
+        num_state_slots=args.num_state_slots or 2 * args.max_num_seqs + 8,
+    )
+    channel.send(Kind.READY, json.dumps(describe_mesh(devices)).encode())
+    log.info("follower %d ready: %d devices", spec.process_id, len(devices))
+    step = 0
+    try:
+        while True:
+            kind, payload = inbox.get()
+            if kind is Kind.STEP:
+                result = runner.dispatch(StepInput.decode(payload))
+                if args.digest_interval and step % args.digest_interval == 0:
+                    threading.Thread(target=_send_digest, args=(channel, step, result, tokens_digest),
+                                     daemon=True).start()
+                step += 1
+            elif kind is Kind.ALLOCATE:
+                runner.allocate_cache(json.loads(payload)["num_blocks"])
+            elif kind is Kind.SHUTDOWN:
+                log.info("follower %d: shutdown", spec.process_id)
+                return 0
+            else:
+                raise RuntimeError(f"unexpected control message {kind.name}")
+    except Exception as e:
+        try:
+            channel.send(Kind.FAILED, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        except ChannelError:
+            pass
+        raise
+
+
+def _read(channel: Channel, inbox: queue.Queue) -> None:
+    """Hand messages to the main thread; exit the process the moment the leader is gone."""
+    while True:
+        try:
+            inbox.put(channel.recv())
+        except ChannelError as e:
+            print(f"jtp follower: the leader is gone ({e}); exiting", file=sys.stderr, flush=True)
+            os._exit(EXIT_LEADER_GONE)
+
+
+def _heartbeat(channel: Channel, interval: float) -> None:
+    while True:
+        time.sleep(interval)
+        try:
+            channel.send(Kind.HEARTBEAT)
+        except ChannelError:
+            return
+
+
+def _send_digest(channel: Channel, step: int, result, digest) -> None:
+    import jax
+
+    try:
+        tokens = jax.device_get(result.tokens)
+        channel.send(Kind.DIGEST, json.dumps({"step": step, "digest": digest(tokens)}).encode())
+    except Exception:  # noqa: BLE001 - a failed step is reported by the main loop
+        pass
+
+
+def main() -> int:
+    """Entry point of a follower spawned by a local leader."""
+    from jtp.cli_support import run_command
+
+    launch = json.loads(os.environ.pop(LAUNCH_ENV))
+    exit_with_parent(launch["parent_pid"])
+    logging.basicConfig(level=os.environ.get("JTP_LOG_LEVEL", "WARNING"),
+                        format=f"%(levelname)s follower {launch['spec']['process_id']} %(name)s: %(message)s")
+    spec = LaunchSpec(**launch["spec"], secret=bytes.fromhex(os.environ.pop(SECRET_ENV)))
+    args = EngineArgs(**launch["engine_args"])
+    return run_command(lambda _: run_follower(args, spec), None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
