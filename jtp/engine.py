@@ -855,7 +855,7 @@ class Engine:
         """A follower died, hung or diverged (called from the group's monitor): end every unfinished
         request with a retryable error and run no more steps. The step thread may be stuck in a
         collective, so the step lock is only waited for briefly."""
-        message = f"the worker group failed ({reason}); the server restarts it: retry the request"
+        message = f"the worker group failed ({reason}); retry the request"
         with self._intake:
             self.failure = message
             self._stopping = True
@@ -886,7 +886,7 @@ class Engine:
                 if self.group is not None:  # in a group a failed step means a broken group
                     if not self.group.failed.wait(1.0):  # let the monitor name the cause if it can
                         self.group.fail(f"a step failed: {type(e).__name__}: {e}")
-                if self.failure is not None:  # its requests are ended already
+                    self.failed.wait(10.0)  # _on_group_failure ends the requests (retryable)
                     return
                 log.exception("engine step failed; failing the running requests")
                 with self._lock:

@@ -190,8 +190,10 @@ class WorkerGroup:
                 kind, payload = f.channel.recv()
             except ChannelError as e:
                 if not self._closed:
-                    exited = f" ({describe_exit(f.proc)})" if f.proc is not None and f.proc.poll() is not None else ""
-                    self.fail(f"{f.name()} closed its control channel{exited}: {e}")
+                    if f.proc is not None and _exited(f.proc, 0.5):
+                        self.fail(f"{f.name()} {describe_exit(f.proc).split(' ', 2)[2]}")
+                    else:
+                        self.fail(f"{f.name()} closed its control channel: {e}")
                 return
             f.last_seen = time.monotonic()
             if kind is Kind.READY:
@@ -340,3 +342,11 @@ def start_leader(args) -> tuple[WorkerGroup, list]:
         raise
     log.info("worker group up: %d processes x %d devices", spec.num_processes, group.devices_per_process)
     return group, devices
+
+
+def _exited(proc: subprocess.Popen, wait: float) -> bool:
+    try:
+        proc.wait(wait)  # a killed child's channel closes a moment before its exit status exists
+        return True
+    except subprocess.TimeoutExpired:
+        return False
