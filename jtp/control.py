@@ -70,7 +70,8 @@ class Channel:
         self._sent = 0
         self._received = 0
         self._send_lock = threading.Lock()
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames go out at once
 
     def _tag(self, direction: bytes, seq: int, kind: int, payload: bytes) -> bytes:
         mac = hmac.new(self._key, direction + struct.pack(">QB", seq, kind), hashlib.sha256)

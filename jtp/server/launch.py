@@ -146,8 +146,11 @@ class _Server(uvicorn.Server):
         self.drain = False
 
     def handle_exit(self, sig, frame) -> None:
-        self.drain = self.drain or sig == signal.SIGTERM  # SIGTERM drains; Ctrl-C aborts at once
-        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:  # drain, then exit 0 once the followers are reaped (uvicorn would
+            self.drain = True  # re-raise SIGTERM after serving and skip that)
+            self.should_exit = True
+            return
+        super().handle_exit(sig, frame)  # Ctrl-C aborts at once
 
     async def shutdown(self, sockets=None) -> None:
         for server in self.servers:

@@ -1,0 +1,406 @@
+"""Multi-process groups with real OS processes on CPU (gloo): 2 processes x 2 forced devices run
+one tp=4 mesh, the leader deciding every step and the follower executing it.
+
+- the control channel: authentication, tampering, refusal messages (sockets, no jax);
+- lockstep parity: a staggered batch through the engine's real step gives the same greedy tokens
+  on 2 processes x 2 devices (tp=4) as on one process at tp=4 and at tp=1, Qwen3 and a hybrid;
+- failure: kill -9 and SIGSTOP of a follower mid-generation give the caller a 503 with Retry-After
+  within the heartbeat deadline, the group restarts and serves the next request; kill -9 of the
+  leader ends its followers; SIGTERM drains; the process table holds nothing left behind;
+- start-up refusals across "machines" (a manual launch on loopback): a follower with another
+  config or checkpoint, or the wrong secret, is refused with a message that says which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from jtp.control import AuthenticationError, ChannelError, Kind, accept_handshake, connect_handshake
+from jtp.launcher import fingerprint_mismatches
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+from staggered import ENGINE_ARGS, run_staggered  # noqa: E402
+
+SECRET = bytes(range(32))
+
+
+def cpu_env(devices: int, **extra) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JTP_COMPILATION_CACHE="")
+    env.pop("JTP_LAUNCH_SECRET", None)
+    env.update(extra)
+    return env
+
+
+# ----------------------------------------------------------------------------- control channel
+
+
+def handshake(server_secret: bytes, client_secret: bytes):
+    a, b = socket.socketpair()
+    out: dict = {}
+
+    def serve():
+        try:
+            out["server"] = accept_handshake(a, server_secret)
+        except Exception as e:  # noqa: BLE001 - inspected below
+            out["server"] = e
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        client = connect_handshake(b, client_secret)
+    except Exception as e:  # noqa: BLE001
+        client = e
+    t.join(10)
+    return out["server"], client
+
+
+def captured_frame(channel, kind: Kind, payload: bytes = b"") -> bytearray:
+    """The bytes `channel.send` would put on the wire (sent nowhere)."""
+
+    class Recorder:
+        frame = bytearray()
+
+        def sendall(self, data):
+            self.frame.extend(data)
+
+    real, channel.sock = channel.sock, Recorder()
+    try:
+        channel.send(kind, payload)
+        return channel.sock.frame
+    finally:
+        channel.sock = real
+
+
+def test_channel_carries_frames_both_ways_and_rejects_tampering():
+    server, client = handshake(SECRET, SECRET)
+    big = os.urandom(300_000)
+    client.send(Kind.HELLO, b'{"x": 1}')
+    sender = threading.Thread(target=server.send, args=(Kind.STEP, big))  # larger than the socket buffer
+    sender.start()
+    assert server.recv() == (Kind.HELLO, b'{"x": 1}')
+    assert client.recv() == (Kind.STEP, big)
+    sender.join(10)
+    # A frame whose payload is altered in flight fails its tag.
+    frame = captured_frame(server, Kind.STEP, b"abcdef")
+    frame[-1] ^= 1
+    server.sock.sendall(bytes(frame))
+    with pytest.raises(AuthenticationError, match="failed authentication"):
+        client.recv()
+    # A replayed frame (an old sequence number) fails too.
+    server2, client2 = handshake(SECRET, SECRET)
+    frame = captured_frame(server2, Kind.HEARTBEAT)
+    server2.sock.sendall(bytes(frame))
+    server2.sock.sendall(bytes(frame))
+    assert client2.recv() == (Kind.HEARTBEAT, b"")
+    with pytest.raises(AuthenticationError):
+        client2.recv()
+    server2.close()
+    with pytest.raises(ChannelError, match="closed"):
+        client2.recv()
+
+
+def test_wrong_secret_is_refused_and_both_sides_say_so():
+    server, client = handshake(SECRET, b"another secret of 32 bytes......")
+    assert isinstance(server, AuthenticationError) and "wrong launch secret" in str(server)
+    assert isinstance(client, AuthenticationError) and "wrong launch secret" in str(client)
+
+
+def test_fingerprint_mismatches_name_each_field():
+    leader = {"jtp version": "1", "dtype": "auto", "model config": {"hidden_size": 64, "num_layers": 2},
+              "weights": "a" * 32, "max_num_seqs": 8}
+    follower = {**leader, "dtype": "float32", "model config": {"hidden_size": 32, "num_layers": 2},
+                "weights": "b" * 32}
+    assert fingerprint_mismatches(leader, leader) == []
+    assert fingerprint_mismatches(leader, follower) == [
+        "dtype: leader 'auto', follower 'float32'",
+        "model config hidden_size: leader 64, follower 32",
+        "weights: leader aaaaaaaaaaaa, follower bbbbbbbbbbbb (another checkpoint)",
+    ]
+
+
+# ----------------------------------------------------------------------------- lockstep parity
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    pytest.importorskip("torch")
+    from hf_hybrid import build_model, save
+
+    return save(build_model("qwen3_5_text_hk4", seed=1), tmp_path_factory.mktemp("hybrid"))
+
+
+def in_process(model: str, tp: int) -> list[list[int]]:
+    from jtp.engine_args import EngineArgs
+
+    with EngineArgs(model=model, tensor_parallel_size=tp, **ENGINE_ARGS).create_engine() as engine:
+        return run_staggered(engine, engine.cfg.vocab_size)
+
+
+def two_processes(model: str) -> list[list[int]]:
+    args = json.dumps({"model": model, "num_processes": 2, "tensor_parallel_size": 4, "digest_interval": 4})
+    proc = subprocess.run([sys.executable, str(TESTS / "staggered.py"), args], env=cpu_env(2),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+def test_two_processes_give_the_tokens_of_one_process_at_tp4_and_tp1(kind, request):
+    from jtp.demo import ensure_demo_checkpoint
+
+    model = str(ensure_demo_checkpoint() if kind == "qwen3" else request.getfixturevalue("hybrid_dir"))
+    group = two_processes(model)
+    assert [len(t) for t in group] == [s[2] for s in __import__("staggered").SCHEDULE]
+    assert group == in_process(model, 4)
+    assert group == in_process(model, 1)
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def children(pid: int) -> list[int]:
+    """Live (not zombie) child processes of `pid`, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+class GroupServer:
+    """`jtp serve --num-processes 2 -tp 4` on a free loopback port, its stderr collected."""
+
+    def __init__(self, *extra: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jtp.cli", "serve", "--port", "0", "--num-processes", "2", "-tp", "4",
+             "--heartbeat-timeout", "2", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+             "--block-size", "32", "--num-blocks", "32", "--max-model-len", "512", *extra],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=cpu_env(2), text=True)
+        self.log: list[str] = []
+        self.url_seen = threading.Event()
+        self.url = None
+        threading.Thread(target=self._read, daemon=True).start()
+        assert self.url_seen.wait(180), self.text()
+        self.wait_ready()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+            if self.url is None and (m := re.search(r"on (http://\S+?)/v1", line)):
+                self.url = m.group(1)
+                self.url_seen.set()
+
+    def text(self) -> str:
+        return "".join(self.log)[-6000:]
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        def ready():
+            assert self.proc.poll() is None, self.text()
+            try:
+                return httpx.get(self.url + "/ready", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(ready, timeout, "the server to be ready")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def follower(self) -> int:
+        (pid,) = children(self.proc.pid)
+        return pid
+
+    def complete(self, max_tokens: int = 8):
+        return self.client().completions.create(model="jtp-demo", prompt="Once upon a time", max_tokens=max_tokens,
+                                                temperature=0, extra_body={"ignore_eos": True})
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def fail_mid_generation(server: GroupServer, hurt) -> None:
+    """Start a long request, hurt the follower, and check the caller's error, the recovery and the
+    process table."""
+    reference = server.complete().choices[0].text
+    victim = server.follower()
+    outcome: dict = {}
+
+    def long_request():
+        t = time.monotonic()
+        try:
+            server.complete(max_tokens=480)
+            outcome["error"] = None
+        except openai.APIStatusError as e:
+            outcome["error"] = e
+        outcome["seconds"] = time.monotonic() - t
+
+    caller = threading.Thread(target=long_request)
+    caller.start()
+    time.sleep(2.0)  # generating by now
+    hurt(victim)
+    caller.join(60)
+    error = outcome["error"]
+    assert error is not None and error.status_code == 503, (outcome, server.text())
+    assert error.response.headers["retry-after"] == "1"
+    assert "worker group failed" in error.message and f"pid {victim}" in error.message
+    assert outcome["seconds"] < 2.0 + 2 + 5  # within the heartbeat deadline (2 s) plus slack
+    server.wait_ready()
+    assert server.complete().choices[0].text == reference  # the restarted group serves the next request
+    assert not alive(victim)  # killed and reaped: no zombie, no stopped process left
+    assert len(children(server.proc.pid)) == 1  # exactly the new follower
+
+
+def test_follower_kill_and_hang_fail_requests_retryably_then_the_group_recovers_and_sigterm_drains():
+    server = GroupServer("--no-warmup")
+    try:
+        fail_mid_generation(server, lambda pid: os.kill(pid, signal.SIGKILL))
+        fail_mid_generation(server, lambda pid: os.kill(pid, signal.SIGSTOP))
+        assert "restart 2" in server.text()
+        # SIGTERM drains: the running request finishes normally, then everything exits.
+        follower = server.follower()
+        result: dict = {}
+        caller = threading.Thread(target=lambda: result.setdefault("r", server.complete(max_tokens=40)))
+        caller.start()
+        time.sleep(1.0)
+        server.proc.send_signal(signal.SIGTERM)
+        caller.join(60)
+        assert result["r"].choices[0].finish_reason == "length" and result["r"].usage.completion_tokens == 40
+        assert server.proc.wait(60) == 0, server.text()
+        wait_until(lambda: not alive(follower), 10, "the follower to exit")
+    finally:
+        server.close()
+
+
+def test_leader_kill_ends_its_followers():
+    server = GroupServer("--no-warmup")
+    try:
+        follower = server.follower()
+        caller = threading.Thread(target=lambda: pytest.raises(Exception, server.complete, 480), daemon=True)
+        caller.start()
+        time.sleep(1.0)
+        server.proc.kill()
+        server.proc.wait(10)
+        wait_until(lambda: not alive(follower), 10, "the follower to exit after its leader was killed")
+    finally:
+        server.close()
+
+
+# ----------------------------------------------------------------------------- manual launch
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 free too (the coordinator and the control channel)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def manual(process_id: int, port: int, secret: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "jtp.cli", "serve", "--port", "0", "--no-warmup", "--num-processes", "2",
+         "--process-id", str(process_id), "--coordinator-address", f"127.0.0.1:{port}", "-tp", "2",
+         "--max-num-seqs", "4", "--num-blocks", "32", "--max-model-len", "256", *extra],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        env=cpu_env(1, JTP_LAUNCH_SECRET=secret))
+
+
+def test_manual_launch_refuses_a_wrong_secret_then_admits_the_right_follower():
+    port, secret = free_port_pair(), SECRET.hex()
+    leader = manual(0, port, secret)
+    try:
+        intruder = manual(1, port, (b"x" * 32).hex())
+        _, err = intruder.communicate(timeout=120)
+        assert intruder.returncode == 2 and "wrong launch secret" in err, err
+        follower = manual(1, port, secret)
+        log: list[str] = []
+        threading.Thread(target=lambda: log.extend(leader.stderr), daemon=True).start()
+        wait_until(lambda: any("serving" in line for line in log), 180, "the leader to serve")
+        url = re.search(r"on (http://\S+?)/v1", "".join(log)).group(1)
+        wait_until(lambda: httpx.get(url + "/ready").status_code == 200, 60, "ready")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        text = client.completions.create(model="jtp-demo", prompt="Hello", max_tokens=5, temperature=0).choices[0].text
+        assert "wrong launch secret" in "".join(log)  # the leader logged the refusal and kept waiting
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(60) == 0
+        assert follower.wait(30) == 0  # told to shut down
+        assert isinstance(text, str)
+    finally:
+        for p in (leader,):
+            p.kill()
+
+
+@pytest.mark.parametrize("mismatch", ["config", "checkpoint"])
+def test_manual_launch_refuses_a_follower_with_another_config_or_checkpoint(mismatch, tmp_path):
+    from jtp.demo import ensure_demo_checkpoint
+
+    port, secret = free_port_pair(), SECRET.hex()
+    if mismatch == "config":
+        extra, expected = ["--max-num-seqs", "8"], "max_num_seqs: leader 4, follower 8"
+    else:
+        other = tmp_path / "other"
+        other.mkdir()
+        demo = ensure_demo_checkpoint()
+        for f in demo.iterdir():
+            (other / f.name).write_bytes(f.read_bytes())
+        weights = other / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-8:] = bytes(8)  # another checkpoint: the same shapes, other bytes
+        weights.write_bytes(bytes(data))
+        extra, expected = ["--model", str(other)], "(another checkpoint)"
+    leader = manual(0, port, secret)
+    follower = manual(1, port, secret, *extra)
+    try:
+        _, follower_err = follower.communicate(timeout=180)
+        _, leader_err = leader.communicate(timeout=60)
+        assert follower.returncode == 2 and "refused process 1" in follower_err and expected in follower_err, follower_err
+        assert leader.returncode == 2 and expected in leader_err, leader_err
+    finally:
+        leader.kill()
+        follower.kill()
