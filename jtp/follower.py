@@ -94,6 +94,10 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
                 runner.allocate_cache(json.loads(payload)["num_blocks"])
             elif kind is Kind.SHUTDOWN:
                 log.info("follower %d: shutdown", spec.process_id)
+                runner.close()
+                import jax
+
+                jax.distributed.shutdown()  # leave JAX's runtime while the leader still hosts it
                 return 0
             else:
                 raise RuntimeError(f"unexpected control message {kind.name}")
@@ -109,7 +113,10 @@ def _read(channel: Channel, inbox: queue.Queue) -> None:
     """Hand messages to the main thread; exit the process the moment the leader is gone."""
     while True:
         try:
-            inbox.put(channel.recv())
+            kind, payload = channel.recv()
+            inbox.put((kind, payload))
+            if kind is Kind.SHUTDOWN:  # the leader closes the channel next: that is not a loss
+                return
         except ChannelError as e:
             print(f"jtp follower: the leader is gone ({e}); exiting", file=sys.stderr, flush=True)
             os._exit(EXIT_LEADER_GONE)

@@ -54,6 +54,7 @@ class _Follower:
         self.last_seen = time.monotonic()
         self.ready: dict | None = None
         self.ready_event = threading.Event()
+        self.gone = threading.Event()  # its channel closed (it exited)
 
     def name(self) -> str:
         return f"follower {self.process_id} (pid {self.pid})"
@@ -185,6 +186,12 @@ class WorkerGroup:
     # ------------------------------------------------------------------ health
 
     def _read(self, f: _Follower) -> None:
+        try:
+            self._read_until_closed(f)
+        finally:
+            f.gone.set()
+
+    def _read_until_closed(self, f: _Follower) -> None:
         while True:
             try:
                 kind, payload = f.channel.recv()
@@ -275,12 +282,16 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
-        for f in self.followers:
-            if not kill and self.failure is None:
+        if not kill and self.failure is None:
+            for f in self.followers:
                 try:
                     f.channel.send(Kind.SHUTDOWN)
                 except ChannelError:
                     pass
+            # JAX's coordination service lives in this process: let the followers leave it first.
+            deadline = time.monotonic() + 30
+            for f in self.followers:
+                f.gone.wait(max(0.0, deadline - time.monotonic()))
         if kill or self.failure is not None:
             _kill_all(self.procs)
         reap(self.procs, grace=10.0)
