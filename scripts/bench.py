@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=Path, help="HF model directory (config.json + safetensors)")
     ap.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    ap.add_argument("--num-processes", type=int, default=1,
+                    help="run through the multi-process launcher: this many local JAX processes share the tp mesh")
     ap.add_argument("--batch-sizes", type=parse_sizes, default=parse_sizes("1,8,64,256"))
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens already in cache when decode is timed")
     ap.add_argument("--prefill-len", type=int, default=2048)
@@ -668,6 +670,17 @@ def main(argv=None) -> int:
 
     from jtp.engine import Engine
 
+    max_b = max(args.batch_sizes)
+    bs = args.block_size
+    group = devices = None
+    if args.num_processes > 1:  # before anything touches a device: the group joins JAX's runtime first
+        from jtp.engine_args import EngineArgs
+        from jtp.group import start_leader
+
+        group, devices = start_leader(EngineArgs(
+            model=str(args.model), tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
+            max_num_seqs=max_b, block_size=bs, num_processes=args.num_processes))
+
     res: dict = {
         "command": " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], Path.cwd())] + sys.argv[1:])
         if argv is None else " ".join(shlex.quote(a) for a in ["scripts/bench.py", *argv]),
@@ -683,7 +696,7 @@ def main(argv=None) -> int:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(res, indent=1) + "\n")
 
-    dev0 = jax.devices()[0]
+    dev0 = jax.local_devices()[0]
     res["hardware"] = dict(
         platform=dev0.platform,
         device_kind=dev0.device_kind,
@@ -709,10 +722,8 @@ def main(argv=None) -> int:
     log(f"copy {c['copy_bandwidth_Bps'] / 1e9:.1f} GB/s, matmul {c['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s")
     save()
 
-    max_b = max(args.batch_sizes)
     chunk = args.max_num_batched_tokens or max(args.prefill_len, 2 * max_b)
     decode_tokens = decode_fill_steps(max_b, args.context, chunk) + args.warmup_steps + args.decode_steps + 8
-    bs = args.block_size
     per_seq_blocks = -(-(args.context + decode_tokens) // bs) + 1
     prefill_blocks = args.prefill_requests * (-(-(args.prefill_len + 1) // bs) + 1)
     num_blocks = max(max_b * per_seq_blocks, prefill_blocks)
@@ -722,13 +733,14 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     engine = Engine(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
                     max_num_seqs=max_b, max_num_batched_tokens=chunk, block_size=bs, num_blocks=num_blocks,
-                    max_model_len=max_model_len, tokenizer=False)
+                    max_model_len=max_model_len, tokenizer=False, group=group, devices=devices)
     jax.block_until_ready(engine.runner.params)
     load_s = time.perf_counter() - t
     runner = engine.runner
     stats = runner.memory_stats() or {}
     res["engine"] = dict(
         tensor_parallel_size=runner.tp,
+        num_processes=args.num_processes,
         max_num_seqs=max_b,
         max_num_batched_tokens=chunk,
         block_size=bs,
@@ -753,6 +765,8 @@ def main(argv=None) -> int:
         log(f"decode B={B}, context {args.context}")
         d = run_decode(engine, timer, rng, B, args, chunk)
         try:
+            if group is not None:  # the probe runs on the leader alone; over a group's mesh it would hang
+                raise RuntimeError("skipped: multi-process run")
             d.update(attention_probe(runner, B, round(d["context_mean"]), d["plan_shape_TxBxM"], seed=args.seed) or {})
         except Exception as e:  # noqa: BLE001 - the probe is a diagnostic; never lose the run for it
             d["attention_probe_error"] = f"{type(e).__name__}: {e}"
@@ -790,6 +804,8 @@ def main(argv=None) -> int:
                     d["jtp_over_hf"] = jd["tokens_per_s"] / d["tokens_per_s"]
             save()
 
+    if group is not None:
+        engine.close()  # followers leave JAX's runtime before this process (which hosts it) exits
     md = markdown(res)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
