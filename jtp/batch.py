@@ -58,7 +58,8 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from jtp.cli_support import (
-    add_common_args, interrupt_guard, interrupted, note, open_engine, raise_if_interrupted, run_command, setup_logging,
+    add_common_args, interrupt_guard, interrupted, note, open_engine, raise_if_interrupted, run_command, run_follower,
+    setup_logging,
 )
 from jtp.engine_args import EngineArgs
 from jtp.errors import ConfigError, RequestError
@@ -377,6 +378,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_args(args: argparse.Namespace) -> int:
     """Build the engine from parsed flags, run the batch, print the summary."""
+    if EngineArgs.from_cli_args(args).is_follower:  # across machines: this host follows the leader's batch
+        return run_follower(EngineArgs.from_cli_args(args))
     if not Path(args.input).is_file():
         raise ConfigError(f"--input {args.input}: no such file")
     if Path(args.input).resolve() == Path(args.output).resolve():

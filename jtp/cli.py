@@ -22,7 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from jtp.cli_support import (
-    EXIT_INTERRUPTED, add_common_args, interrupt_guard, open_engine, run_command, setup_logging,
+    EXIT_INTERRUPTED, add_common_args, interrupt_guard, open_engine, run_command, run_follower, setup_logging,
 )
 from jtp.engine_args import DTYPES, EngineArgs
 from jtp.errors import ConfigError, RequestError
@@ -78,6 +78,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.warmup = False  # one request compiles only the shapes it needs
     engine_args.validate()  # bad flags and prompts fail before anything loads
+    if engine_args.is_follower:
+        return run_follower(engine_args)
     text = read_prompt(args)
     params = sampling_params(args)
     with open_engine(engine_args) as engine:  # closed on every way out, Ctrl-C included

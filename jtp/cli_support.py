@@ -180,6 +180,15 @@ def open_engine(engine_args: EngineArgs) -> Engine:
     return engine
 
 
+def run_follower(engine_args: EngineArgs) -> int:
+    """This process is a follower of a launch across machines (--process-id >= 1): whatever the
+    command, it runs the leader's steps until told to stop."""
+    from jtp.follower import run_follower as follow
+    from jtp.launcher import LaunchSpec
+
+    return follow(engine_args, LaunchSpec.resolve(engine_args))
+
+
 def describe_engine(engine: Engine) -> list[str]:
     mesh = engine.runner.mesh
     devices = list(mesh.devices.flat)

@@ -56,7 +56,14 @@ class EngineArgs:
 
     @property
     def is_follower(self) -> bool:
-        return self.is_multiprocess and self.process_id not in (None, 0)
+        """A process other than the leader (given --process-id, or the id a cluster such as SLURM gives)."""
+        if not self.is_multiprocess:
+            return False
+        if self.process_id is None and self.coordinator_address is None:
+            from jtp.launcher import cluster_process_id
+
+            return (cluster_process_id() or 0) != 0
+        return self.process_id not in (None, 0)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting that cannot work."""

@@ -258,7 +258,7 @@ class WorkerGroup:
                     if self._inflight is inflight:
                         self._inflight = None
             elif now - since > self.step_timeout:
-                self.fail(f"step {step} did not finish within the {self.step_timeout:.0f} s step timeout")
+                self.fail(f"step {step} did not finish within the {self.step_timeout:g} s step timeout")
 
     def fail(self, reason: str) -> None:
         """Mark the group failed (once): kill local followers, then tell the callbacks."""

@@ -108,6 +108,16 @@ def read_secret(path: str | None) -> bytes:
     return secret
 
 
+def cluster_process_id() -> int | None:
+    """This process's id in a cluster JAX detects (SLURM, Open MPI, ...); None outside one."""
+    if not _in_cluster():
+        return None
+    try:
+        return _detect_cluster(None, None, None)[2]
+    except ConfigError:
+        return None
+
+
 def _in_cluster() -> bool:
     return any(v in os.environ for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"))
 
@@ -115,9 +125,15 @@ def _in_cluster() -> bool:
 def _detect_cluster(coord: str | None, n: int | None, pid: int | None) -> tuple[str, int, int]:
     """Fill what the cluster's environment knows (JAX's own detection: SLURM, Open MPI, ...)."""
     try:
+        import inspect
+
         from jax._src import clusters  # the detection jax.distributed.initialize() itself runs
 
-        coord, n, pid, _ = clusters.ClusterEnv.auto_detect_unset_distributed_params(coord, n, pid, None)
+        detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
+        kwargs = dict(coordinator_address=coord, num_processes=n, process_id=pid, local_device_ids=None,
+                      cluster_detection_method=None, initialization_timeout=300)
+        accepted = inspect.signature(detect).parameters  # its arguments vary between jax releases
+        coord, n, pid, _ = detect(**{k: v for k, v in kwargs.items() if k in accepted})
     except Exception as e:  # noqa: BLE001 - reported as what is missing
         log.debug("cluster auto-detection failed: %s", e)
     if coord is None or n is None or pid is None:

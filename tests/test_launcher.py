@@ -133,6 +133,80 @@ def test_fingerprint_mismatches_name_each_field():
     ]
 
 
+# ----------------------------------------------------------------------------- the leader's watch
+
+
+def bare_group(step_timeout: float = 60.0):
+    """A leader-side WorkerGroup with one fake follower (no process, no channel)."""
+    from jtp.group import WorkerGroup, _Follower
+    from jtp.launcher import LaunchSpec
+
+    group = WorkerGroup(LaunchSpec(2, 0, "127.0.0.1:1", "127.0.0.1:2", SECRET), heartbeat_timeout=60,
+                        step_timeout=step_timeout, digest_interval=4)
+    follower = _Follower(1, None, 4321, None)
+    group.followers.append(follower)
+    reasons: list[str] = []
+    group.on_failure(reasons.append)
+    return group, follower, reasons
+
+
+def sampled(tokens):
+    import jax.numpy as jnp
+
+    from jtp.sampling import SampleResult
+
+    return SampleResult(jnp.asarray(tokens, jnp.int32), jnp.zeros(len(tokens)), None, None)
+
+
+def test_a_follower_whose_sampled_tokens_differ_fails_the_group():
+    from jtp.group import tokens_digest
+
+    group, follower, reasons = bare_group()
+    group.dispatched(0, sampled([5, 6, 7]))
+    group.dispatched(1, sampled([1, 1, 1]))  # not a digest step (interval 4)
+    group.dispatched(4, sampled([8, 9, 10]))
+    group._their_digests += [(follower, 0, tokens_digest([5, 6, 7])), (follower, 8, tokens_digest([0]))]
+    group._compare_digests()
+    assert reasons == [] and [s for _, s, _ in group._their_digests] == [8]  # step 8: not run by the leader yet
+    group._their_digests.append((follower, 4, tokens_digest([8, 9, 11])))
+    group._compare_digests()
+    assert len(reasons) == 1 and "follower 1 (pid 4321) diverged" in reasons[0] and "step 4" in reasons[0]
+    with pytest.raises(Exception, match="diverged"):
+        group.check()  # no more steps go out
+
+
+def test_a_step_that_outlives_the_step_timeout_fails_the_group():
+    class Never:
+        def is_ready(self) -> bool:
+            return False
+
+    group, follower, reasons = bare_group(step_timeout=0.3)
+    group.dispatched(7, Never())
+    threading.Thread(target=group._monitor, daemon=True).start()
+    assert group.failed.wait(10)
+    assert reasons == ["step 7 did not finish within the 0.3 s step timeout"]
+
+
+def test_a_cluster_environment_supplies_the_coordinator_and_process_id(monkeypatch):
+    from jtp.engine_args import EngineArgs
+    from jtp.errors import ConfigError
+    from jtp.launcher import LaunchSpec
+
+    args = EngineArgs(num_processes=2, tensor_parallel_size=2)
+    for name, value in dict(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="node7", SLURM_NTASKS="2", SLURM_PROCID="1",
+                            SLURM_LOCALID="0", SLURM_STEP_NUM_NODES="2").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("JTP_LAUNCH_SECRET", raising=False)
+    with pytest.raises(ConfigError, match="shared secret"):
+        LaunchSpec.resolve(args)
+    monkeypatch.setenv("JTP_LAUNCH_SECRET", SECRET.hex())
+    spec = LaunchSpec.resolve(args)
+    host, port = spec.coordinator_address.split(":")
+    assert (spec.process_id, spec.num_processes, host, spec.secret) == (1, 2, "node7", SECRET)
+    assert spec.control_address == f"node7:{int(port) + 1}" and not spec.bind_loopback
+    assert args.is_follower
+
+
 # ----------------------------------------------------------------------------- lockstep parity
 
 

@@ -27,7 +27,7 @@ import time
 
 import uvicorn
 
-from jtp.cli_support import note, open_engine
+from jtp.cli_support import note, open_engine, run_follower
 from jtp.engine_args import EngineArgs
 from jtp.errors import ConfigError
 from jtp.server.app import build_app
@@ -76,10 +76,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
         server_args = ServerArgs.from_cli_args(server_args)
     server_args.validate()
     if engine_args.is_follower:  # one host of a launch across machines: follow the leader
-        from jtp.follower import run_follower
-        from jtp.launcher import LaunchSpec
-
-        return run_follower(engine_args, LaunchSpec.resolve(engine_args))
+        return run_follower(engine_args)
     sock = _listen(server_args.host, server_args.port)  # before loading: a busy port fails fast
     # A group restart re-executes this process; a duplicate of the socket keeps it listening.
     keep_fd = os.dup(sock.fileno()) if engine_args.is_multiprocess else None
