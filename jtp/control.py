@@ -46,6 +46,7 @@ class Kind(enum.IntEnum):
     HEARTBEAT = 7  # follower -> leader: alive (empty)
     FAILED = 8  # follower -> leader: a local operation raised (JSON)
     SHUTDOWN = 9  # leader -> follower: exit cleanly (empty)
+    PAGES = 10  # leader -> follower: one snapshot-pages operation (JSON: op and its arguments)
 
 
 class ChannelError(ConnectionError):

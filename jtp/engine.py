@@ -730,7 +730,6 @@ class Engine:
         cache) to `path` with orbax; see jtp/snapshot_store.py."""
         from jtp.snapshot_store import save_snapshots
 
-        self._single_process_only("saving snapshots")
         return save_snapshots(self, path, snapshot_ids, overwrite=overwrite, include_prefix_cache=include_prefix_cache)
 
     def load_snapshots(self, path, include_prefix_cache: bool = True) -> list[str]:
@@ -738,13 +737,7 @@ class Engine:
         model, config, dtype and mesh; their ids."""
         from jtp.snapshot_store import load_snapshots
 
-        self._single_process_only("loading snapshots")
         return load_snapshots(self, path, include_prefix_cache=include_prefix_cache)
-
-    def _single_process_only(self, what: str) -> None:
-        if self.group is not None:
-            raise RequestError(f"{what} is not supported with --num-processes > 1 yet (the followers would "
-                               "have to write and read their shards in lockstep); snapshots in memory work")
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block and state checkpoint that nothing holds; returns how many blocks."""

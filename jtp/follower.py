@@ -81,6 +81,7 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
     channel.send(Kind.READY, json.dumps(describe_mesh(devices)).encode())
     log.info("follower %d ready: %d devices", spec.process_id, len(devices))
     step = 0
+    pages: dict = {}  # this process's shards of snapshot pages between two PAGES operations
     try:
         while True:
             kind, payload = inbox.get()
@@ -92,6 +93,8 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
                 step += 1
             elif kind is Kind.ALLOCATE:
                 runner.allocate_cache(json.loads(payload)["num_blocks"])
+            elif kind is Kind.PAGES:
+                pages = _pages(runner, json.loads(payload), pages)
             elif kind is Kind.SHUTDOWN:
                 log.info("follower %d: shutdown", spec.process_id)
                 runner.close()
@@ -107,6 +110,25 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
         except ChannelError:
             pass
         raise
+
+
+def _pages(runner, msg: dict, pages: dict) -> dict:
+    """Run one snapshot-pages operation as the leader runs it; returns the pages kept for the next."""
+    import numpy as np
+
+    ids = {k: np.asarray(msg[k], np.int32) for k in ("block_ids", "slot_ids", "block_rows", "slot_rows") if k in msg}
+    op = msg["op"]
+    if op == "gather":
+        return runner.gather_pages(ids["block_ids"], ids["slot_ids"])
+    if op == "write":
+        runner.write_pages(msg["path"], pages, msg["metadata"], msg["overwrite"])
+        return {}
+    if op == "read":
+        return runner.read_pages(msg["path"], msg["meta"])
+    if op == "scatter":
+        runner.scatter_pages(ids["block_ids"], ids["block_rows"], ids["slot_ids"], ids["slot_rows"], pages)
+        return {}
+    raise RuntimeError(f"unknown snapshot-pages operation {op!r}")
 
 
 def _read(channel: Channel, inbox: queue.Queue) -> None:

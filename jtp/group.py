@@ -330,6 +330,29 @@ class GroupRunner(ModelRunner):
         self.steps += 1
         return result
 
+    # Snapshot pages: each operation goes to the followers, which keep their own shards between
+    # the gather and the write (and between the read and the scatter).
+
+    def _pages(self, op: str, **args) -> None:
+        self.group.broadcast(Kind.PAGES, json.dumps({"op": op, **args}).encode())
+
+    def gather_pages(self, block_ids, slot_ids) -> dict:
+        self._pages("gather", block_ids=block_ids.tolist(), slot_ids=slot_ids.tolist())
+        return super().gather_pages(block_ids, slot_ids)
+
+    def write_pages(self, path, arrays, metadata, overwrite) -> None:
+        self._pages("write", path=str(path), metadata=metadata, overwrite=overwrite)
+        super().write_pages(path, arrays, metadata, overwrite)
+
+    def read_pages(self, path, meta) -> dict:
+        self._pages("read", path=str(path), meta=meta)
+        return super().read_pages(path, meta)
+
+    def scatter_pages(self, block_ids, block_rows, slot_ids, slot_rows, arrays) -> None:
+        self._pages("scatter", block_ids=block_ids.tolist(), block_rows=block_rows.tolist(),
+                    slot_ids=slot_ids.tolist(), slot_rows=slot_rows.tolist())
+        super().scatter_pages(block_ids, block_rows, slot_ids, slot_rows, arrays)
+
     def close(self) -> None:
         super().close()
         self.group.close()

@@ -128,6 +128,32 @@ class ModelRunner:
         args, flags = self._step_args(StepInput(plan, sampling, penalty_tokens))
         return self._step_fn.lower(*args, flags=flags).compile().as_text()
 
+    # Snapshot pages (jtp/snapshot_store.py): device work every process of a group runs in step order.
+
+    def gather_pages(self, block_ids: np.ndarray, slot_ids: np.ndarray) -> dict:
+        """Copies of KV blocks `block_ids` and state slots `slot_ids`, sharded like the cache."""
+        from jtp.snapshot_store import _cache_views, _gather
+
+        return _gather(*_cache_views(self.cache), block_ids, slot_ids)
+
+    def write_pages(self, path: Path, arrays: dict, metadata: dict, overwrite: bool) -> None:
+        """Write gathered pages with Orbax (each process its own shards; process 0 the metadata)."""
+        from jtp.snapshot_store import _write
+
+        _write(Path(path), arrays, metadata, overwrite)
+
+    def read_pages(self, path: Path, meta: dict) -> dict:
+        from jtp.snapshot_store import _read_arrays
+
+        return _read_arrays(self.cache, Path(path), meta)
+
+    def scatter_pages(self, block_ids, block_rows, slot_ids, slot_rows, arrays: dict) -> None:
+        """Write pages[block_rows] into blocks `block_ids` and states[slot_rows] into slots `slot_ids`."""
+        from jtp.snapshot_store import _scatter
+
+        self.cache = _scatter(self.cache, block_ids, block_rows, arrays.get("kv", {}) if len(block_ids) else {},
+                              slot_ids, slot_rows, arrays.get("state", {}) if len(slot_ids) else {})
+
     def close(self) -> None:
         """Free this runner's device memory (weights, KV cache, sampled tokens) now rather than
         whenever Python collects it, so another runner in the process gets it. Unusable afterwards."""

@@ -266,14 +266,17 @@ def save_snapshots(
     processed); the write to disk happens outside it, so serving goes on meanwhile. The directory
     appears only once complete. `model_dir`: the engine's model directory, for the weights
     fingerprint (default: `engine.model_dir`). An existing `path` raises FileExistsError unless
-    `overwrite`. Every process of a multi-process deployment calls this with the same arguments
-    (a shared filesystem); each writes its own shards, process 0 the metadata.
+    `overwrite`. In a multi-process group the leader's runner sends each device step to the
+    followers (jtp/group.py), the whole save runs under the step lock, and each process writes its
+    own shards (a shared filesystem), process 0 the metadata.
     """
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
     identity = _identity(engine, _model_dir(engine, model_dir))
-    with engine._lock:
+    lock = engine._lock
+    lock.acquire()
+    try:
         if engine.runner.cache is None:
             raise RequestError("the engine is closed: its cache is gone")
         engine._settle()
@@ -326,10 +329,22 @@ def save_snapshots(
                         slot_rows[slot] = len(slot_keys_hex)
                         slot_keys_hex.append(key.hex())
         kv, state_layers = _cache_views(engine.runner.cache)
-        arrays = _gather(
-            kv, state_layers, np.asarray(list(block_rows), np.int32), np.asarray(list(slot_rows), np.int32)
-        )
-    metadata = {
+        arrays = engine.runner.gather_pages(np.asarray(list(block_rows), np.int32), np.asarray(list(slot_rows), np.int32))
+        if getattr(engine, "group", None) is None:  # one process: write while serving goes on
+            lock.release()
+            lock = None
+        # else: every process must meet the write's collectives in the same order as the steps'
+        metadata = _metadata(engine, identity, kv, state_layers, block_keys_hex, slot_keys_hex, entries,
+                             include_prefix_cache)
+        engine.runner.write_pages(path, arrays, metadata, overwrite)
+    finally:
+        if lock is not None:
+            lock.release()
+    return path
+
+
+def _metadata(engine, identity, kv, state_layers, block_keys_hex, slot_keys_hex, entries, include_prefix_cache):
+    return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "saved_at": time.time(),
@@ -342,8 +357,6 @@ def save_snapshots(
         "snapshots": entries,
         "prefix_cache": include_prefix_cache,
     }
-    _write(path, arrays, metadata, overwrite)
-    return path
 
 
 def _write(path: Path, arrays: dict, metadata: dict, overwrite: bool) -> None:
@@ -435,8 +448,8 @@ def load_snapshots(
     Refuses (ConfigError, nothing changed) an engine that differs from the one that saved: model
     config, dtype, block size, mesh or weights. RequestError (nothing changed) when the pool,
     the state slots or the snapshot cap and budget cannot take them. Blocks and state checkpoints
-    the engine's prefix cache already holds are shared, not loaded again. Every process of a
-    multi-process deployment calls this with the same arguments.
+    the engine's prefix cache already holds are shared, not loaded again. In a multi-process group
+    every process reads its own shards, in step order (see `save_snapshots`).
     """
     path = Path(path).absolute()
     meta = read_metadata(path)
@@ -490,11 +503,16 @@ def load_snapshots(
     if not include_prefix_cache:
         cache_rows, cache_state_rows = [], []
 
-    arrays = _read_arrays(engine, path, meta) if (snap_rows or cache_rows or cache_state_rows) else {}
+    in_group = getattr(engine, "group", None) is not None
+    arrays = None
+    if not in_group:  # one process: read while serving goes on (in a group, in step order below)
+        arrays = engine.runner.read_pages(path, meta) if (snap_rows or cache_rows or cache_state_rows) else {}
     with engine._lock:
         if engine.runner.cache is None:
             raise RequestError("the engine is closed: its cache is gone")
         engine._settle()
+        if arrays is None:
+            arrays = engine.runner.read_pages(path, meta) if (snap_rows or cache_rows or cache_state_rows) else {}
         loaded = _install(
             engine, entries, sizes, block_keys_saved, state_keys_saved, arrays, cache_rows, cache_state_rows
         )
@@ -509,13 +527,13 @@ def load_snapshots(
     return loaded
 
 
-def _read_arrays(engine: "Engine", path: Path, meta: dict) -> dict:
+def _read_arrays(cache, path: Path, meta: dict) -> dict:
     """The saved pages and states, each process reading its own shards (sharded like the cache)."""
     if not meta["blocks"] and not meta["states"]:
         return {}
     import orbax.checkpoint as ocp
 
-    kv, state = _cache_views(engine.runner.cache)
+    kv, state = _cache_views(cache)
     if sorted(kv) != meta["layers"]["kv"] or sorted(state) != meta["layers"]["state"]:
         raise ConfigError(f"{path}: its cache layers do not match this engine's")
     counts = {"kv": len(meta["blocks"]), "state": len(meta["states"])}
@@ -655,10 +673,9 @@ def _install(
         b_ids, b_rows = fresh_blocks + c_fresh_blocks, fresh + c_chosen
         s_ids, s_rows = new_slots + c_new_slots, fresh_states + c_states
         if b_ids or s_ids:
-            engine.runner.cache = _scatter(
-                engine.runner.cache,
-                np.asarray(b_ids, np.int32), np.asarray(b_rows, np.int32), arrays.get("kv", {}) if b_ids else {},
-                np.asarray(s_ids, np.int32), np.asarray(s_rows, np.int32), arrays.get("state", {}) if s_ids else {},
+            engine.runner.scatter_pages(
+                np.asarray(b_ids, np.int32), np.asarray(b_rows, np.int32), np.asarray(s_ids, np.int32),
+                np.asarray(s_rows, np.int32), arrays,
             )
     except BaseException:
         pool.free(load_id)  # fresh blocks have no key yet: plainly free again

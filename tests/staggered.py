@@ -3,9 +3,10 @@ so prefill chunks, decode rows and finished rows mix differently from step to st
 
 Used in-process for the single-process references and as a script for a multi-process group:
 
-    python tests/staggered.py '{"model": "...", "num_processes": 2, "tensor_parallel_size": 4}'
+    python tests/staggered.py '{"model": "...", "num_processes": 2, "tensor_parallel_size": 4}' [SNAPSHOT_DIR]
 
-prints one JSON line: every request's greedy token ids, in submission order.
+prints one JSON line: every request's greedy token ids, in submission order (with a directory:
+the snapshot save / load round trip's tokens instead).
 """
 
 from __future__ import annotations
@@ -41,12 +42,33 @@ def run_staggered(engine, vocab_size: int) -> list[list[int]]:
     return [engine.result(rid).token_ids for rid in ids]
 
 
+def snapshot_roundtrip(engine, directory: str) -> dict:
+    """Snapshot a finished request, save it to disk, forget everything, load it back and continue
+    from it: the continuation's tokens and how many prompt tokens the loaded pages saved."""
+    from jtp.sampling import SamplingParams
+
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [t % engine.cfg.vocab_size for t in range(7, 47)]
+    first = engine.result(engine.submit(prompt, greedy))
+    snap = engine.snapshot(tokens=prompt + first.token_ids)
+    engine.save_snapshots(directory)
+    engine.drop(snap)
+    engine.reset_prefix_cache()
+    (loaded,) = engine.load_snapshots(directory)
+    hits = engine.stats().prefix_cache_hits
+    follow = engine.result(engine.restore(loaded, [3, 1, 4, 1, 5], greedy))
+    return {"first": first.token_ids, "follow": follow.token_ids, "hits": engine.stats().prefix_cache_hits - hits}
+
+
 def main(argv: list[str]) -> int:
     from jtp.engine_args import EngineArgs
 
-    args = EngineArgs(**{**ENGINE_ARGS, **json.loads(argv[0])})
+    args = EngineArgs(**{**ENGINE_ARGS, "enable_prefix_caching": len(argv) > 1, **json.loads(argv[0])})
     with args.create_engine() as engine:
-        print(json.dumps(run_staggered(engine, engine.cfg.vocab_size)), flush=True)
+        if len(argv) > 1:  # a directory: the snapshot round trip
+            print(json.dumps(snapshot_roundtrip(engine, argv[1])), flush=True)
+        else:
+            print(json.dumps(run_staggered(engine, engine.cfg.vocab_size)), flush=True)
     return 0
 
 

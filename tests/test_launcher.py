@@ -33,7 +33,7 @@ from jtp.launcher import fingerprint_mismatches
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
-from staggered import ENGINE_ARGS, run_staggered  # noqa: E402
+from staggered import ENGINE_ARGS, run_staggered, snapshot_roundtrip  # noqa: E402
 
 SECRET = bytes(range(32))
 
@@ -242,6 +242,23 @@ def test_two_processes_give_the_tokens_of_one_process_at_tp4_and_tp1(kind, reque
     assert [len(t) for t in group] == [s[2] for s in __import__("staggered").SCHEDULE]
     assert group == in_process(model, 4)
     assert group == in_process(model, 1)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+def test_snapshots_saved_and_loaded_by_a_group_continue_like_one_process(kind, request, tmp_path):
+    """Orbax save / load through the group: each process writes and reads its own shards."""
+    from jtp.demo import ensure_demo_checkpoint
+    from jtp.engine_args import EngineArgs
+
+    model = str(ensure_demo_checkpoint() if kind == "qwen3" else request.getfixturevalue("hybrid_dir"))
+    args = json.dumps({"model": model, "num_processes": 2, "tensor_parallel_size": 4})
+    proc = subprocess.run([sys.executable, str(TESTS / "staggered.py"), args, str(tmp_path / "group")],
+                          env=cpu_env(2), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    group = json.loads(proc.stdout.strip().splitlines()[-1])
+    with EngineArgs(model=model, **{**ENGINE_ARGS, "enable_prefix_caching": True}).create_engine() as engine:
+        solo = snapshot_roundtrip(engine, str(tmp_path / "solo"))
+    assert group == solo and solo["hits"] > 0  # the continuation read the loaded pages
 
 
 # ----------------------------------------------------------------------------- processes
