@@ -267,32 +267,28 @@ class Engine:
 
             group, devices = start_leader(args)
         try:
-            return cls._from_args(args, group, devices)
+            return cls(
+                args.model_dir(),
+                args.tensor_parallel_size,
+                None if args.dtype == "auto" else args.dtype,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size,
+                num_blocks=args.num_blocks,
+                memory_utilization=args.gpu_memory_utilization,
+                max_model_len=args.max_model_len,
+                max_waiting_requests=args.max_waiting_requests,
+                seed=args.seed,
+                enable_prefix_caching=args.enable_prefix_caching,
+                num_state_slots=args.num_state_slots,
+                max_snapshots=args.max_snapshots,
+                group=group,
+                devices=devices,
+            )
         except BaseException:
-            if group is not None:
+            if group is not None:  # its followers must not outlive a start-up that failed
                 group.close(kill=True)
             raise
-
-    @classmethod
-    def _from_args(cls, args: "EngineArgs", group, devices) -> "Engine":
-        return cls(
-            args.model_dir(),
-            args.tensor_parallel_size,
-            None if args.dtype == "auto" else args.dtype,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            memory_utilization=args.gpu_memory_utilization,
-            max_model_len=args.max_model_len,
-            max_waiting_requests=args.max_waiting_requests,
-            seed=args.seed,
-            enable_prefix_caching=args.enable_prefix_caching,
-            num_state_slots=args.num_state_slots,
-            max_snapshots=args.max_snapshots,
-            group=group,
-            devices=devices,
-        )
 
     # ------------------------------------------------------------------ sizing
 

@@ -170,6 +170,33 @@ def start_engine(args: EngineArgs):
     return engine
 
 
+def start_serve(devices: int, *flags: str) -> tuple[subprocess.Popen, str, list[str]]:
+    """`jtp serve` with the dense settings on a free port in a subprocess (`devices` forced CPU
+    devices); returns it, its base URL and its stderr lines (collected on) once /ready answers."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JTP_COMPILATION_CACHE="")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jtp.cli", "serve", "--port", "0", "--no-warmup", *flags,
+         *(f"--{k.replace('_', '-')}={v}" for k, v in DENSE_ARGS.items() if k != "warmup")],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
+    log: list[str] = []
+    try:
+        for line in proc.stderr:
+            log.append(line)
+            if match := re.search(r"on (http://\S+?)/v1", line):
+                break
+        assert match, "".join(log)
+        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+        deadline = time.monotonic() + 120
+        while httpx.get(match.group(1) + "/ready").status_code != 200:
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(log)
+            time.sleep(0.1)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, match.group(1), log
+
+
 @pytest.fixture(scope="module")
 def dense():
     args = EngineArgs(**DENSE_ARGS)
@@ -186,26 +213,9 @@ def dense():
 def dense_group(dense):
     """`jtp serve --num-processes 2 -tp 4` (2 forced CPU devices each) with the dense settings; the
     one-process `dense` engine is the reference its answers must equal."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JTP_COMPILATION_CACHE="")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jtp.cli", "serve", "--port", "0", "--no-warmup", "--reasoning-parser", "qwen3",
-         "--num-processes", "2", "--tensor-parallel-size", "4",
-         *(f"--{k.replace('_', '-')}={v}" for k, v in DENSE_ARGS.items() if k != "warmup")],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
-    log: list[str] = []
+    proc, url, log = start_serve(2, "--reasoning-parser", "qwen3", "--num-processes", "2", "--tensor-parallel-size", "4")
     try:
-        for line in proc.stderr:
-            log.append(line)
-            if match := re.search(r"on (http://\S+?)/v1", line):
-                break
-        assert match, "".join(log)
-        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
-        deadline = time.monotonic() + 120
-        while httpx.get(match.group(1) + "/ready").status_code != 200:
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(log)
-            time.sleep(0.1)
-        yield Served(dense.engine, match.group(1), dense.model, remote=True)
+        yield Served(dense.engine, url, dense.model, remote=True)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, "".join(log[-50:])
     finally:
@@ -721,26 +731,9 @@ def test_full_waiting_queue_is_429_with_retry_after(hybrid):
 
 
 def test_jtp_serve_ctrl_c_ends_open_streams_and_exits():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jtp.cli", "serve", "--port", "0", "--no-warmup", "--api-key", API_KEY,
-         "--reasoning-parser", "qwen3", *(f"--{k.replace('_', '-')}={v}" for k, v in DENSE_ARGS.items()
-                                          if k != "warmup")],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
+    proc, url, log = start_serve(1, "--api-key", API_KEY, "--reasoning-parser", "qwen3")
     try:
-        log = []
-        for line in proc.stderr:
-            log.append(line)
-            if match := re.search(r"on (http://\S+?)/v1", line):
-                break
-        assert match, "".join(log)
-        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
-        served = Served(None, match.group(1), "jtp-demo", API_KEY)
-        deadline = time.monotonic() + 120
-        while httpx.get(served.url + "/ready").status_code != 200:
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(log)
-            time.sleep(0.1)
-
+        served = Served(None, url, "jtp-demo", API_KEY)
         body = {"model": served.model, "prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", served.url + "/v1/completions", json=body, headers=served.headers,
                           timeout=60) as r:
