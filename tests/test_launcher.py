@@ -348,20 +348,20 @@ class GroupServer:
             self.proc.wait(30)
 
 
-def fail_mid_generation(server: GroupServer, hurt) -> None:
-    """Start a long request, hurt the follower, and check the caller's error, the recovery and the
-    process table."""
+def fail_mid_generation(server: GroupServer, hurt, stream: bool) -> None:
+    """Start a long request (whole or streamed), hurt the follower, and check the caller's error,
+    the recovery and the process table."""
     reference = server.complete().choices[0].text
     victim = server.follower()
     outcome: dict = {}
+    body = {"model": "jtp-demo", "prompt": "Once upon a time", "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
 
     def long_request():
         t = time.monotonic()
-        try:
-            server.complete(max_tokens=480)
-            outcome["error"] = None
-        except openai.APIStatusError as e:
-            outcome["error"] = e
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            outcome["status"], outcome["headers"] = r.status_code, r.headers
+            outcome["lines"] = [line for line in r.iter_lines() if line]
         outcome["seconds"] = time.monotonic() - t
 
     caller = threading.Thread(target=long_request)
@@ -369,10 +369,14 @@ def fail_mid_generation(server: GroupServer, hurt) -> None:
     time.sleep(2.0)  # generating by now
     hurt(victim)
     caller.join(60)
-    error = outcome["error"]
-    assert error is not None and error.status_code == 503, (outcome, server.text())
-    assert error.response.headers["retry-after"] == "1"
-    assert "worker group failed" in error.message and f"pid {victim}" in error.message
+    if stream:  # the stream had started (200): it ends with an error event, then [DONE]
+        assert outcome["status"] == 200 and outcome["lines"][-1] == "data: [DONE]", outcome
+        error = json.loads(outcome["lines"][-2][len("data: "):])["error"]
+    else:
+        assert outcome["status"] == 503 and outcome["headers"]["retry-after"] == "1", (outcome, server.text())
+        error = json.loads(outcome["lines"][0])["error"]
+    assert error["code"] == "worker_group_failed" and error["type"] == "service_unavailable_error"
+    assert "worker group failed" in error["message"] and f"pid {victim}" in error["message"]
     assert outcome["seconds"] < 2.0 + 2 + 5  # within the heartbeat deadline (2 s) plus slack
     server.wait_ready()
     assert server.complete().choices[0].text == reference  # the restarted group serves the next request
@@ -383,8 +387,8 @@ def fail_mid_generation(server: GroupServer, hurt) -> None:
 def test_follower_kill_and_hang_fail_requests_retryably_then_the_group_recovers_and_sigterm_drains():
     server = GroupServer("--no-warmup")
     try:
-        fail_mid_generation(server, lambda pid: os.kill(pid, signal.SIGKILL))
-        fail_mid_generation(server, lambda pid: os.kill(pid, signal.SIGSTOP))
+        fail_mid_generation(server, lambda pid: os.kill(pid, signal.SIGKILL), stream=False)
+        fail_mid_generation(server, lambda pid: os.kill(pid, signal.SIGSTOP), stream=True)
         assert "restart 2" in server.text()
         # SIGTERM drains: the running request finishes normally, then everything exits.
         follower = server.follower()

@@ -1,0 +1,222 @@
+"""Where a decode step's time goes: the host's phases and the device's kernels, from one run.
+
+    python scripts/profile_step.py --model DIR [--tp 1] [--batch 1] [--context 1024] [--steps 24]
+                                   [--dtype bfloat16] [--out DIR] [--json FILE]
+
+B requests of `--context` random tokens are prefilled, then `--steps` decode steps run through the
+engine's real `step()` twice:
+1. timed on the host: each step split into scheduling, building the plan, the jitted call
+   (`runner.dispatch`: argument handling, transfer of the plan, launch), the wait for the previous
+   step's tokens (`jax.device_get`), and the rest (processing tokens, events);
+2. under `jax.profiler.trace`: the device's kernels summed by name (launches and busy time per
+   step, the largest kernels) and the host's own XLA events (argument parsing, input handling).
+
+The table says which side bounds a step: a device busy for less than the step's wall time waits
+for the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+class PhaseTimer:
+    """Wraps the engine's calls for one step's phases (the calls themselves are unchanged)."""
+
+    PHASES = ("schedule", "build_plan", "dispatch", "wait", "step")
+
+    def __init__(self, engine):
+        import jax
+
+        self.totals = collections.defaultdict(list)
+        self._current = collections.Counter()
+        sched = engine.scheduler
+        self._wrap(sched, "schedule")
+        self._wrap(sched, "build_plan")
+        self._wrap(engine.runner, "dispatch")
+        self._inner_get = jax.device_get
+        jax.device_get = self._timed(self._inner_get, "wait")
+
+    def _timed(self, fn, phase):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._current[phase] += time.perf_counter() - t
+
+        return timed
+
+    def _wrap(self, obj, name):
+        setattr(obj, name, self._timed(getattr(obj, name), name))
+
+    def step(self, engine):
+        self._current.clear()
+        t = time.perf_counter()
+        events = engine.step()
+        self._current["step"] = time.perf_counter() - t
+        for phase in self.PHASES:
+            self.totals[phase].append(self._current[phase])
+        return events
+
+    def medians_ms(self) -> dict:
+        med = {p: 1e3 * statistics.median(v) for p, v in self.totals.items()}
+        med["other"] = med["step"] - sum(med[p] for p in self.PHASES if p != "step")
+        return med
+
+
+def trace_events(log_dir: Path) -> tuple[list[dict], dict[int, str]]:
+    files = sorted(log_dir.glob("plugins/profile/*/perfetto_trace.json.gz")) or sorted(
+        log_dir.glob("plugins/profile/*/*.trace.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"no trace under {log_dir}")
+    data = json.load(gzip.open(files[-1]))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return [e for e in events if e.get("ph") == "X" and "dur" in e], names
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The union's length of [start, end) intervals (kernels on several streams overlap)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def summarize_trace(events: list[dict], names: dict[int, str], steps: int, top: int = 12) -> dict:
+    device_pids = {pid for pid, n in names.items() if "/device:" in n and "CPU" not in n}
+    kernels = [e for e in events if e["pid"] in device_pids]
+    # XLA's own host events; "$file:line fn" ones are the Python tracer's (nested, overlapping).
+    host = [e for e in events if e["pid"] not in device_pids and not e["name"].startswith("$")]
+    by_kernel = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        k = by_kernel[e["name"]]
+        k[0] += 1
+        k[1] += e["dur"]
+    by_host = collections.defaultdict(lambda: [0, 0.0])
+    for e in host:
+        k = by_host[e["name"]]
+        k[0] += 1
+        k[1] += e["dur"]
+    out = {
+        "device_kernels_per_step": len(kernels) / steps,
+        "device_busy_ms_per_step": busy_us([(e["ts"], e["ts"] + e["dur"]) for e in kernels]) / 1e3 / steps,
+        "device_kernel_ms_per_step": sum(e["dur"] for e in kernels) / 1e3 / steps,
+        "top_kernels": [
+            {"name": n[:90], "launches_per_step": c / steps, "ms_per_step": d / 1e3 / steps}
+            for n, (c, d) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]
+        ],
+        "top_host_events": [
+            {"name": n[:90], "calls_per_step": c / steps, "ms_per_step": d / 1e3 / steps}
+            for n, (c, d) in sorted(by_host.items(), key=lambda kv: -kv[1][1])[:top]
+        ],
+    }
+    return out
+
+
+def markdown(res: dict) -> str:
+    h = res["host_ms"]
+    lines = [
+        f"# profile_step: {res['model']} tp={res['tp']} B={res['batch']} context {res['context']} ({res['device']})",
+        "",
+        f"`{res['command']}`",
+        "",
+        "| host phase (median ms/step) | ms |",
+        "|---|---:|",
+    ]
+    for phase in ("schedule", "build_plan", "dispatch", "wait", "other", "step"):
+        lines.append(f"| {phase} | {h[phase]:.3f} |")
+    t = res.get("trace")
+    if t:
+        lines += [
+            "",
+            f"device: {t['device_kernels_per_step']:.0f} kernels/step, busy {t['device_busy_ms_per_step']:.3f} ms/step "
+            f"(kernel time {t['device_kernel_ms_per_step']:.3f}) of a {h['step']:.3f} ms step",
+            "",
+            "| kernel | launches/step | ms/step |",
+            "|---|---:|---:|",
+        ]
+        lines += [f"| `{k['name']}` | {k['launches_per_step']:.1f} | {k['ms_per_step']:.3f} |" for k in t["top_kernels"]]
+        lines += ["", "| host event (XLA runtime) | calls/step | ms/step |", "|---|---:|---:|"]
+        lines += [f"| `{k['name']}` | {k['calls_per_step']:.1f} | {k['ms_per_step']:.3f} |" for k in t["top_host_events"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", type=Path, default=Path("/tmp/jtp-profile"))
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--markdown", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    from jtp.engine import Engine
+    from jtp.sampling import SamplingParams
+
+    chunk = max(512, 2 * args.batch)
+    engine = Engine(args.model, tensor_parallel_size=args.tp, dtype=args.dtype, max_num_seqs=args.batch,
+                    max_num_batched_tokens=chunk, num_blocks=args.batch * (-(-(args.context + 3 * args.steps + 64) // 16) + 1),
+                    max_model_len=args.context + 3 * args.steps + 64, tokenizer=False, enable_prefix_caching=False)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=3 * args.steps + 32, temperature=0.0, ignore_eos=True)
+    rids = [engine.submit(rng.integers(0, engine.cfg.vocab_size, args.context).tolist(), params)
+            for _ in range(args.batch)]
+    outs = [engine._outputs[r] for r in rids]
+    while any(not o.request.output_ids for o in outs):  # prefill
+        engine.step()
+    timer = PhaseTimer(engine)
+    for _ in range(4):  # compiled, steady
+        engine.step()
+    for _ in range(args.steps):
+        timer.step(engine)
+    res = {
+        "command": " ".join(["scripts/profile_step.py", *(argv if argv is not None else sys.argv[1:])]),
+        "model": Path(args.model).name, "tp": args.tp, "batch": args.batch, "context": args.context,
+        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "jax": jax.__version__,
+        "host_ms": timer.medians_ms(),
+    }
+    with jax.profiler.trace(str(args.out), create_perfetto_trace=True):
+        for _ in range(args.steps):
+            engine.step()
+        jax.block_until_ready(engine.runner.sampled)
+    try:
+        res["trace"] = summarize_trace(*trace_events(args.out), args.steps)
+    except (FileNotFoundError, KeyError, ValueError) as e:
+        res["trace_error"] = f"{type(e).__name__}: {e}"
+    for r in rids:
+        engine.abort(r)
+    engine.close()
+    md = markdown(res)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
