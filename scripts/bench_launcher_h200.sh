@@ -13,7 +13,9 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" || true
 [ -d /tmp/q8 ] || python3 scripts/make_random_checkpoint.py --preset qwen3-8b --out /tmp/q8 --generator jax
 
-case "${1:-all}" in
+common=(--model /tmp/q8 --tp 2 --batch-sizes 1,8,64 --context 1024 --prefill-len 2048 --max-seconds 150)
+for stage in "${@:-all}"; do
+case "$stage" in
 all|parity)
   python3 tests/staggered.py '{"model": "/tmp/q8", "tensor_parallel_size": 2, "dtype": "float32"}' \
     > "$OUT/parity-1proc.json" 2> "$OUT/parity-1proc.log"
@@ -25,11 +27,13 @@ all|parity)
     echo "parity: DIFFERENT tokens" | tee "$OUT/parity.txt"
   fi
   ;;&
-all|speed)
-  common=(--model /tmp/q8 --tp 2 --batch-sizes 1,8,64 --context 1024 --prefill-len 2048 --max-seconds 200)
+all|speed|speed1)
   python3 scripts/bench.py "${common[@]}" --json "$OUT/tp2-1proc.json" --markdown "$OUT/tp2-1proc.md" \
     > "$OUT/tp2-1proc.log" 2>&1 || tail -20 "$OUT/tp2-1proc.log"
+  ;;&
+all|speed|speed2)
   python3 scripts/bench.py "${common[@]}" --num-processes 2 --json "$OUT/tp2-2proc.json" \
     --markdown "$OUT/tp2-2proc.md" > "$OUT/tp2-2proc.log" 2>&1 || tail -20 "$OUT/tp2-2proc.log"
   ;;
 esac
+done
