@@ -16,16 +16,23 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" 
 common=(--model /tmp/q8 --tp 2 --batch-sizes 1,8,64 --context 1024 --prefill-len 2048 --max-seconds 150)
 for stage in "${@:-all}"; do
 case "$stage" in
-all|parity)
-  python3 tests/staggered.py '{"model": "/tmp/q8", "tensor_parallel_size": 2, "dtype": "float32"}' \
-    > "$OUT/parity-1proc.json" 2> "$OUT/parity-1proc.log"
-  python3 tests/staggered.py '{"model": "/tmp/q8", "tensor_parallel_size": 2, "dtype": "float32", "num_processes": 2}' \
-    > "$OUT/parity-2proc.json" 2> "$OUT/parity-2proc.log"
-  if cmp -s <(tail -1 "$OUT/parity-1proc.json") <(tail -1 "$OUT/parity-2proc.json"); then
-    echo "parity: identical greedy tokens" | tee "$OUT/parity.txt"
-  else
-    echo "parity: DIFFERENT tokens" | tee "$OUT/parity.txt"
+all|parity|parity-exact)
+  # parity: XLA's defaults (float32 dots in TF32, GEMM algorithms autotuned per process).
+  # parity-exact: full float32 dots and no autotuning, so both runs compile the same arithmetic.
+  tag=$stage; [ "$stage" = all ] && tag=parity
+  if [ "$tag" = parity-exact ]; then
+    export XLA_FLAGS="--xla_gpu_autotune_level=0" JAX_DEFAULT_MATMUL_PRECISION=highest
   fi
+  python3 tests/staggered.py '{"model": "/tmp/q8", "tensor_parallel_size": 2, "dtype": "float32"}' \
+    > "$OUT/$tag-1proc.json" 2> "$OUT/$tag-1proc.log"
+  python3 tests/staggered.py '{"model": "/tmp/q8", "tensor_parallel_size": 2, "dtype": "float32", "num_processes": 2}' \
+    > "$OUT/$tag-2proc.json" 2> "$OUT/$tag-2proc.log"
+  if cmp -s <(tail -1 "$OUT/$tag-1proc.json") <(tail -1 "$OUT/$tag-2proc.json"); then
+    echo "$tag: identical greedy tokens" | tee "$OUT/$tag.txt"
+  else
+    echo "$tag: DIFFERENT tokens" | tee "$OUT/$tag.txt"
+  fi
+  unset XLA_FLAGS JAX_DEFAULT_MATMUL_PRECISION
   ;;&
 all|speed|speed1)
   python3 scripts/bench.py "${common[@]}" --json "$OUT/tp2-1proc.json" --markdown "$OUT/tp2-1proc.md" \
