@@ -378,16 +378,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_args(args: argparse.Namespace) -> int:
     """Build the engine from parsed flags, run the batch, print the summary."""
-    if EngineArgs.from_cli_args(args).is_follower:  # across machines: this host follows the leader's batch
-        return run_follower(EngineArgs.from_cli_args(args))
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.warmup = False  # the batch compiles the shapes it meets
+    if engine_args.is_follower:  # across machines: this host follows the leader's batch
+        return run_follower(engine_args)
     if not Path(args.input).is_file():
         raise ConfigError(f"--input {args.input}: no such file")
     if Path(args.input).resolve() == Path(args.output).resolve():
         raise ConfigError("--input and --output are the same file")
     if not Path(args.output).resolve().parent.is_dir():
         raise ConfigError(f"--output {args.output}: its directory does not exist")
-    engine_args = EngineArgs.from_cli_args(args)
-    engine_args.warmup = False  # the batch compiles the shapes it meets
     try:
         with open_engine(engine_args) as engine:
             stats = run(engine, args.input, args.output, limit=args.limit)

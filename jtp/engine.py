@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING
 import jax
 
 from jtp.block_hash import block_keys, root_key
+from jtp.engine_args import resolve_state_slots
 from jtp.errors import ContextLengthError, EngineClosedError, QueueFullError, RequestError, WorkerGroupError
 from jtp.page_pool import PagePool
-from jtp.runner import ModelRunner
+from jtp.runner import ModelRunner, is_ready
 from jtp.sampling import SamplingParams, pack_penalty_tokens, pack_sampling, request_seed
 from jtp.scheduler import Request, Scheduler, ScheduledRow, Status
 from jtp.snapshots import Snapshot, SnapshotRegistry
@@ -199,7 +200,7 @@ class Engine:
     ):
         # A multi-process group (jtp/group.py): the runner sends each collective call to the followers.
         runner_args = dict(block_size=block_size, max_seqs=max_num_seqs, devices=devices,
-                           num_state_slots=num_state_slots or 2 * max_num_seqs + 8)
+                           num_state_slots=resolve_state_slots(max_num_seqs, num_state_slots))
         if group is None:
             self.runner = ModelRunner(model_dir, tensor_parallel_size, dtype, **runner_args)
         else:
@@ -463,7 +464,7 @@ class Engine:
     @staticmethod
     def _step_done(result) -> bool:
         """Whether a dispatched step's results are ready (the device is waiting for the host)."""
-        return all(x.is_ready() for x in jax.tree.leaves(result))
+        return is_ready(result)
 
     def _dispatch(self, rows: list[ScheduledRow]):
         plan = self.scheduler.build_plan(rows)

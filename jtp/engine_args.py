@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def resolve_state_slots(max_num_seqs: int, num_state_slots: int | None = None) -> int:
+    """Recurrent-state slots: as asked, else 2 x max_num_seqs + 8 (each running request's slot,
+    plus as many again for checkpoints and a few for snapshots)."""
+    return num_state_slots or 2 * max_num_seqs + 8
+
+
 @dataclasses.dataclass
 class EngineArgs:
     model: str | None = None  # HF (or `jtp convert`) model directory; None = the embedded demo

@@ -23,11 +23,10 @@ import threading
 import time
 
 from jtp.control import Channel, ChannelError, Kind, connect_handshake
-from jtp.engine_args import EngineArgs
+from jtp.engine_args import EngineArgs, resolve_state_slots
 from jtp.errors import ConfigError
 from jtp.launcher import (
-    LAUNCH_ENV, SECRET_ENV, LaunchSpec, describe_mesh, exit_with_parent, fingerprint, init_distributed,
-    mesh_devices, sanity_check, split_address,
+    LAUNCH_ENV, SECRET_ENV, LaunchSpec, describe_mesh, exit_with_parent, fingerprint, join_group, split_address,
 )
 
 log = logging.getLogger("jtp.follower")
@@ -64,10 +63,7 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
     threading.Thread(target=_heartbeat, args=(channel, args.heartbeat_timeout / 4), name="jtp-heartbeat",
                      daemon=True).start()
 
-    per_process = args.tensor_parallel_size // spec.num_processes
-    init_distributed(spec, per_process, args.heartbeat_timeout)
-    devices = mesh_devices(spec.num_processes, per_process)
-    sanity_check(devices)
+    devices = join_group(spec, args.tensor_parallel_size // spec.num_processes, args.heartbeat_timeout)
 
     from jtp.group import tokens_digest
     from jtp.runner import ModelRunner
@@ -76,7 +72,7 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
     runner = ModelRunner(
         args.model_dir(), args.tensor_parallel_size, None if args.dtype == "auto" else args.dtype,
         block_size=args.block_size, max_seqs=args.max_num_seqs, devices=devices,
-        num_state_slots=args.num_state_slots or 2 * args.max_num_seqs + 8,
+        num_state_slots=resolve_state_slots(args.max_num_seqs, args.num_state_slots),
     )
     channel.send(Kind.READY, json.dumps(describe_mesh(devices)).encode())
     log.info("follower %d ready: %d devices", spec.process_id, len(devices))

@@ -32,7 +32,7 @@ from jtp.errors import ConfigError
 from jtp.launcher import (
     LaunchSpec, describe_exit, describe_mesh, fingerprint_mismatches, reap, spawn_followers, split_address,
 )
-from jtp.runner import ModelRunner
+from jtp.runner import ModelRunner, is_ready
 from jtp.step_input import StepInput
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class WorkerGroup:
         try:
             if spec.bind_loopback:
                 group.procs = spawn_followers(spec, args, group.devices_per_process)
-            weakref.finalize(group, _kill_all, list(group.procs))  # a leader that never closes still reaps
+            weakref.finalize(group, reap, list(group.procs), 0.0)  # a leader that never closes still reaps
             group._admit(listener, my_fingerprint, time.monotonic() + init_timeout)
         except BaseException:
             group.close(kill=True)
@@ -145,7 +145,8 @@ class WorkerGroup:
     def _check_children(self) -> None:
         for i, proc in enumerate(self.procs):
             if proc.poll() is not None:
-                raise RuntimeError(f"follower {i + 1} ended during start-up ({describe_exit(proc)}); see its output above")
+                raise RuntimeError(f"follower {i + 1} (pid {proc.pid}) ended during start-up ({describe_exit(proc)}); "
+                                   "see its output above")
 
     def wait_ready(self, devices: dict, timeout: float = 600.0) -> None:
         """Wait until every follower has loaded the model; their meshes must equal the leader's."""
@@ -198,7 +199,7 @@ class WorkerGroup:
             except ChannelError as e:
                 if not self._closed:
                     if f.proc is not None and _exited(f.proc, 0.5):
-                        self.fail(f"{f.name()} {describe_exit(f.proc).split(' ', 2)[2]}")
+                        self.fail(f"{f.name()} {describe_exit(f.proc)}")
                     else:
                         self.fail(f"{f.name()} closed its control channel: {e}")
                 return
@@ -218,7 +219,7 @@ class WorkerGroup:
         import jax
 
         with self._lock:
-            ready = [(s, r) for s, r in self._to_digest if all(x.is_ready() for x in jax.tree.leaves(r))]
+            ready = [(s, r) for s, r in self._to_digest if is_ready(r)]
             self._to_digest = [item for item in self._to_digest if item not in ready]
         for step, result in ready:
             self._digests[step] = tokens_digest(jax.device_get(result.tokens))
@@ -237,14 +238,12 @@ class WorkerGroup:
             del self._digests[step]
 
     def _monitor(self) -> None:
-        import jax
-
         while not self._closed and not self.failed.is_set():
             time.sleep(0.1)
             now = time.monotonic()
             for f in self.followers:
                 if f.proc is not None and f.proc.poll() is not None:
-                    self.fail(f"{f.name()} {describe_exit(f.proc).split(' ', 2)[2]}")
+                    self.fail(f"{f.name()} {describe_exit(f.proc)}")
                 elif now - f.last_seen > self.heartbeat_timeout:
                     self.fail(f"{f.name()} sent no heartbeat for {now - f.last_seen:.1f} s (hung or stopped)")
             self._compare_digests()
@@ -253,7 +252,7 @@ class WorkerGroup:
             if inflight is None:
                 continue
             step, since, result = inflight
-            if all(x.is_ready() for x in jax.tree.leaves(result)):
+            if is_ready(result):
                 with self._lock:
                     if self._inflight is inflight:
                         self._inflight = None
@@ -268,7 +267,7 @@ class WorkerGroup:
             self.failure = reason
         log.error("worker group failed: %s", reason)
         self.failed.set()
-        _kill_all(self.procs)
+        reap(self.procs, grace=0.0)
         for callback in self._callbacks:
             try:
                 callback(reason)
@@ -292,22 +291,9 @@ class WorkerGroup:
             deadline = time.monotonic() + 30
             for f in self.followers:
                 f.gone.wait(max(0.0, deadline - time.monotonic()))
-        if kill or self.failure is not None:
-            _kill_all(self.procs)
-        reap(self.procs, grace=10.0)
+        reap(self.procs, grace=0.0 if kill or self.failure is not None else 10.0)
         for f in self.followers:
             f.channel.close()
-
-
-def _kill_all(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-    for proc in procs:
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 class GroupRunner(ModelRunner):
@@ -361,16 +347,14 @@ class GroupRunner(ModelRunner):
 def start_leader(args) -> tuple[WorkerGroup, list]:
     """Form the group these engine args describe, as its leader: admit the followers, join JAX's
     runtime and check every device answers. Returns the group and the mesh's devices."""
-    from jtp.launcher import fingerprint, init_distributed, mesh_devices, sanity_check
+    from jtp.launcher import fingerprint, join_group
 
     spec = LaunchSpec.resolve(args)
     if not spec.is_leader:
         raise ConfigError(f"process {spec.process_id} is a follower; it runs jtp.follower, not an engine")
     group = WorkerGroup.start(args, spec, fingerprint(args))
     try:
-        init_distributed(spec, group.devices_per_process, args.heartbeat_timeout)
-        devices = mesh_devices(spec.num_processes, group.devices_per_process)
-        sanity_check(devices)
+        devices = join_group(spec, group.devices_per_process, args.heartbeat_timeout)
     except BaseException:
         group.close(kill=True)
         raise

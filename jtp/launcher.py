@@ -216,6 +216,15 @@ def init_distributed(spec: LaunchSpec, devices_per_process: int, heartbeat_timeo
     )
 
 
+def join_group(spec: LaunchSpec, devices_per_process: int, heartbeat_timeout: float) -> list:
+    """Join JAX's runtime and check every device answers (leader and followers alike, in this
+    order); returns the mesh's devices."""
+    init_distributed(spec, devices_per_process, heartbeat_timeout)
+    devices = mesh_devices(spec.num_processes, devices_per_process)
+    sanity_check(devices)
+    return devices
+
+
 def mesh_devices(num_processes: int, devices_per_process: int) -> list:
     """The mesh's devices: the first `devices_per_process` of each process, in process order."""
     import jax
@@ -295,19 +304,21 @@ def exit_with_parent(parent_pid: int) -> None:
 
 
 def describe_exit(proc: subprocess.Popen) -> str:
+    """How a child ended: "killed by SIGKILL", "exited with status 2" (or "still running")."""
     code = proc.poll()
     if code is None:
-        return f"pid {proc.pid} still running"
+        return "still running"
     if code < 0:
         try:
-            return f"pid {proc.pid} killed by {signal.Signals(-code).name}"
+            return f"killed by {signal.Signals(-code).name}"
         except ValueError:
-            return f"pid {proc.pid} killed by signal {-code}"
-    return f"pid {proc.pid} exited with status {code}"
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def reap(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
-    """Wait for children to exit (up to `grace` seconds in all), then SIGKILL and wait for the rest."""
+    """Wait for children to exit (up to `grace` seconds in all; 0 kills at once), then SIGKILL and
+    wait for the rest."""
     deadline = time.monotonic() + grace
     for proc in procs:
         try:

@@ -21,7 +21,7 @@ from jtp.config import ModelConfig
 from jtp.models import family_of
 from jtp.sampling import MAX_LOGPROBS, SampleResult, pack_sampling, sample
 from jtp.sharding import make_mesh, replicated, tp_size
-from jtp.step_input import StepInput, StepPlan
+from jtp.step_input import SamplingBatch, StepInput, StepPlan
 from jtp.weights import load_params, resolve_dtype
 
 
@@ -39,6 +39,11 @@ def plan_metadata(plan: StepPlan) -> AttentionMetadata:
         state_writes=plan.state_writes,
         query_bound=np.arange(plan.max_row_len or len(plan.token_ids), dtype=np.int32),
     )
+
+
+def is_ready(result) -> bool:
+    """Whether a dispatched step's results are on the host's reach (the device finished it)."""
+    return all(x.is_ready() for x in jax.tree.leaves(result))
 
 
 class ModelRunner:

@@ -503,16 +503,18 @@ def load_snapshots(
     if not include_prefix_cache:
         cache_rows, cache_state_rows = [], []
 
+    def read():
+        return engine.runner.read_pages(path, meta) if (snap_rows or cache_rows or cache_state_rows) else {}
+
+    # One process reads while serving goes on; a group reads in step order, under the lock below.
     in_group = getattr(engine, "group", None) is not None
-    arrays = None
-    if not in_group:  # one process: read while serving goes on (in a group, in step order below)
-        arrays = engine.runner.read_pages(path, meta) if (snap_rows or cache_rows or cache_state_rows) else {}
+    arrays = None if in_group else read()
     with engine._lock:
         if engine.runner.cache is None:
             raise RequestError("the engine is closed: its cache is gone")
         engine._settle()
         if arrays is None:
-            arrays = engine.runner.read_pages(path, meta) if (snap_rows or cache_rows or cache_state_rows) else {}
+            arrays = read()
         loaded = _install(
             engine, entries, sizes, block_keys_saved, state_keys_saved, arrays, cache_rows, cache_state_rows
         )

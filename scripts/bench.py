@@ -169,7 +169,7 @@ def _torch_copy_rates(device, copy_bytes: int, repeats: int) -> list[float] | No
             a = torch.randn(copy_bytes // 4, device="cuda")
             b = torch.empty_like(a)
             rates = _copy_rates(lambda _: b.copy_(a), None, copy_bytes, repeats, sync=lambda _: torch.cuda.synchronize())
-            del a, b
+            a = b = None  # freed before the cache is emptied
             torch.cuda.empty_cache()
             return rates
     except Exception as e:  # noqa: BLE001 - an optional peer; the jax copies still measure the ceiling

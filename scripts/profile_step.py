@@ -98,21 +98,21 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _by_name(events: list[dict]) -> dict[str, list]:
+    """{event name: [count, total microseconds]}."""
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        totals[e["name"]][0] += 1
+        totals[e["name"]][1] += e["dur"]
+    return totals
+
+
 def summarize_trace(events: list[dict], names: dict[int, str], steps: int, top: int = 12) -> dict:
     device_pids = {pid for pid, n in names.items() if "/device:" in n and "CPU" not in n}
     kernels = [e for e in events if e["pid"] in device_pids]
     # XLA's own host events; "$file:line fn" ones are the Python tracer's (nested, overlapping).
     host = [e for e in events if e["pid"] not in device_pids and not e["name"].startswith("$")]
-    by_kernel = collections.defaultdict(lambda: [0, 0.0])
-    for e in kernels:
-        k = by_kernel[e["name"]]
-        k[0] += 1
-        k[1] += e["dur"]
-    by_host = collections.defaultdict(lambda: [0, 0.0])
-    for e in host:
-        k = by_host[e["name"]]
-        k[0] += 1
-        k[1] += e["dur"]
+    by_kernel, by_host = _by_name(kernels), _by_name(host)
     out = {
         "device_kernels_per_step": len(kernels) / steps,
         "device_busy_ms_per_step": busy_us([(e["ts"], e["ts"] + e["dur"]) for e in kernels]) / 1e3 / steps,
