@@ -43,7 +43,7 @@ from jtp.sampling import SamplingParams, pack_penalty_tokens, pack_sampling, req
 from jtp.scheduler import Request, Scheduler, ScheduledRow, Status
 from jtp.snapshots import Snapshot, SnapshotRegistry
 from jtp.state_pool import StatePool
-from jtp.step_input import StepInput
+from jtp.step_input import StepInput, pack_stop_ids
 from jtp.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -195,12 +195,14 @@ class Engine:
         num_state_slots: int | None = None,
         max_snapshots: int = 64,
         snapshot_budget_bytes: int | None = None,
+        num_scheduler_steps: int = 4,
         group=None,
         devices=None,
     ):
         # A multi-process group (jtp/group.py): the runner sends each collective call to the followers.
         runner_args = dict(block_size=block_size, max_seqs=max_num_seqs, devices=devices,
-                           num_state_slots=resolve_state_slots(max_num_seqs, num_state_slots))
+                           num_state_slots=resolve_state_slots(max_num_seqs, num_state_slots),
+                           num_scheduler_steps=num_scheduler_steps)
         if group is None:
             self.runner = ModelRunner(model_dir, tensor_parallel_size, dtype, **runner_args)
         else:
@@ -231,6 +233,7 @@ class Engine:
             self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
             bucket_blocks=self.runner.attention.impl != "kernel",
             states=self.states, cache_root=root_key(self.cache_identity) if enable_prefix_caching else None,
+            num_scheduler_steps=num_scheduler_steps,
         )
         self.snapshots = SnapshotRegistry(
             max_snapshots,
@@ -283,6 +286,7 @@ class Engine:
                 enable_prefix_caching=args.enable_prefix_caching,
                 num_state_slots=args.num_state_slots,
                 max_snapshots=args.max_snapshots,
+                num_scheduler_steps=args.num_scheduler_steps,
                 group=group,
                 devices=devices,
             )
@@ -479,21 +483,25 @@ class Engine:
             penalty = pack_penalty_tokens(
                 [q.prompt_ids if q else None for q in reqs], [q.output_ids if q else None for q in reqs], B
             )
-        result = self.runner.dispatch(StepInput(plan, sampling, penalty))
+        stop_ids = pack_stop_ids([r.request.stop_ids for r in rows], B) if plan.max_row_len == 1 else None
+        result = self.runner.dispatch(StepInput(plan, sampling, penalty, stop_ids))
         self.scheduler.dispatched(rows)
         return result
 
     def _process(self, rows: list[ScheduledRow], result) -> list[TokenEvent]:
-        result = jax.device_get(result)  # waits for the device
+        result = jax.device_get(result)  # waits for the device; fields are [steps, rows]
+        per_step = [jax.tree.map(lambda x, i=i: x[i], result) for i in range(len(result.tokens))]
         events = []
         now = time.monotonic()
         for b, row in enumerate(rows):
             req = row.request
-            if row.samples:
+            if not row.samples:
+                continue
+            for i in range(row.steps):
                 req.pending -= 1
                 if req.status is Status.RUNNING:  # else finished or aborted meanwhile: discard
                     req.first_token_time = req.first_token_time or now
-                    events.append(self._append(req, int(result.tokens[b]), result, b))
+                    events.append(self._append(req, int(per_step[i].tokens[b]), per_step[i], b))
         return events
 
     def _append(self, req: Request, token: int, result, b: int) -> TokenEvent:

@@ -47,6 +47,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True  # reuse the KV (and recurrent state) of earlier prompts' prefixes
     num_state_slots: int | None = None  # hybrid models: recurrent-state slots (None = 2 x max_num_seqs + 8)
     max_snapshots: int = 64  # explicit snapshots kept (LRU beyond it)
+    num_scheduler_steps: int = 4  # decode steps one dispatch may run on the device (multi-step decode)
     # Multi-process groups (jtp/launcher.py): one JAX process per host or device group.
     num_processes: int = 1
     process_id: int | None = None  # None: spawn the followers on this host (or ask the cluster)
@@ -97,6 +98,7 @@ class EngineArgs:
             f"must exceed --max-num-seqs ({self.max_num_seqs}): every running request needs a slot, and checkpoints more",
         )
         need(self.max_snapshots >= 0, "max_snapshots", "must be at least 0")
+        need(1 <= self.num_scheduler_steps <= 64, "num_scheduler_steps", "must be in 1..64")
         need(self.num_processes >= 1, "num_processes", "must be at least 1")
         need(
             self.tensor_parallel_size % self.num_processes == 0,
@@ -176,6 +178,9 @@ class EngineArgs:
                             "(default: 2 x max-num-seqs + 8)")
         p.add_argument("--max-snapshots", type=int, default=d.max_snapshots,
                        help="explicit KV snapshots kept (least recently used evicted beyond it)")
+        p.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
+                       help="decode steps one dispatch runs on the device when every row decodes: the host's "
+                            "cost per call is paid once for up to this many tokens (1: one step per call)")
         g = p.add_argument_group("multi-process (one JAX process per host or device group; see the README)")
         g.add_argument("--num-processes", type=int, default=d.num_processes,
                        help="processes in the group; alone, the leader spawns the others on this host")

@@ -170,6 +170,7 @@ def fingerprint(args: "EngineArgs") -> dict:
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "num_state_slots": args.num_state_slots,
+        "num_scheduler_steps": args.num_scheduler_steps,
         "num_processes": args.num_processes,
     }
 

@@ -21,7 +21,7 @@ from jtp.config import ModelConfig
 from jtp.models import family_of
 from jtp.sampling import MAX_LOGPROBS, SampleResult, pack_sampling, sample
 from jtp.sharding import make_mesh, replicated, tp_size
-from jtp.step_input import SamplingBatch, StepInput, StepPlan
+from jtp.step_input import SamplingBatch, StepInput, StepPlan, pack_stop_ids
 from jtp.weights import load_params, resolve_dtype
 
 
@@ -57,6 +57,7 @@ class ModelRunner:
         max_seqs: int = 64,
         devices=None,
         num_state_slots: int | None = None,
+        num_scheduler_steps: int = 4,
     ):
         self.cfg = ModelConfig.from_dir(model_dir)
         self.mesh = make_mesh(tensor_parallel_size, devices)
@@ -74,6 +75,14 @@ class ModelRunner:
         self.attention = choose_attention(self.mesh)
         self._step_fn = jax.jit(
             functools.partial(_step, self.family, self.cfg, self.attention),
+            donate_argnums=(1, 2),
+            static_argnames=("flags",),
+        )
+        # Pure decode steps loop on the device: up to num_scheduler_steps tokens per row per dispatch,
+        # so the host's cost of a call (launch, arguments, Python) is paid once for several tokens.
+        self.num_scheduler_steps = num_scheduler_steps
+        self._decode_fn = jax.jit(
+            functools.partial(_decode_steps, self.family, self.cfg, self.attention, block_size, num_scheduler_steps),
             donate_argnums=(1, 2),
             static_argnames=("flags",),
         )
@@ -118,12 +127,34 @@ class ModelRunner:
         """Enqueue one step (forward + sampling) and return at once with device-side results.
 
         Token id -1 in the plan means "the token last sampled for this row's state slot".
+        Every result field has a leading axis of decode steps: [1, B] for a plain step,
+        [num_scheduler_steps, B] for a pure decode step, whose rows sample `plan.num_steps`
+        tokens each (fewer if every row sampled a stop token; later entries are then zero).
         `jax.device_get` on the result waits for the device; only sampled results come back.
         """
         args, flags = self._step_args(step)
         with _count_traces(self):
-            result, self.cache, self.sampled = self._step_fn(*args, flags=flags)
+            if self._loops(step.plan):
+                result, self.cache, self.sampled = self._decode_fn(*args, *self._loop_args(step), flags=flags)
+            else:
+                if step.plan.num_steps != 1:
+                    raise ValueError(f"a step with prompt rows runs one step, not {step.plan.num_steps}")
+                result, self.cache, self.sampled = self._step_fn(*args, flags=flags)
         return result
+
+    def _loops(self, plan: StepPlan) -> bool:
+        """Whether this plan runs through the decode loop (every pure decode step, when enabled)."""
+        return self.num_scheduler_steps > 1 and plan.max_row_len == 1
+
+    def _loop_args(self, step: StepInput):
+        n = step.plan.num_steps
+        if not 1 <= n <= self.num_scheduler_steps:
+            raise ValueError(f"num_steps {n} is outside 1..{self.num_scheduler_steps} (--num-scheduler-steps)")
+        if n > 1 and step.penalty_tokens is not None:
+            raise ValueError("penalties need the token history of every step: they run one step per dispatch")
+        B = len(step.plan.context_lens)
+        stop_ids = step.stop_ids if step.stop_ids is not None else pack_stop_ids([], B)
+        return np.asarray(stop_ids, np.int32), np.int32(n)
 
     def compiled_text(self, plan: StepPlan, sampling: SamplingBatch | None = None, penalty_tokens=None) -> str:
         """The optimized HLO of the serving step (what `dispatch` runs) for this plan's shapes, to
@@ -186,8 +217,71 @@ def _step(
     family, cfg, attention, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling, penalty_tokens,
     flags,
 ):
-    """The serving step: forward over the ragged batch, logits at each row's index, sampling."""
+    """The serving step: forward over the ragged batch, logits at each row's index, sampling.
+    Results get a leading axis of one step (the decode loop's results have several)."""
     _TRACES.count += 1
+    result, cache, sampled = _forward_and_sample(
+        family, cfg, attention, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling,
+        penalty_tokens, flags,
+    )
+    return jax.tree.map(lambda x: x[None], result), cache, sampled
+
+
+def _decode_steps(
+    family, cfg, attention, block_size, max_steps, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
+    sampling, penalty_tokens, stop_ids, num_steps, flags,
+):
+    """Up to `num_steps` decode steps of a pure decode batch (one token per row) in one call.
+
+    Step i feeds each row the token step i-1 sampled, one position further (its K/V slot found in
+    the row's block table, which the scheduler extended for every step), samples with the row's
+    key for generation step `step + i` (what i separate steps would use), and writes the state
+    slot it wrote before. The loop ends early once every row has sampled one of its stop ids.
+    """
+    _TRACES.count += 1
+    real_token = meta.slot_mapping >= 0
+    real_row = seq_slots >= 0
+    B, n = seq_slots.shape[0], flags.num_logprobs
+    zeros = lambda dtype, *shape: jnp.zeros((max_steps, B, *shape), dtype)  # noqa: E731
+    results = SampleResult(zeros(jnp.int32), zeros(jnp.float32), zeros(jnp.int32, n) if n else None,
+                           zeros(jnp.float32, n) if n else None)
+
+    def advance(meta):
+        positions = meta.positions + real_token
+        table_row = meta.block_tables[meta.token_rows]
+        page = jnp.take_along_axis(table_row, (positions // block_size)[:, None], axis=1)[:, 0]
+        return meta._replace(
+            positions=positions,
+            slot_mapping=jnp.where(real_token, page * block_size + positions % block_size, -1),
+            context_lens=meta.context_lens + real_row,
+            state_reads=jnp.where(meta.state_writes >= 0, meta.state_writes, meta.state_reads),
+        )
+
+    def body(carry):
+        i, cache, sampled, tokens, meta, results, done = carry
+        step_sampling = sampling._replace(step=sampling.step + i)
+        result, cache, sampled = _forward_and_sample(
+            family, cfg, attention, params, cache, sampled, tokens, meta, logits_indices, seq_slots, step_sampling,
+            penalty_tokens, flags,
+        )
+        results = jax.tree.map(lambda acc, r: acc.at[i].set(r), results, result)
+        done = done | jnp.any(result.tokens[:, None] == stop_ids, axis=1)
+        tokens = jnp.where(real_token, -1, tokens)  # from now on: what the row sampled last
+        return i + 1, cache, sampled, tokens, advance(meta), results, done
+
+    def more(carry):
+        i, *_, done = carry
+        return (i < num_steps) & ~jnp.all(done)
+
+    carry = (jnp.int32(0), cache, sampled, tokens, meta, results, ~real_row)
+    _, cache, sampled, _, _, results, _ = jax.lax.while_loop(more, body, carry)
+    return results, cache, sampled
+
+
+def _forward_and_sample(
+    family, cfg, attention, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling, penalty_tokens,
+    flags,
+):
     slot_of_token = seq_slots[meta.token_rows]
     tokens = jnp.where(tokens >= 0, tokens, sampled[jnp.maximum(slot_of_token, 0)])
     hidden, cache = family.forward(params, cfg, tokens, cache, meta, attention)

@@ -163,6 +163,7 @@ class ScheduledRow:
     samples: bool = dataclasses.field(init=False)  # frozen now: the request grows once dispatched
     state_read: int = -1  # recurrent-state slots (hybrid models)
     state_write: int = -1
+    steps: int = 1  # tokens the row samples: several in a multi-step decode (one token fed, K sampled)
 
     def __post_init__(self):
         # The row reaches the end of the known tokens, so its last logits pick the next one.
@@ -173,9 +174,11 @@ class Scheduler:
     def __init__(
         self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
         bucket_blocks: bool = True, states: StatePool | None = None, cache_root: bytes | None = None,
+        num_scheduler_steps: int = 1,
     ):
         """`states`: the recurrent-state pool of a hybrid model (None: attention only).
-        `cache_root`: the root key of the prefix cache's hash chain (None: prefix caching off)."""
+        `cache_root`: the root key of the prefix cache's hash chain (None: prefix caching off).
+        `num_scheduler_steps`: the most decode steps one pure decode step may run on the device."""
         if max_num_batched_tokens <= max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_num_seqs ({max_num_seqs}) "
@@ -188,6 +191,7 @@ class Scheduler:
         self.cache_root = cache_root
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_scheduler_steps = num_scheduler_steps
         max_blocks = -(-max_model_len // pool.block_size)
         self.buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, max_blocks, bucket_blocks)
         self.waiting: deque[Request] = deque()
@@ -256,8 +260,10 @@ class Scheduler:
             self.running.append(r)
             rows.append(ScheduledRow(r, r.num_computed, self._chunk(r, budget)))
             budget -= rows[-1].num_tokens
+        steps = self._decode_steps(rows)
         for row in rows:
-            self.pool.append_slots(row.request.id, row.start + row.num_tokens)
+            row.steps = steps
+            self.pool.append_slots(row.request.id, row.start + row.num_tokens + steps - 1)
             if self.states is not None:
                 self._assign_state_slots(row)
         return rows
@@ -265,15 +271,30 @@ class Scheduler:
     def dispatched(self, rows: list[ScheduledRow]) -> None:
         """The step of these rows is on the device: advance the requests, make checkpoints."""
         for row in rows:
-            r, end = row.request, row.start + row.num_tokens
+            r, end = row.request, row.start + row.num_tokens + row.steps - 1
             r.num_computed = end
-            r.pending += row.samples
+            r.pending += row.samples * row.steps
             self.prompt_tokens_computed += max(0, min(end, len(r.prompt_ids)) - row.start)
             if self.states is not None and self.caching:
                 self._checkpoint(r)
         for slot in self._release_after_dispatch:
             self.states.release(slot)
         self._release_after_dispatch.clear()
+
+    def _decode_steps(self, rows: list[ScheduledRow]) -> int:
+        """How many decode steps this step runs on the device: up to num_scheduler_steps when every
+        row decodes (a prompt chunk runs alone), as far as every row may still generate, one when a
+        row needs its exact token history (penalties), and on hybrids with prefix caching no
+        further than the next block boundary (where a row's state checkpoint is taken)."""
+        if self.num_scheduler_steps == 1 or not rows:
+            return 1
+        if any(row.num_tokens != 1 or not row.samples or row.request.params.has_penalties for row in rows):
+            return 1
+        steps = min(self.num_scheduler_steps, *(r.request.params.max_tokens - r.request.num_generated for r in rows))
+        if self.states is not None and self.caching:
+            bs = self.pool.block_size
+            steps = min(steps, *(bs - r.start % bs for r in rows))
+        return max(steps, 1)
 
     # ------------------------------------------------------------------ admission, chunks
 
@@ -455,7 +476,7 @@ class Scheduler:
         return StepPlan(
             token_ids, positions, slot_mapping, token_rows, block_tables, context_lens,
             row_starts, row_lens, seq_slots, state_reads, state_writes, logits_indices,
-            max_row_len=max_row_len,
+            max_row_len=max_row_len, num_steps=rows[0].steps,
         )
 
     def padding_plan(self, T: int, B: int, max_row_len: int, M: int) -> StepPlan:

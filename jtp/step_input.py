@@ -18,6 +18,16 @@ from typing import NamedTuple
 import numpy as np
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (x / 1e-6 would overflow)
+STOP_IDS_WIDTH = 4  # stop tokens per row the device checks in a multi-step decode
+
+
+def pack_stop_ids(stop_ids: list[frozenset[int]], num_rows: int) -> np.ndarray:
+    """i32[num_rows, STOP_IDS_WIDTH]: each row's stop tokens (the first few, sorted), -1 padded."""
+    out = np.full((num_rows, STOP_IDS_WIDTH), -1, np.int32)
+    for b, ids in enumerate(stop_ids):
+        ids = sorted(ids)[:STOP_IDS_WIDTH]
+        out[b, : len(ids)] = ids
+    return out
 
 
 @dataclasses.dataclass
@@ -37,6 +47,9 @@ class StepPlan:
     state_writes: np.ndarray  # i32[B] recurrent-state slot each row writes (-1 = none)
     logits_indices: np.ndarray  # i32[B] index (into T) of the token whose logits each row samples from
     max_row_len: int | None = None  # static bound on tokens per row (a bucket); None = T
+    # Decode steps run by this one dispatch (multi-step decode: only in a pure decode step, whose
+    # rows then each sample `num_steps` tokens in a row on the device; 1 otherwise).
+    num_steps: int = 1
 
 
 class SamplingFlags(NamedTuple):
@@ -80,22 +93,28 @@ class StepInput:
     plan: StepPlan
     sampling: SamplingBatch
     penalty_tokens: tuple[np.ndarray, np.ndarray] | None = None  # (ids [B, N], is_output [B, N])
+    # i32[B, STOP_IDS_WIDTH]: tokens that end each row (-1 = none). A multi-step decode stops early
+    # once every row has sampled one; rows with more stop ids than fit are only checked on the host.
+    stop_ids: np.ndarray | None = None
 
     MAGIC = b"JTPS"
-    VERSION = 1
+    VERSION = 2
 
     def encode(self) -> bytes:
         """Framed bytes: magic, version, header length, JSON header, then the arrays back to back."""
         arrays: list[tuple[str, np.ndarray]] = [
             (f"plan.{f.name}", getattr(self.plan, f.name))
-            for f in dataclasses.fields(StepPlan) if f.name != "max_row_len"
+            for f in dataclasses.fields(StepPlan) if f.name not in ("max_row_len", "num_steps")
         ]
         arrays += [(f"sampling.{name}", value) for name, value in zip(SamplingBatch._fields, self.sampling)]
         if self.penalty_tokens is not None:
             arrays += [("penalty.ids", self.penalty_tokens[0]), ("penalty.is_output", self.penalty_tokens[1])]
+        if self.stop_ids is not None:
+            arrays.append(("stop_ids", self.stop_ids))
         arrays = [(name, np.ascontiguousarray(a)) for name, a in arrays]
         header = json.dumps({
             "max_row_len": self.plan.max_row_len,
+            "num_steps": self.plan.num_steps,
             "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays],
         }).encode()
         return b"".join([self.MAGIC, struct.pack("<HI", self.VERSION, len(header)), header]
@@ -123,7 +142,7 @@ class StepInput:
         if offset != len(data):
             raise ValueError(f"{len(data) - offset} bytes left over after the arrays")
         plan = StepPlan(**{k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("plan.")},
-                        max_row_len=header["max_row_len"])
+                        max_row_len=header["max_row_len"], num_steps=int(header["num_steps"]))
         sampling = SamplingBatch(*(fields[f"sampling.{n}"] for n in SamplingBatch._fields))
         penalty = (fields["penalty.ids"], fields["penalty.is_output"]) if "penalty.ids" in fields else None
-        return cls(plan, sampling, penalty)
+        return cls(plan, sampling, penalty, fields.get("stop_ids"))

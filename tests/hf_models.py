@@ -155,7 +155,8 @@ def run_step(runner, plan, positions=None) -> StepOutput:
     B = len(plan.context_lens)
     greedy = SamplingParams(temperature=0.0, logprobs=20)
     result = runner.dispatch(StepInput(plan, pack_sampling([greedy] * B, B, [0] * B, [0] * B)))
-    out = StepOutput(*(np.asarray(x) for x in (result.tokens, result.top_ids, result.top_logprobs)))
+    # The first step of the result (a decode plan runs through the decode loop: [steps, rows]).
+    out = StepOutput(*(np.asarray(x)[0] for x in (result.tokens, result.top_ids, result.top_logprobs)))
     return out.take(slice(rows, None)) if positions is not None else out
 
 

@@ -351,7 +351,10 @@ def test_abort_mid_stream(qwen3, engine):
         if len(streamed) == 5:
             break
     held = len(pool.block_table(victim))
-    assert held == -(-(len(victim_prompt) + 4) // pool.block_size)  # K/V of prompt + 4 fed tokens
+    # Blocks grow with the K/V computed (or being computed by the step in flight), not the worst case.
+    computed = _request(engine, victim).num_computed
+    assert len(victim_prompt) + 4 <= computed < len(victim_prompt) + 40
+    assert held == -(-computed // pool.block_size) < pool.blocks_needed(len(victim_prompt) + 40)
     free_before = pool.num_free_blocks
     assert engine.abort(victim) is True
     # Every block comes back at once, and the unused reservation with it.
@@ -569,14 +572,14 @@ def test_decode_and_prefill_never_starved(qwen3):
 
     prefill_steps = 0
     while _request(eng, long_id).num_computed < len(long_prompt):
-        before = {r: len(_request(eng, r).output_ids) for r in dec_ids}
+        before = {r: _request(eng, r).num_generated for r in dec_ids}  # sampled, seen or still on the device
         computed = _request(eng, long_id).num_computed
         eng.step()
         rows = {rid: (start, n) for rid, start, n, _, _ in spy.steps[-1]}
         # decode never starved: every decoding request advanced by exactly one token
         for r in dec_ids:
             assert rows[r][1] == 1, f"step {len(spy.steps)}: decode of {r} got {rows.get(r)}"
-            assert len(_request(eng, r).output_ids) == before[r] + 1
+            assert _request(eng, r).num_generated == before[r] + 1
         # prefill never starved: the prompt took all of the leftover budget (or its remainder)
         assert rows[long_id] == (computed, min(budget - len(dec_ids), len(long_prompt) - computed))
         prefill_steps += 1
@@ -666,7 +669,7 @@ def test_host_dispatches_next_step_before_waiting_for_the_previous(engine, monke
     real_get = jax.device_get
     monkeypatch.setattr(jax, "device_get", lambda x: (log.append("wait"), real_get(x))[1])
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)  # 7 steps of up to 4 decode steps
     overlapped = engine.generate(prompts, params)
     # Every wait but the last (the drain) comes after the next step was dispatched.
     waits = [i for i, e in enumerate(log) if e == "wait"]

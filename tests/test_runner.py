@@ -45,7 +45,7 @@ def test_close_frees_weights_cache_and_sampled_tokens(tp):
     runner = ModelRunner(path, tp, num_blocks=16, block_size=16, max_seqs=4)
     # After a step the cache and the sampled tokens are the step's outputs (the inputs were donated).
     result = jax.device_get(runner.dispatch(StepInput(prefill_plan(list(range(1, 20)), 16), pack_sampling([], 1, [], []))))
-    assert result.tokens.shape == (1,)
+    assert result.tokens.shape == (1, 1)  # [steps, rows]
     weights = sum(a.nbytes for a in jax.tree.leaves(runner.params))
     cache = sum(a.nbytes for a in jax.tree.leaves(runner.cache))
     assert live_bytes() - baseline >= weights + cache > 0
