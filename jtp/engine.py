@@ -195,7 +195,7 @@ class Engine:
         num_state_slots: int | None = None,
         max_snapshots: int = 64,
         snapshot_budget_bytes: int | None = None,
-        num_scheduler_steps: int = 4,
+        num_scheduler_steps: int = 1,
         group=None,
         devices=None,
     ):

@@ -47,7 +47,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True  # reuse the KV (and recurrent state) of earlier prompts' prefixes
     num_state_slots: int | None = None  # hybrid models: recurrent-state slots (None = 2 x max_num_seqs + 8)
     max_snapshots: int = 64  # explicit snapshots kept (LRU beyond it)
-    num_scheduler_steps: int = 4  # decode steps one dispatch may run on the device (multi-step decode)
+    num_scheduler_steps: int = 1  # decode steps one dispatch may run on the device (multi-step decode)
     # Multi-process groups (jtp/launcher.py): one JAX process per host or device group.
     num_processes: int = 1
     process_id: int | None = None  # None: spawn the followers on this host (or ask the cluster)
@@ -179,8 +179,10 @@ class EngineArgs:
         p.add_argument("--max-snapshots", type=int, default=d.max_snapshots,
                        help="explicit KV snapshots kept (least recently used evicted beyond it)")
         p.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
-                       help="decode steps one dispatch runs on the device when every row decodes: the host's "
-                            "cost per call is paid once for up to this many tokens (1: one step per call)")
+                       help="decode steps one dispatch runs on the device when every row decodes, so the host's cost "
+                            "per call is paid once for up to this many tokens; for host-bound setups (1: one "
+                            "step per call; on one H200 the device step, not the host, bounds small models: "
+                            "docs/bench/h200-speed2.md)")
         g = p.add_argument_group("multi-process (one JAX process per host or device group; see the README)")
         g.add_argument("--num-processes", type=int, default=d.num_processes,
                        help="processes in the group; alone, the leader spawns the others on this host")

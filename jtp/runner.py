@@ -57,7 +57,7 @@ class ModelRunner:
         max_seqs: int = 64,
         devices=None,
         num_state_slots: int | None = None,
-        num_scheduler_steps: int = 4,
+        num_scheduler_steps: int = 1,
     ):
         self.cfg = ModelConfig.from_dir(model_dir)
         self.mesh = make_mesh(tensor_parallel_size, devices)

@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="engine token budget per step (default: max(prefill-len, 2 x largest batch))")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-scheduler-steps", type=int, default=1,
+                    help="decode steps per dispatch (the engine's multi-step decode; 1: one per dispatch)")
     ap.add_argument("--copy-gib", type=float, default=None, help="copy-bandwidth buffer (default 2 GiB GPU, 1/16 CPU)")
     ap.add_argument("--matmul-n", type=int, default=None, help="matmul size n (default 8192 GPU, 512 CPU)")
     ap.add_argument("--seed", type=int, default=0)
@@ -354,7 +356,8 @@ def run_decode(engine, timer, rng, batch: int, args, chunk: int) -> dict:
     from jtp.sampling import SamplingParams
 
     cfg = engine.cfg
-    max_tokens = decode_fill_steps(batch, args.context, chunk) + args.warmup_steps + args.decode_steps + 8
+    max_tokens = (decode_fill_steps(batch, args.context, chunk)
+                  + (args.warmup_steps + args.decode_steps) * args.num_scheduler_steps + 8)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rids = [engine.submit(random_prompt(rng, cfg.vocab_size, args.context), params) for _ in range(batch)]
     outs = [engine._outputs[r] for r in rids]
@@ -376,7 +379,7 @@ def run_decode(engine, timer, rng, batch: int, args, chunk: int) -> dict:
         step_s.append(time.perf_counter() - t)
         runner_s.append(timer.take_wait())
         tokens += sum(len(e.token_ids) for e in events)
-        rows.append(len(events))
+        rows.append(len({e.request_id for e in events}))
     total_s = time.perf_counter() - t_all
     finished_early = sum(o.request.finish_reason is not None for o in outs)
     T, B_pad, M = timer.last_shape
@@ -396,6 +399,7 @@ def run_decode(engine, timer, rng, batch: int, args, chunk: int) -> dict:
         finished_early=finished_early,
         total_s=total_s,
         tokens_per_s=tokens / total_s,
+        decode_steps_per_dispatch=tokens / max(1, batch * args.decode_steps),
         ms_per_step_median=1e3 * statistics.median(step_s),
         ms_per_step_mean=1e3 * total_s / args.decode_steps,
         wait_ms_per_step_median=1e3 * statistics.median(runner_s),
@@ -604,10 +608,10 @@ def add_rooflines(res: dict) -> None:
         nbytes = fig["weight_bytes_read_per_decode_step"] + d["batch"] * (
             d["context_mean"] * fig["kv_bytes_per_token"] + fig.get("state_bytes_per_seq_step", 0))
         d["roofline_bytes_per_step"] = nbytes
-        d["roofline_ms_per_step"] = 1e3 * nbytes / bw
+        d["roofline_ms_per_step"] = 1e3 * nbytes / bw * d.get("decode_steps_per_dispatch", 1)  # per dispatch
         d["roofline_tokens_per_s"] = d["batch"] / (nbytes / bw)
         d["fraction_of_roofline"] = d["tokens_per_s"] / d["roofline_tokens_per_s"]
-        d["achieved_bandwidth_Bps"] = nbytes / (d["ms_per_step_median"] / 1e3)
+        d["achieved_bandwidth_Bps"] = nbytes * d["tokens_per_s"] / d["batch"]  # one weight read per decode step
     p = res.get("prefill")
     if p:
         flops = prefill_flops(fig, p["prompt_len"])
@@ -669,7 +673,8 @@ def markdown(res: dict) -> str:
             f"{fmt(d['roofline_tokens_per_s'])} | {pct(d['fraction_of_roofline'])} | "
             f"{fmt(h['tokens_per_s']) if h else '—'} | {fmt(ratio, 2) + '×' if ratio else '—'} |")
         lines.append(
-            f"| decode B={d['batch']}: ms/step (waiting on device / host work) | {fmt(d['ms_per_step_median'], 2)} "
+            f"| decode B={d['batch']}: ms/dispatch of {d['decode_steps_per_dispatch']:.1f} decode steps "
+            f"(waiting on device / host work) | {fmt(d['ms_per_step_median'], 2)} "
             f"({fmt(d['wait_ms_per_step_median'], 2)} / {fmt(d['host_ms_per_step_median'], 2)}) | "
             f"{fmt(d['roofline_ms_per_step'], 2)} | | {fmt(h['ms_per_step'], 2) if h else '—'} | |")
         if "attention_ms_per_step_est" in d:
@@ -729,7 +734,8 @@ def main(argv=None) -> int:
 
         group, devices = start_leader(EngineArgs(
             model=str(args.model), tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
-            max_num_seqs=max_b, block_size=bs, num_processes=args.num_processes))
+            max_num_seqs=max_b, block_size=bs, num_processes=args.num_processes,
+            num_scheduler_steps=args.num_scheduler_steps))
 
     res: dict = {
         "command": " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], Path.cwd())] + sys.argv[1:])
@@ -773,7 +779,8 @@ def main(argv=None) -> int:
     save()
 
     chunk = args.max_num_batched_tokens or max(args.prefill_len, 2 * max_b)
-    decode_tokens = decode_fill_steps(max_b, args.context, chunk) + args.warmup_steps + args.decode_steps + 8
+    decode_tokens = (decode_fill_steps(max_b, args.context, chunk)
+                     + (args.warmup_steps + args.decode_steps) * args.num_scheduler_steps + 8)
     per_seq_blocks = -(-(args.context + decode_tokens) // bs) + 1
     prefill_blocks = args.prefill_requests * (-(-(args.prefill_len + 1) // bs) + 1)
     num_blocks = max(max_b * per_seq_blocks, prefill_blocks)
@@ -783,7 +790,8 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     engine = Engine(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
                     max_num_seqs=max_b, max_num_batched_tokens=chunk, block_size=bs, num_blocks=num_blocks,
-                    max_model_len=max_model_len, tokenizer=False, group=group, devices=devices)
+                    max_model_len=max_model_len, tokenizer=False, group=group, devices=devices,
+                    num_scheduler_steps=args.num_scheduler_steps)
     jax.block_until_ready(engine.runner.params)
     load_s = time.perf_counter() - t
     runner = engine.runner

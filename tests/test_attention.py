@@ -340,3 +340,21 @@ def test_kernel_under_tensor_parallelism(decode):
     assert ("jtp_paged_decode_attention" in jaxpr_text) == decode, "decode steps must take the decode kernel"
     _check(out, ref, n_real, jnp.bfloat16, tag)
     assert np.all(np.asarray(out[n_real:], np.float32) == 0), "padding tokens should be zero"
+
+
+def test_kernel_tiles_fit_shared_memory_in_float32():
+    """Float32 with head_dim 256 (Qwen3.5's attention) at the bf16 tile sizes asked an H200 for
+    320 KiB of shared memory (227 KiB exist); the configs shrink their K/V tiles to fit, and leave
+    the bf16 configs as tuned."""
+    from jtp.kernels.ragged_paged_attention import (
+        SHARED_MEMORY_BUDGET, _decode_rows, choose_config, choose_decode_config,
+    )
+
+    for d, itemsize in [(128, 2), (256, 2), (128, 4), (256, 4)]:
+        for bs in (16, 32, 64):
+            tq, ppi, _, _, stages = choose_config(4096, 2, 4, bs, 4096, d, itemsize)
+            assert (tq * 4 + 2 * stages * ppi * bs) * d * itemsize <= SHARED_MEMORY_BUDGET
+            _, ppi, _, _, stages = choose_decode_config(8, 8, 2, 4, bs, 64, d, itemsize)
+            assert (_decode_rows(4) + 2 * stages * ppi * bs) * d * itemsize <= SHARED_MEMORY_BUDGET
+    assert choose_config(4096, 2, 4, 16, 4096, 256, 2) == choose_config(4096, 2, 4, 16, 4096)
+    assert choose_config(4096, 2, 4, 16, 4096, 256, 4)[1] < choose_config(4096, 2, 4, 16, 4096, 256, 2)[1]

@@ -75,7 +75,8 @@ def test_json_sections_and_numbers(bench):
 def test_decode_at_batch_4_produced_tokens(bench):
     res, _, _, _ = bench
     d4 = next(d for d in res["decode"] if d["batch"] == 4)
-    assert d4["tokens"] == 4 * STEPS  # every row sampled a token at every timed step
+    # every row sampled a token at every timed step, one step per dispatch (--num-scheduler-steps' default)
+    assert d4["tokens"] == 4 * STEPS and d4["decode_steps_per_dispatch"] == 1
     assert d4["rows_min"] == d4["rows_max"] == 4 and d4["finished_early"] == 0
 
 

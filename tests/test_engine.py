@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import numpy as np
 import pytest
 
 from jtp.engine import Completion, Engine, RequestError

@@ -207,6 +207,19 @@ def test_single_step_rule_equals_chunked_rule():
     assert rel(S, S_ref) < 1e-5
 
 
+@pytest.mark.parametrize("C", [1, 2, 3, 17, 64])
+def test_unit_lower_inverse_equals_numpy_inverse(C):
+    """The chunked rule's (I + A)^-1 by repeated squaring equals a float64 inverse, at every size."""
+    import jax.numpy as jnp
+
+    from jtp.models.qwen3_5 import unit_lower_inverse
+
+    A = np.tril(np.random.default_rng(C).normal(size=(2, 3, C, C)) * 0.3, -1).astype(np.float32)
+    expected = np.linalg.inv(np.eye(C) + A.astype(np.float64))
+    got = np.asarray(unit_lower_inverse(jnp.asarray(A)), np.float64)
+    assert np.abs(got - expected).max() <= 1e-5 * max(1.0, np.abs(expected).max())
+
+
 def test_row_length_follows_query_bound():
     from jtp.attention import AttentionMetadata
     from jtp.models.qwen3_5 import deltanet_row_length

@@ -84,7 +84,27 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def choose_config(T: int, num_kv_heads: int, group: int, block_size: int, max_row_len: int | None = None):
+# Shared memory one program may use: an H200 (sm_90) gives a block 227 KiB; keep room for Triton's
+# own scratch (scores, running max and sum).
+SHARED_MEMORY_BUDGET = 192 * 1024
+
+
+def fit_shared_memory(q_rows: int, ppi: int, stages: int, block_size: int, head_dim: int, itemsize: int):
+    """(pages per iteration, stages) whose tiles fit SHARED_MEMORY_BUDGET: a [q_rows, D] query tile
+    plus `stages` buffered [keys, D] K and V tiles. Float32 with D = 256 (Qwen3.5's attention) at
+    the bf16 tile sizes asks 320 KiB; halving the keys per iteration, then the pipelining, fits it."""
+    def need(ppi, stages):
+        return (q_rows + 2 * stages * ppi * block_size) * head_dim * itemsize
+
+    while need(ppi, stages) > SHARED_MEMORY_BUDGET and ppi > 1:
+        ppi //= 2
+    while need(ppi, stages) > SHARED_MEMORY_BUDGET and stages > 1:
+        stages -= 1
+    return ppi, stages
+
+
+def choose_config(T: int, num_kv_heads: int, group: int, block_size: int, max_row_len: int | None = None,
+                  head_dim: int = 128, itemsize: int = 2):
     """Static tile sizes for a step shape (T tokens, local kv heads, rows of at most
     `max_row_len` tokens); env vars override.
 
@@ -107,6 +127,7 @@ def choose_config(T: int, num_kv_heads: int, group: int, block_size: int, max_ro
         splits = max(1, min(8, 1024 // max(1, num_kv_heads * T)))
     warps = int(os.environ.get("JTP_ATTN_WARPS", "4"))
     stages = int(os.environ.get("JTP_ATTN_STAGES", "2"))
+    ppi, stages = fit_shared_memory(tq * group, ppi, stages, block_size, head_dim, itemsize)
     return tq, ppi, splits, warps, stages
 
 
@@ -207,7 +228,8 @@ def ragged_paged_attention(
             q, k_pages, v_pages, positions, token_rows, block_tables, context_lens, row_starts, row_lens,
             scale=scale, config=config, interpret=interpret,
         )
-    tq, ppi, num_splits, warps, stages = config or choose_config(T, hkv, group, block_size, max_row_len)
+    tq, ppi, num_splits, warps, stages = config or choose_config(
+        T, hkv, group, block_size, max_row_len, d, k_pages.dtype.itemsize)
     num_tiles = max(1, min(T, B + -(-T // tq)))
     if max_row_len is not None:  # each row has at most ceil(L / tq) tiles
         num_tiles = max(1, min(num_tiles, B * -(-int(max_row_len) // tq)))
@@ -304,7 +326,8 @@ def decode_supported(q_shape, k_shape) -> bool:
     return supported(q_shape, k_shape) and T * hq >= _decode_rows(hq // hkv)
 
 
-def choose_decode_config(T: int, B: int, num_kv_heads: int, group: int, block_size: int, max_blocks: int):
+def choose_decode_config(T: int, B: int, num_kv_heads: int, group: int, block_size: int, max_blocks: int,
+                         head_dim: int = 128, itemsize: int = 2):
     """(unused, pages per iteration, splits, warps, stages) of the decode kernel; env vars override.
 
     Splits: at most min(T, B) tokens are real; aim at ~512 programs (H200: 132 SMs) and at most 8
@@ -320,6 +343,7 @@ def choose_decode_config(T: int, B: int, num_kv_heads: int, group: int, block_si
         splits = min(8, _pow2_floor(max(1, 512 // max(1, min(T, B) * num_kv_heads))))
     warps = int(os.environ.get("JTP_ATTN_WARPS", "4"))
     stages = int(os.environ.get("JTP_ATTN_STAGES", "2"))
+    ppi, stages = fit_shared_memory(_decode_rows(group), ppi, stages, block_size, head_dim, itemsize)
     return 1, ppi, splits, warps, stages
 
 
@@ -423,7 +447,8 @@ def paged_decode_attention(
     num_blocks, block_size, hkv, _ = k_pages.shape
     group = hq // hkv
     B, max_blocks = block_tables.shape
-    _, ppi, num_splits, warps, stages = config or choose_decode_config(T, B, hkv, group, block_size, max_blocks)
+    _, ppi, num_splits, warps, stages = config or choose_decode_config(
+        T, B, hkv, group, block_size, max_blocks, d, k_pages.dtype.itemsize)
     ppi = math.gcd(int(ppi), max_blocks)  # pl.ds over the block table must stay in bounds
     num_splits = _pow2_floor(num_splits)  # the merge's [S, G, D] block: Triton shapes are powers of 2
     m_rows = _decode_rows(group)

@@ -155,6 +155,19 @@ def _l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def unit_lower_inverse(A: jax.Array) -> jax.Array:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C]. A is nilpotent (A^C = 0), so
+    (I + A)^-1 = sum_j (-A)^j = (I - A)(I + A^2)(I + A^4)...: about 2 log2(C) matmuls, no solve.
+    Why not lax.linalg.triangular_solve: a solve is sequential where matmuls run on tensor cores,
+    and XLA:CPU's solve deadlocks when several devices of one process run it at once."""
+    eye = jnp.eye(A.shape[-1], dtype=A.dtype)
+    inverse, power = eye - A, A
+    for _ in range(max(0, (A.shape[-1] - 1).bit_length() - 1)):
+        power = jnp.matmul(power, power, precision=_HIGHEST)  # A^2, A^4, ...
+        inverse = jnp.matmul(inverse, eye + power, precision=_HIGHEST)
+    return inverse
+
+
 def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int):
     """The gated delta rule over [B, L] rows, `chunk` tokens at a time (reference §2 step 7).
 
@@ -171,7 +184,6 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int):
 
     causal = jnp.tril(jnp.ones((chunk, chunk), bool))  # j <= i
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)  # j < i
-    eye = jnp.eye(chunk, dtype=jnp.float32)
 
     def step(S, c):
         q, k, v, g, beta = c  # [B, H, C, d] / [B, H, C]
@@ -182,7 +194,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int):
         A = jnp.einsum("bhid,bhjd->bhij", kb, k, precision=_HIGHEST) * jnp.where(strict, decay, 0.0)
         # (I + A) [U | W] = [beta v | beta k e^gamma]: forward substitution in one solve.
         rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gamma)[..., None]], axis=-1)
-        UW = jax.lax.linalg.triangular_solve(eye + A, rhs, left_side=True, lower=True, unit_diagonal=True)
+        UW = jnp.einsum("bhij,bhjd->bhid", unit_lower_inverse(A), rhs, precision=_HIGHEST)
         U, W = UW[..., : v.shape[-1]], UW[..., v.shape[-1] :]
         V_new = U - jnp.einsum("bhik,bhkv->bhiv", W, S, precision=_HIGHEST)
         P = jnp.einsum("bhid,bhjd->bhij", q, k, precision=_HIGHEST) * decay

@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""Correctness on the device, for each model family at real shapes (random weights, nothing
+downloaded), through the engine's real step (continuous batching, multi-step decode):
+
+  1. float32 greedy tokens at tp=N equal tp=1, token for token;
+  2. float32 top-20 logprobs against Hugging Face transformers (torch, float32, same device kind,
+     TF32 off), teacher-forced on jtp's tokens: max |difference| <= --f32-tol;
+  3. bfloat16 the same against transformers in bfloat16: max |difference| <= --bf16-tol (both
+     round differently: this bounds, it does not equate), plus how often the argmaxes agree.
+
+    python3 scripts/gpu_check.py --out DIR [--presets qwen3-0.6b,qwen3.5-0.8b] [--tp 2]
+
+Float32 runs with full-precision dots and without GEMM autotuning (set here before jax loads), so
+tp=1 and tp=N differ only in the order of their reductions. Prints one line per check and writes
+DIR/gpu_check.json; exits 1 if any check fails. On CPUs it runs the same checks (forced host
+devices stand in for GPUs; tests/test_gpu_check.py runs it on the tiny presets).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_gpu_autotune_level=0"]))
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+
+def prompts_for(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def run_engine(model_dir: Path, tp: int, dtype: str, prompts, max_tokens: int, block_size: int) -> list[dict]:
+    """Greedy completions with top-20 logprobs, all prompts batched through one engine."""
+    from jtp.engine import Engine
+    from jtp.sampling import SamplingParams
+
+    longest = max(map(len, prompts)) + max_tokens
+    engine = Engine(model_dir, tp, dtype, max_num_seqs=8, max_num_batched_tokens=256, block_size=block_size,
+                    num_blocks=len(prompts) * (-(-longest // block_size)) + 8, max_model_len=longest + block_size,
+                    tokenizer=False)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=20)
+        return [dict(tokens=c.token_ids, top=c.top_logprobs) for c in engine.generate(prompts, params)]
+    finally:
+        engine.close()
+
+
+def hf_logprobs(model_dir: Path, dtype: str, prompts, outs) -> list[np.ndarray]:
+    """log_softmax of transformers' logits at each generated position (teacher-forced)."""
+    import torch
+    import transformers
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
+    result = []
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outs):
+            ids = torch.tensor([prompt + out["tokens"]], device=device)
+            logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(out["tokens"])]
+            result.append(torch.log_softmax(logits.float(), -1).cpu().numpy())
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def compare_logprobs(outs, ref: list[np.ndarray]) -> dict:
+    diffs, agree, total = [], 0, 0
+    for out, lp in zip(outs, ref):
+        for i, (token, top) in enumerate(zip(out["tokens"], out["top"])):
+            diffs += [abs(v - float(lp[i, t])) for t, v in top.items()]
+            agree += int(np.argmax(lp[i]) == token)
+            total += 1
+    return dict(max_abs_diff=float(max(diffs)), mean_abs_diff=float(np.mean(diffs)), argmax_agreement=agree / total)
+
+
+def check_preset(preset: str, args, root: Path) -> list[dict]:
+    from make_random_checkpoint import write_checkpoint
+
+    import jax
+
+    model_dir = root / preset
+    if not (model_dir / "config.json").is_file():
+        write_checkpoint(preset, model_dir, dtype="bfloat16", quiet=True,
+                         generator="jax" if jax.default_backend() == "gpu" else "numpy")
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = prompts_for(vocab, args.prompt_lengths)
+    checks = []
+
+    def record(name, ok, **detail):
+        checks.append(dict(preset=preset, check=name, ok=bool(ok), **detail))
+        print(f"{'PASS' if ok else 'FAIL'} {preset}: {name} {json.dumps(detail)}", flush=True)
+
+    t = time.perf_counter()
+    f32 = {tp: run_engine(model_dir, tp, "float32", prompts, args.tokens, args.block_size) for tp in {1, args.tp}}
+    if args.tp > 1:  # with one device there is nothing to compare against
+        same = [a["tokens"] == b["tokens"] for a, b in zip(f32[1], f32[args.tp])]
+        first_diff = [next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
+                      for a, b in zip(f32[1], f32[args.tp])]
+        record(f"float32 greedy tokens, tp={args.tp} == tp=1", all(same), prompts=len(prompts), tokens=args.tokens,
+               first_difference=first_diff, seconds=round(time.perf_counter() - t, 1))
+
+    t = time.perf_counter()
+    stats = compare_logprobs(f32[1], hf_logprobs(model_dir, "float32", prompts, f32[1]))
+    record("float32 top-20 logprobs vs transformers", stats["max_abs_diff"] <= args.f32_tol, tolerance=args.f32_tol,
+           **stats, seconds=round(time.perf_counter() - t, 1))
+
+    t = time.perf_counter()
+    bf16 = run_engine(model_dir, 1, "bfloat16", prompts, args.tokens, args.block_size)
+    stats = compare_logprobs(bf16, hf_logprobs(model_dir, "bfloat16", prompts, bf16))
+    record("bfloat16 top-20 logprobs vs transformers", stats["max_abs_diff"] <= args.bf16_tol, tolerance=args.bf16_tol,
+           **stats, seconds=round(time.perf_counter() - t, 1))
+    return checks
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--presets", default="qwen3-0.6b,qwen3.5-0.8b")
+    ap.add_argument("--tp", type=int, default=2, help="1 skips the tp=N == tp=1 check (one device)")
+    ap.add_argument("--tokens", type=int, default=24, help="greedy tokens per prompt")
+    ap.add_argument("--prompt-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[5, 37, 130, 300])
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--f32-tol", type=float, default=2e-3)
+    ap.add_argument("--bf16-tol", type=float, default=0.1)
+    ap.add_argument("--checkpoints", type=Path, default=Path("/tmp/gpu_check"), help="where the checkpoints go")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    devices = jax.devices()
+    if len(devices) < args.tp:
+        raise SystemExit(f"--tp {args.tp} needs {args.tp} devices; {len(devices)} visible")
+    checks = []
+    for preset in args.presets.split(","):
+        checks += check_preset(preset, args, args.checkpoints)
+    report = dict(devices=[str(d.device_kind) for d in devices], jax=jax.__version__, args=vars(args) | dict(
+        out=str(args.out), checkpoints=str(args.checkpoints)), checks=checks,
+        passed=all(c["ok"] for c in checks))
+    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    print(f"{sum(c['ok'] for c in checks)}/{len(checks)} checks passed on {len(devices)} x {devices[0].device_kind}")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
