@@ -256,11 +256,13 @@ def model_figures(runner, dtype_bytes: int) -> dict:
     # Untied: the embedding table is only gathered (B rows) in decode; the lm_head is read whole.
     weight_bytes_read = param_bytes - (0 if tied else embed.nbytes)
     active_share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
-    matmul_params = 0
+    matmul_params, expert_bytes = 0, 0
     for layer in runner.params["layers"]:
         for name, w in layer.items():
             if w.ndim >= 2:
                 matmul_params += w.size * (active_share if name.startswith("experts_") else 1.0)
+            if name.startswith("experts_"):
+                expert_bytes += w.nbytes
     attention_layers = sum(isinstance(c, LayerKV) for c in runner.cache)
     state_bytes = sum(x.nbytes for c in runner.cache if not isinstance(c, LayerKV) for x in jax.tree.leaves(c))
     H, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
@@ -277,13 +279,28 @@ def model_figures(runner, dtype_bytes: int) -> dict:
         tie_word_embeddings=tied,
         params=int(params),
         param_bytes=int(param_bytes),
-        weight_bytes_read_per_decode_step=int(weight_bytes_read),
+        weight_bytes_read_per_decode_step=int(weight_bytes_read),  # every weight (all experts)
+        routed_expert_bytes=int(expert_bytes),  # the routed experts' share of it (MoE)
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
         matmul_params_per_token=int(matmul_params),
         lm_head_params=int(V * H),
         kv_bytes_per_token=int(attention_layers * 2 * cfg.num_kv_heads * D * dtype_bytes),
         # Read and written once per decode step by every running sequence (0 for Qwen3).
         state_bytes_per_seq_step=int(2 * state_bytes // runner.max_seqs),
     )
+
+
+def touched_weight_bytes(fig: dict, tokens: int) -> float:
+    """The weight bytes a step over `tokens` tokens must read: every dense weight, and of the routed
+    experts only those some token picks. Expected distinct experts per MoE layer when each token
+    picks k of E uniformly (random weights route about uniformly; a trained router's skew touches
+    fewer): E (1 - (1 - k/E)^tokens)."""
+    E, k, experts = fig.get("num_experts", 0), fig.get("num_experts_per_tok", 0), fig.get("routed_expert_bytes", 0)
+    if not E:
+        return fig["weight_bytes_read_per_decode_step"]
+    touched = 1 - (1 - k / E) ** tokens
+    return fig["weight_bytes_read_per_decode_step"] - experts + experts * touched
 
 
 def prefill_flops(fig: dict, prompt_len: int) -> float:
@@ -605,7 +622,7 @@ def add_rooflines(res: dict) -> None:
     fig, ceil, tp = res["model"], res["ceilings"], res["engine"]["tensor_parallel_size"]
     bw, rate = ceil["copy_bandwidth_Bps"] * tp, ceil["matmul_flops_per_s"] * tp  # all devices together
     for d in res["decode"]:
-        nbytes = fig["weight_bytes_read_per_decode_step"] + d["batch"] * (
+        nbytes = touched_weight_bytes(fig, d["batch"]) + d["batch"] * (
             d["context_mean"] * fig["kv_bytes_per_token"] + fig.get("state_bytes_per_seq_step", 0))
         d["roofline_bytes_per_step"] = nbytes
         d["roofline_ms_per_step"] = 1e3 * nbytes / bw * d.get("decode_steps_per_dispatch", 1)  # per dispatch
@@ -615,7 +632,7 @@ def add_rooflines(res: dict) -> None:
     p = res.get("prefill")
     if p:
         flops = prefill_flops(fig, p["prompt_len"])
-        floor_s = max(flops / rate, fig["weight_bytes_read_per_decode_step"] / bw)
+        floor_s = max(flops / rate, touched_weight_bytes(fig, p["prompt_len"]) / bw)
         p["roofline_flops"] = flops
         p["roofline_ttft_ms"] = 1e3 * floor_s
         p["roofline_tokens_per_s"] = p["prompt_len"] / floor_s
@@ -699,7 +716,8 @@ def markdown(res: dict) -> str:
     lines += [
         "",
         "Decode roofline: (weight bytes read per step + batch x context x K/V bytes per token) / measured copy "
-        "bandwidth. Prefill roofline: (2 x matmul params x tokens + causal attention + one lm_head row) / measured "
+        "bandwidth; on MoE models only the routed experts a step touches count, E (1 - (1 - k/E)^tokens) per layer "
+        "(uniform routing). Prefill roofline: (2 x matmul params x tokens + causal attention + one lm_head row) / measured "
         "matmul rate (or the weight read, if longer). ms/step is the median engine.step(); device = the runner "
         "call (plan upload, jitted step, result download), host = scheduling and bookkeeping. The attention row "
         "times the engine's paged_attention alone, for one layer at the decode step's padded shapes (T x B x M), "

@@ -73,6 +73,21 @@ PRESETS: dict[str, dict] = {
                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=8191),
 }
 
+# Qwen3 MoE (Qwen/Qwen3-30B-A3B's published config): every layer routes top-8 of 128 experts.
+MOE_PRESETS: dict[str, dict] = {
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8),
+    # CPU-sized, same structure.
+    "qwen3-moe-tiny": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
+                           num_experts_per_tok=4, vocab_size=1024, max_position_embeddings=4096,
+                           bos_token_id=None, eos_token_id=1023),
+}
+_MOE_COMMON = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", decoder_sparse_step=1,
+                   mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False, router_aux_loss_coef=0.001,
+                   tie_word_embeddings=False)
+PRESETS.update(MOE_PRESETS)
+
 # Qwen3.5 (Gated DeltaNet + gated attention, dense MLP), written as the text-only
 # `qwen3_5_text` model (Qwen3_5ForCausalLM, tensors under `model.`). Defaults are the HF class
 # defaults of Qwen3_5TextConfig (the architecture reference §1), i.e. the 9B-class shape.
@@ -142,7 +157,7 @@ def make_config(preset: str, dtype: str) -> dict:
         cfg["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                               for i in range(cfg["num_hidden_layers"])]
     else:
-        cfg = {**_COMMON, **PRESETS[preset]}
+        cfg = {**_COMMON, **(_MOE_COMMON if preset in MOE_PRESETS else {}), **PRESETS[preset]}
         cfg["max_window_layers"] = cfg["num_hidden_layers"]
     cfg["torch_dtype"] = dtype  # transformers 4 name; 5 reads "dtype" and accepts both
     cfg["dtype"] = dtype
@@ -169,6 +184,8 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
             (p + "self_attn.q_norm.weight", (D,), "norm"),
             (p + "self_attn.k_norm.weight", (D,), "norm"),
             (p + "post_attention_layernorm.weight", (H,), "norm"),
+        ]
+        specs += _moe_specs(p + "mlp.", cfg) if cfg["model_type"] == "qwen3_moe" else [
             (p + "mlp.gate_proj.weight", (I, H), "weight"),
             (p + "mlp.up_proj.weight", (I, H), "weight"),
             (p + "mlp.down_proj.weight", (H, I), "weight"),
@@ -176,6 +193,17 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
     specs.append(("model.norm.weight", (H,), "norm"))
     if not cfg["tie_word_embeddings"]:
         specs.append(("lm_head.weight", (V, H), "weight"))
+    return specs
+
+
+def _moe_specs(mlp: str, cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """A Qwen3 MoE layer's router and experts, one tensor per expert and projection (as HF saves them)."""
+    H, I, E = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"]
+    specs = [(mlp + "gate.weight", (E, H), "weight")]
+    for e in range(E):
+        x = f"{mlp}experts.{e}."
+        specs += [(x + "gate_proj.weight", (I, H), "weight"), (x + "up_proj.weight", (I, H), "weight"),
+                  (x + "down_proj.weight", (H, I), "weight")]
     return specs
 
 
@@ -275,7 +303,7 @@ class JaxGenerator:
         self.count = 0
 
     def make(self, shape: tuple[int, ...], dtype, mean: float, std: float) -> np.ndarray:
-        jax, jnp = self.jax, self.jax.numpy
+        jax = self.jax
         key = jax.random.fold_in(self.key, self.count)
         self.count += 1
         x = _jax_normal(jax)(key, tuple(shape), np.dtype(dtype).name, float(mean), float(std))

@@ -119,3 +119,26 @@ def test_hybrid_preset_runs_through_bench(hybrid_bench):
         assert _positive(d["tokens_per_s"])
     assert res["prefill"]["tokens"] == 2 * 48 and _positive(res["prefill"]["ttft_ms"])
     assert res["skipped"] == []
+
+
+def test_moe_roofline_counts_only_touched_experts():
+    """bench's MoE weight bytes per step equal the dense bytes plus the share of routed experts that
+    uniformly routed tokens touch, counted here by simulation."""
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("bench_script", ROOT / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    E, k, expert, dense = 128, 8, 30e9, 1.5e9
+    fig = dict(weight_bytes_read_per_decode_step=dense + expert, routed_expert_bytes=expert, num_experts=E,
+               num_experts_per_tok=k)
+    rng = np.random.default_rng(0)
+    for tokens in (1, 8, 64):
+        touched = np.mean([len({e for _ in range(tokens) for e in rng.choice(E, k, replace=False)})
+                           for _ in range(400)])
+        assert bench.touched_weight_bytes(fig, tokens) == pytest.approx(dense + expert * touched / E, rel=0.02)
+    assert bench.touched_weight_bytes(fig, 1) == pytest.approx(dense + expert * k / E)
+    dense_fig = dict(weight_bytes_read_per_decode_step=dense, routed_expert_bytes=0, num_experts=0)
+    assert bench.touched_weight_bytes(dense_fig, 64) == dense
