@@ -77,6 +77,9 @@ PRESETS: dict[str, dict] = {
 MOE_PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
                           num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8),
+    # Its first 4 layers (real layer shapes, 3.11 B parameters): fits one GPU in float32 for gpu_check.py.
+    "qwen3-30b-a3b-4l": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=4,
+                             num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8),
     # CPU-sized, same structure.
     "qwen3-moe-tiny": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,

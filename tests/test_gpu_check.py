@@ -1,5 +1,5 @@
 """scripts/gpu_check.py (the device's correctness run) on the tiny presets, on forced CPU devices:
-tp=2 greedy tokens equal tp=1 and logprobs match transformers, for a dense and a hybrid family.
+tp=2 greedy tokens equal tp=1 and logprobs match transformers, for the dense, MoE and hybrid families.
 A 37-token prompt takes the hybrid's 64-token chunked DeltaNet path at tp=2 (XLA:CPU's triangular
 solve deadlocked there when both devices ran it)."""
 import json
@@ -19,13 +19,13 @@ def test_gpu_check_passes_on_tiny_presets(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts/gpu_check.py"), "--out", str(tmp_path / "out"), "--presets",
-         "qwen3-tiny,qwen3.5-tiny", "--checkpoints", str(tmp_path / "ckpt"), "--tokens", "8",
+         "qwen3-tiny,qwen3-moe-tiny,qwen3.5-tiny", "--checkpoints", str(tmp_path / "ckpt"), "--tokens", "8",
          "--prompt-lengths", "5,37"], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "out/gpu_check.json").read_text())
     assert report["passed"] and report["devices"] == ["cpu", "cpu"]
     names = {(c["preset"], c["check"]) for c in report["checks"]}
-    for preset in ("qwen3-tiny", "qwen3.5-tiny"):
+    for preset in ("qwen3-tiny", "qwen3-moe-tiny", "qwen3.5-tiny"):
         assert (preset, "float32 greedy tokens, tp=2 == tp=1") in names
         assert (preset, "float32 top-20 logprobs vs transformers") in names
         assert (preset, "bfloat16 top-20 logprobs vs transformers") in names
