@@ -33,15 +33,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
+import numpy as np
 
 from jtp.block_hash import block_keys, root_key
 from jtp.engine_args import resolve_state_slots
-from jtp.errors import ContextLengthError, EngineClosedError, QueueFullError, RequestError, WorkerGroupError
+from jtp.errors import ConfigError, ContextLengthError, EngineClosedError, QueueFullError, RequestError, WorkerGroupError
 from jtp.page_pool import PagePool
 from jtp.runner import ModelRunner, is_ready
 from jtp.sampling import SamplingParams, pack_penalty_tokens, pack_sampling, request_seed
 from jtp.scheduler import Request, Scheduler, ScheduledRow, Status
 from jtp.snapshots import Snapshot, SnapshotRegistry
+from jtp.speculative import SpeculativeConfig
 from jtp.state_pool import StatePool
 from jtp.step_input import StepInput, pack_stop_ids
 from jtp.tokenizer import Tokenizer
@@ -81,6 +83,18 @@ class EngineStats:
     prefix_cache_blocks: int = 0  # KV blocks registered in the prefix cache
     prompt_tokens_computed: int = 0  # prompt tokens prefilled (the work the cache saves)
     num_snapshots: int = 0
+    spec_decode_num_drafts: int = 0  # speculating rows verified
+    spec_decode_num_draft_tokens: int = 0  # tokens drafted for them
+    spec_decode_num_accepted_tokens: int = 0  # of those, tokens the target model sampled too
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens if self.spec_decode_num_draft_tokens else 0.0
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float:
+        """Tokens a verified row emits on average: its accepted drafts plus the target's own token."""
+        return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts if self.spec_decode_num_drafts else 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -196,9 +210,11 @@ class Engine:
         max_snapshots: int = 64,
         snapshot_budget_bytes: int | None = None,
         num_scheduler_steps: int = 1,
+        speculative_config: str | dict | SpeculativeConfig | None = None,
         group=None,
         devices=None,
     ):
+        speculative = SpeculativeConfig.parse(speculative_config)  # a bad config fails before the load
         # A multi-process group (jtp/group.py): the runner sends each collective call to the followers.
         runner_args = dict(block_size=block_size, max_seqs=max_num_seqs, devices=devices,
                            num_state_slots=resolve_state_slots(max_num_seqs, num_state_slots),
@@ -216,6 +232,13 @@ class Engine:
         cfg = self.cfg = self.runner.cfg
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         hybrid = self.runner.bytes_per_state_slot() > 0
+        if speculative is not None and hybrid:
+            self.runner.close()
+            raise ConfigError(
+                f"speculative decoding is not supported for {cfg.model_type} yet: a rejected draft would need "
+                "the Gated DeltaNet state rolled back to the accepted tokens"
+            )
+        self.speculative = speculative
         num_blocks = num_blocks or self._blocks_for_memory(memory_utilization, max_num_seqs)
         self.runner.allocate_cache(num_blocks)
         self.pool = PagePool(num_blocks, block_size)
@@ -233,7 +256,7 @@ class Engine:
             self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
             bucket_blocks=self.runner.attention.impl != "kernel",
             states=self.states, cache_root=root_key(self.cache_identity) if enable_prefix_caching else None,
-            num_scheduler_steps=num_scheduler_steps,
+            num_scheduler_steps=num_scheduler_steps, speculative=speculative,
         )
         self.snapshots = SnapshotRegistry(
             max_snapshots,
@@ -287,6 +310,7 @@ class Engine:
                 num_state_slots=args.num_state_slots,
                 max_snapshots=args.max_snapshots,
                 num_scheduler_steps=args.num_scheduler_steps,
+                speculative_config=args.speculative_config,
                 group=group,
                 devices=devices,
             )
@@ -335,6 +359,9 @@ class Engine:
             prefix_cache_blocks=self.pool.num_cached_blocks,
             prompt_tokens_computed=sched.prompt_tokens_computed,
             num_snapshots=len(self.snapshots),
+            spec_decode_num_drafts=sched.spec_verified_rows,
+            spec_decode_num_draft_tokens=sched.spec_draft_tokens,
+            spec_decode_num_accepted_tokens=sched.spec_accepted_tokens,
         )
 
     # ------------------------------------------------------------------ requests
@@ -448,8 +475,10 @@ class Engine:
             self._drain_inbox()
             previous, self._inflight = self._inflight, None
             events = []
+            # Penalties need the exact token history, and n-gram drafts the last token: lockstep.
             if previous is not None and (
-                self._step_done(previous[1]) or any(r.params.has_penalties for r in self.scheduler.running)
+                self._step_done(previous[1]) or self.speculative is not None
+                or any(r.params.has_penalties for r in self.scheduler.running)
             ):
                 events, previous = self._process(*previous), None
             rows = self.scheduler.schedule()
@@ -497,11 +526,28 @@ class Engine:
             req = row.request
             if not row.samples:
                 continue
+            if row.drafts:
+                events += self._accept(row, [step.tokens[b] for step in per_step], per_step, b, now)
+                continue
             for i in range(row.steps):
                 req.pending -= 1
                 if req.status is Status.RUNNING:  # else finished or aborted meanwhile: discard
                     req.first_token_time = req.first_token_time or now
                     events.append(self._append(req, int(per_step[i].tokens[b]), per_step[i], b))
+        return events
+
+    def _accept(self, row: ScheduledRow, sampled, per_step, b: int, now: float) -> list[TokenEvent]:
+        """A verified row: the drafts the target sampled too, then the target's token where they part."""
+        req = row.request
+        accepted = next((j for j, d in enumerate(row.drafts) if int(sampled[j]) != d), len(row.drafts))
+        self.scheduler.accepted(row, accepted)
+        req.pending -= 1
+        events = []
+        for j in range(accepted + 1):
+            if req.status is not Status.RUNNING:  # a stop among the accepted tokens, or an abort
+                break
+            req.first_token_time = req.first_token_time or now
+            events.append(self._append(req, int(sampled[j]), per_step[j], b))
         return events
 
     def _append(self, req: Request, token: int, result, b: int) -> TokenEvent:
@@ -779,9 +825,14 @@ class Engine:
                     return self.runner.compilations - before
                 plan = self.scheduler.padding_plan(*shape)
                 B = len(plan.context_lens)
+                plans = [plan]
+                if self.speculative is not None and plan.max_row_len > 1:  # verify steps sample [1 + k, B]
+                    k = self.speculative.num_speculative_tokens
+                    plans.append(dataclasses.replace(plan, logits_indices=np.zeros((1 + k, B), np.int32)))
                 for params in variants:
                     sampling = pack_sampling([params] * B, B, [0] * B, [0] * B)
-                    jax.block_until_ready(self.runner.dispatch(StepInput(plan, sampling)))
+                    for plan in plans:
+                        jax.block_until_ready(self.runner.dispatch(StepInput(plan, sampling)))
                     bar.update()
         self.ready.set()
         compiled = self.runner.compilations - before

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jtp.errors import ConfigError
+from jtp.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
     from jtp.engine import Engine
@@ -48,6 +49,7 @@ class EngineArgs:
     num_state_slots: int | None = None  # hybrid models: recurrent-state slots (None = 2 x max_num_seqs + 8)
     max_snapshots: int = 64  # explicit snapshots kept (LRU beyond it)
     num_scheduler_steps: int = 1  # decode steps one dispatch may run on the device (multi-step decode)
+    speculative_config: str | None = None  # JSON, as vLLM spells it: '{"method": "ngram", "num_speculative_tokens": 4}'
     # Multi-process groups (jtp/launcher.py): one JAX process per host or device group.
     num_processes: int = 1
     process_id: int | None = None  # None: spawn the followers on this host (or ask the cluster)
@@ -99,6 +101,7 @@ class EngineArgs:
         )
         need(self.max_snapshots >= 0, "max_snapshots", "must be at least 0")
         need(1 <= self.num_scheduler_steps <= 64, "num_scheduler_steps", "must be in 1..64")
+        SpeculativeConfig.parse(self.speculative_config)  # raises ConfigError naming the bad key or value
         need(self.num_processes >= 1, "num_processes", "must be at least 1")
         need(
             self.tensor_parallel_size % self.num_processes == 0,
@@ -183,6 +186,10 @@ class EngineArgs:
                             "per call is paid once for up to this many tokens; for host-bound setups (1: one "
                             "step per call; on one H200 the device step, not the host, bounds small models: "
                             "docs/bench/h200-speed2.md)")
+        p.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_max": 3}\' (prompt-lookup drafts verified in one step; attention-only '
+                            'models; the engine then runs each step to its end before the next)')
         g = p.add_argument_group("multi-process (one JAX process per host or device group; see the README)")
         g.add_argument("--num-processes", type=int, default=d.num_processes,
                        help="processes in the group; alone, the leader spawns the others on this host")

@@ -221,6 +221,24 @@ class PagePool:
         self._num_reserved -= grow
         seq.num_tokens = new_num_tokens
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Shrink the sequence to `num_tokens` tokens (rejected speculative tokens): blocks past them
+        go back to its reservation, so it can grow again up to what it reserved. They hold no
+        cached key (their K/V never became a full block of known tokens)."""
+        seq = self._get(seq_id)
+        if not 0 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"sequence {seq_id!r} cannot truncate from {seq.num_tokens} to {num_tokens} tokens")
+        keep = self.blocks_needed(num_tokens)
+        for block in reversed(seq.table[keep:]):
+            assert self._refcount[block] == 1 and block not in self._key_of_block, "truncating a shared block"
+            self._refcount[block] = 0
+            self._free[block] = None
+        dropped = len(seq.table) - keep
+        del seq.table[keep:]
+        seq.reserved += dropped
+        self._num_reserved += dropped
+        seq.num_tokens = num_tokens
+
     # ---- prefix cache -----------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:

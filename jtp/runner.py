@@ -224,7 +224,9 @@ def _step(
         family, cfg, attention, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling,
         penalty_tokens, flags,
     )
-    return jax.tree.map(lambda x: x[None], result), cache, sampled
+    if logits_indices.ndim == 1:
+        result = jax.tree.map(lambda x: x[None], result)
+    return result, cache, sampled
 
 
 def _decode_steps(
@@ -285,20 +287,31 @@ def _forward_and_sample(
     slot_of_token = seq_slots[meta.token_rows]
     tokens = jnp.where(tokens >= 0, tokens, sampled[jnp.maximum(slot_of_token, 0)])
     hidden, cache = family.forward(params, cfg, tokens, cache, meta, attention)
-    logits = family.compute_logits(params, hidden[logits_indices])
     penalty_ids, penalty_is_output = penalty_tokens if penalty_tokens is not None else (None, None)
-    result = sample(
-        logits,
-        sampling,
-        needs_top_k_p_min_p=flags.needs_top_k_p_min_p,
-        needs_penalties=flags.needs_penalties,
-        num_logprobs=flags.num_logprobs,
-        penalty_ids=penalty_ids,
-        penalty_is_output=penalty_is_output,
-    )
+
+    def sample_at(indices, sampling):
+        return sample(
+            family.compute_logits(params, hidden[indices]),
+            sampling,
+            needs_top_k_p_min_p=flags.needs_top_k_p_min_p,
+            needs_penalties=flags.needs_penalties,
+            num_logprobs=flags.num_logprobs,
+            penalty_ids=penalty_ids,
+            penalty_is_output=penalty_is_output,
+        )
+
+    if logits_indices.ndim == 2:
+        # A verify step: position j of a speculating row samples generation step `step + j`, with
+        # the key a step-by-step decode would use there. Results [1 + k, B]; the host accepts. The
+        # sampled-token buffer gets position 0 (speculating engines run lockstep and never read it).
+        per_position = [sample_at(idx, sampling._replace(step=sampling.step + j)) for j, idx in enumerate(logits_indices)]
+        result = jax.tree.map(lambda *xs: jnp.stack(xs), *per_position)
+        first = per_position[0]
+    else:
+        result = first = sample_at(logits_indices, sampling)
     # Rows without a slot (padding) point past the end and are dropped.
     slots = jnp.where(seq_slots >= 0, seq_slots, sampled.shape[0])
-    return result, cache, sampled.at[slots].set(result.tokens, mode="drop")
+    return result, cache, sampled.at[slots].set(first.tokens, mode="drop")
 
 
 class _TraceCounter(threading.local):

@@ -78,6 +78,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None => none; n >= 0 => chosen logprob + top-n
+    speculate: bool = True  # False: never draft for this request (when the engine speculates)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -163,6 +164,7 @@ _FIELD_TYPES: dict[str, tuple] = {
     "stop_token_ids": (list,),
     "ignore_eos": (bool,),
     "logprobs": (int, type(None)),
+    "speculate": (bool,),
 }
 assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(SamplingParams)}
 

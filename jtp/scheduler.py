@@ -35,6 +35,7 @@ import numpy as np
 from jtp.block_hash import chain_key
 from jtp.page_pool import PagePool
 from jtp.sampling import SamplingParams
+from jtp.speculative import SpeculativeConfig, propose_ngram
 from jtp.state_pool import StatePool
 from jtp.step_input import StepPlan
 
@@ -164,21 +165,23 @@ class ScheduledRow:
     state_read: int = -1  # recurrent-state slots (hybrid models)
     state_write: int = -1
     steps: int = 1  # tokens the row samples: several in a multi-step decode (one token fed, K sampled)
+    drafts: tuple[int, ...] = ()  # speculative tokens fed after the row's last known token
 
     def __post_init__(self):
         # The row reaches the end of the known tokens, so its last logits pick the next one.
-        self.samples = self.start + self.num_tokens == self.request.num_tokens
+        self.samples = self.start + self.num_tokens - len(self.drafts) == self.request.num_tokens
 
 
 class Scheduler:
     def __init__(
         self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
         bucket_blocks: bool = True, states: StatePool | None = None, cache_root: bytes | None = None,
-        num_scheduler_steps: int = 1,
+        num_scheduler_steps: int = 1, speculative: SpeculativeConfig | None = None,
     ):
         """`states`: the recurrent-state pool of a hybrid model (None: attention only).
         `cache_root`: the root key of the prefix cache's hash chain (None: prefix caching off).
-        `num_scheduler_steps`: the most decode steps one pure decode step may run on the device."""
+        `num_scheduler_steps`: the most decode steps one pure decode step may run on the device.
+        `speculative`: n-gram drafts for decode rows (attention-only models; the engine runs lockstep)."""
         if max_num_batched_tokens <= max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_num_seqs ({max_num_seqs}) "
@@ -192,6 +195,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_scheduler_steps = num_scheduler_steps
+        self.speculative = speculative
         max_blocks = -(-max_model_len // pool.block_size)
         self.buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, max_blocks, bucket_blocks)
         self.waiting: deque[Request] = deque()
@@ -202,6 +206,8 @@ class Scheduler:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.prompt_tokens_computed = 0
+        # Speculative decoding: drafted and accepted tokens, and rows verified.
+        self.spec_draft_tokens = self.spec_accepted_tokens = self.spec_verified_rows = 0
 
     @property
     def caching(self) -> bool:
@@ -250,7 +256,9 @@ class Scheduler:
         for r in decoding + prefilling:
             if budget == 0:
                 break
-            rows.append(ScheduledRow(r, r.num_computed, self._chunk(r, budget)))
+            drafts = self._drafts(r, budget - 1) if r in decoding else ()
+            rows.append(ScheduledRow(r, r.num_computed, 1 + len(drafts) if r in decoding else self._chunk(r, budget),
+                                     drafts=drafts))
             budget -= rows[-1].num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
@@ -271,7 +279,8 @@ class Scheduler:
     def dispatched(self, rows: list[ScheduledRow]) -> None:
         """The step of these rows is on the device: advance the requests, make checkpoints."""
         for row in rows:
-            r, end = row.request, row.start + row.num_tokens + row.steps - 1
+            # A speculating row's drafts count as computed only once accepted (`accepted`).
+            r, end = row.request, row.start + row.num_tokens - len(row.drafts) + row.steps - 1
             r.num_computed = end
             r.pending += row.samples * row.steps
             self.prompt_tokens_computed += max(0, min(end, len(r.prompt_ids)) - row.start)
@@ -280,6 +289,27 @@ class Scheduler:
         for slot in self._release_after_dispatch:
             self.states.release(slot)
         self._release_after_dispatch.clear()
+
+    def accepted(self, row: ScheduledRow, num_accepted: int) -> None:
+        """The target agreed with the row's first `num_accepted` drafts: their K/V is the sequence's;
+        the rest is discarded (the pool shrinks back to the computed tokens)."""
+        r = row.request
+        r.num_computed += num_accepted
+        self.spec_draft_tokens += len(row.drafts)
+        self.spec_accepted_tokens += num_accepted
+        self.spec_verified_rows += 1
+        if r.status is Status.RUNNING:
+            self.pool.truncate(r.id, r.num_computed)
+
+    def _drafts(self, r: Request, room: int) -> tuple[int, ...]:
+        """N-gram drafts for a decode row whose last token the host knows, at most `room` of them
+        and never past max_tokens (the last token of a request is never drafted)."""
+        spec = self.speculative
+        if spec is None or r.pending or not r.params.speculate or r.params.has_penalties:
+            return ()
+        k = min(spec.num_speculative_tokens, room, r.params.max_tokens - r.num_generated - 1)
+        tokens = r.prompt_ids + r.output_ids
+        return tuple(propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min))
 
     def _decode_steps(self, rows: list[ScheduledRow]) -> int:
         """How many decode steps this step runs on the device: up to num_scheduler_steps when every
@@ -458,12 +488,15 @@ class Scheduler:
         seq_slots = np.full(B, -1, np.int32)
         state_reads = np.full(B, -1, np.int32)
         state_writes = np.full(B, -1, np.int32)
-        logits_indices = np.zeros(B, np.int32)
+        # A verify step samples each row at 1 + k positions ([1 + k, B]): a speculating row's last
+        # known token and each draft; every other row repeats its one position.
+        verify = any(r.drafts for r in rows)
+        logits_indices = np.zeros((1 + self.speculative.num_speculative_tokens, B) if verify else B, np.int32)
         cursor = 0
         for b, (row, table) in enumerate(zip(rows, tables)):
             req, end = row.request, row.start + row.num_tokens
             span = slice(cursor, cursor + row.num_tokens)
-            token_ids[span] = [req.token(p) for p in range(row.start, end)]
+            token_ids[span] = [req.token(p) for p in range(row.start, end - len(row.drafts))] + list(row.drafts)
             positions[span] = np.arange(row.start, end)
             slot_mapping[span] = self.pool.slot_mapping(req.id, row.start, end)
             token_rows[span] = b
@@ -471,7 +504,11 @@ class Scheduler:
             context_lens[b] = end
             row_starts[b], row_lens[b], seq_slots[b] = cursor, row.num_tokens, req.seq_slot
             state_reads[b], state_writes[b] = row.state_read, row.state_write
-            logits_indices[b] = cursor + row.num_tokens - 1
+            if verify:
+                last = cursor + row.num_tokens - 1 - len(row.drafts)
+                logits_indices[:, b] = np.minimum(last + np.arange(len(logits_indices)), cursor + row.num_tokens - 1)
+            else:
+                logits_indices[b] = cursor + row.num_tokens - 1
             cursor += row.num_tokens
         return StepPlan(
             token_ids, positions, slot_mapping, token_rows, block_tables, context_lens,

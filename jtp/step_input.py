@@ -45,7 +45,9 @@ class StepPlan:
     seq_slots: np.ndarray  # i32[B] each running request's index in the sampled-token buffer (-1 = padding row)
     state_reads: np.ndarray  # i32[B] recurrent-state slot each row restores from (-1 = zero state)
     state_writes: np.ndarray  # i32[B] recurrent-state slot each row writes (-1 = none)
-    logits_indices: np.ndarray  # i32[B] index (into T) of the token whose logits each row samples from
+    # i32[B] index (into T) of the token whose logits each row samples from; [1 + k, B] in a verify step
+    # (speculative decoding): row b samples at each of logits_indices[:, b], with generation steps step + j
+    logits_indices: np.ndarray
     max_row_len: int | None = None  # static bound on tokens per row (a bucket); None = T
     # Decode steps run by this one dispatch (multi-step decode: only in a pure decode step, whose
     # rows then each sample `num_steps` tokens in a row on the device; 1 otherwise).

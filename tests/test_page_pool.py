@@ -66,6 +66,26 @@ def test_reserve_fails_when_full_and_succeeds_after_free():
     pool.check_invariants()
 
 
+def test_truncate_gives_blocks_back_to_the_reservation():
+    """Rejected speculative tokens: the pool shrinks to the kept tokens, the freed blocks stay
+    promised to the sequence (it may grow there again), and nothing leaks when it ends."""
+    pool = PagePool(num_blocks=6, block_size=4)
+    assert pool.reserve("a", 20)  # 5 blocks promised
+    pool.append_slots("a", 13)  # 4 blocks held, 1 reserved
+    held = pool.block_table("a")
+    pool.truncate("a", 6)  # blocks 3 and 4 held only rejected tokens
+    assert pool.block_table("a") == held[:2] and pool.num_tokens("a") == 6
+    assert pool.num_reserved_blocks == 3 and pool.num_available_blocks == 1  # the other sequence's share unchanged
+    pool.check_invariants()
+    with pytest.raises(ValueError, match="truncate"):
+        pool.truncate("a", 7)
+    pool.append_slots("a", 20)
+    assert len(pool.block_table("a")) == 5 and pool.num_reserved_blocks == 0
+    pool.free("a")
+    assert pool.num_free_blocks == 6
+    pool.check_invariants()
+
+
 def test_exceeding_reservation_raises():
     pool = PagePool(num_blocks=8, block_size=4)
     assert pool.reserve("a", 5)

@@ -48,6 +48,10 @@ class _EngineStats(Collector):
             ("jtp:prefix_cache_blocks", "KV cache blocks registered in the prefix cache.",
              stats.prefix_cache_blocks),
             ("jtp:num_snapshots", "Snapshots pinned in the prefix cache.", stats.num_snapshots),
+            ("jtp:spec_decode_acceptance_rate", "Fraction of drafted tokens the target model accepted.",
+             stats.spec_decode_acceptance_rate),
+            ("jtp:spec_decode_mean_accepted_length", "Tokens a verified speculating row emits on average.",
+             stats.spec_decode_mean_accepted_length),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], value)
@@ -56,6 +60,9 @@ class _EngineStats(Collector):
             ("jtp:prefix_cache_queries", "Prompt tokens of admitted requests looked up in the prefix cache.",
              stats.prefix_cache_queries),
             ("jtp:prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits),
+            ("jtp:spec_decode_num_drafts", "Speculating rows verified.", stats.spec_decode_num_drafts),
+            ("jtp:spec_decode_num_draft_tokens", "Tokens drafted.", stats.spec_decode_num_draft_tokens),
+            ("jtp:spec_decode_num_accepted_tokens", "Drafted tokens accepted.", stats.spec_decode_num_accepted_tokens),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], value)

@@ -28,6 +28,7 @@ _SAMPLING_FIELDS: dict[str, tuple] = {
     "stop": (str, list),
     "stop_token_ids": (list,),
     "ignore_eos": (bool,),
+    "speculate": (bool,),  # jtp: false opts this request out of speculative decoding
 }
 _COMMON_FIELDS: dict[str, tuple] = {
     **_SAMPLING_FIELDS,
