@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
-import numpy as np
 
 from jtp.block_hash import block_keys, root_key
 from jtp.engine_args import resolve_state_slots
@@ -527,7 +526,7 @@ class Engine:
             if not row.samples:
                 continue
             if row.drafts:
-                events += self._accept(row, [step.tokens[b] for step in per_step], per_step, b, now)
+                events += self._accept(row, per_step, b, now)
                 continue
             for i in range(row.steps):
                 req.pending -= 1
@@ -536,10 +535,12 @@ class Engine:
                     events.append(self._append(req, int(per_step[i].tokens[b]), per_step[i], b))
         return events
 
-    def _accept(self, row: ScheduledRow, sampled, per_step, b: int, now: float) -> list[TokenEvent]:
-        """A verified row: the drafts the target sampled too, then the target's token where they part."""
+    def _accept(self, row: ScheduledRow, per_step, b: int, now: float) -> list[TokenEvent]:
+        """A verified row (results of position j in per_step[j]): the drafts the target sampled too,
+        then the target's token where they part."""
         req = row.request
-        accepted = next((j for j, d in enumerate(row.drafts) if int(sampled[j]) != d), len(row.drafts))
+        sampled = [int(step.tokens[b]) for step in per_step]
+        accepted = next((j for j, d in enumerate(row.drafts) if sampled[j] != d), len(row.drafts))
         self.scheduler.accepted(row, accepted)
         req.pending -= 1
         events = []
@@ -547,7 +548,7 @@ class Engine:
             if req.status is not Status.RUNNING:  # a stop among the accepted tokens, or an abort
                 break
             req.first_token_time = req.first_token_time or now
-            events.append(self._append(req, int(sampled[j]), per_step[j], b))
+            events.append(self._append(req, sampled[j], per_step[j], b))
         return events
 
     def _append(self, req: Request, token: int, result, b: int) -> TokenEvent:
@@ -823,12 +824,10 @@ class Engine:
             for shape in shapes:
                 if self._stopping:  # stop() / close() during warm-up (Ctrl-C): give up at once
                     return self.runner.compilations - before
-                plan = self.scheduler.padding_plan(*shape)
-                B = len(plan.context_lens)
-                plans = [plan]
-                if self.speculative is not None and plan.max_row_len > 1:  # verify steps sample [1 + k, B]
-                    k = self.speculative.num_speculative_tokens
-                    plans.append(dataclasses.replace(plan, logits_indices=np.zeros((1 + k, B), np.int32)))
+                _, B, max_row_len, _ = shape
+                # Rows of several tokens may be speculating rows: their verify steps sample [1 + k, B].
+                verify = (False, True) if self.speculative is not None and max_row_len > 1 else (False,)
+                plans = [self.scheduler.padding_plan(*shape, verify=v) for v in verify]
                 for params in variants:
                     sampling = pack_sampling([params] * B, B, [0] * B, [0] * B)
                     for plan in plans:

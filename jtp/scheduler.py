@@ -256,9 +256,11 @@ class Scheduler:
         for r in decoding + prefilling:
             if budget == 0:
                 break
-            drafts = self._drafts(r, budget - 1) if r in decoding else ()
-            rows.append(ScheduledRow(r, r.num_computed, 1 + len(drafts) if r in decoding else self._chunk(r, budget),
-                                     drafts=drafts))
+            if r in decoding:
+                drafts = self._drafts(r, budget - 1)
+                rows.append(ScheduledRow(r, r.num_computed, 1 + len(drafts), drafts=drafts))
+            else:
+                rows.append(ScheduledRow(r, r.num_computed, self._chunk(r, budget)))
             budget -= rows[-1].num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
@@ -491,7 +493,7 @@ class Scheduler:
         # A verify step samples each row at 1 + k positions ([1 + k, B]): a speculating row's last
         # known token and each draft; every other row repeats its one position.
         verify = any(r.drafts for r in rows)
-        logits_indices = np.zeros((1 + self.speculative.num_speculative_tokens, B) if verify else B, np.int32)
+        logits_indices = np.zeros((self.speculative.verify_positions, B) if verify else B, np.int32)
         cursor = 0
         for b, (row, table) in enumerate(zip(rows, tables)):
             req, end = row.request, row.start + row.num_tokens
@@ -516,10 +518,13 @@ class Scheduler:
             max_row_len=max_row_len, num_steps=rows[0].steps,
         )
 
-    def padding_plan(self, T: int, B: int, max_row_len: int, M: int) -> StepPlan:
-        """A step of the given shape with nothing in it: no K/V or state is written (warm-up)."""
+    def padding_plan(self, T: int, B: int, max_row_len: int, M: int, verify: bool = False) -> StepPlan:
+        """A step of the given shape with nothing in it: no K/V or state is written (warm-up).
+        `verify`: sample like a speculative verify step ([1 + k, B] logits indices)."""
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        logits_indices = zeros(self.speculative.verify_positions, B) if verify else zeros(B)
         return StepPlan(
             zeros(T), zeros(T), np.full(T, -1, np.int32), zeros(T), zeros(B, M), zeros(B),
-            zeros(B), zeros(B), *(np.full(B, -1, np.int32) for _ in range(3)), zeros(B), max_row_len=max_row_len,
+            zeros(B), zeros(B), *(np.full(B, -1, np.int32) for _ in range(3)), logits_indices,
+            max_row_len=max_row_len,
         )

@@ -26,6 +26,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3  # the longest n-gram matched against the request's earlier tokens
     prompt_lookup_min: int = 1  # ... and the shortest
 
+    @property
+    def verify_positions(self) -> int:
+        """Positions a verify step samples per row: the last known token and each draft."""
+        return 1 + self.num_speculative_tokens
+
     @classmethod
     def parse(cls, spec: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
         """vLLM's spelling: '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'."""
