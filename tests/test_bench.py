@@ -124,13 +124,11 @@ def test_hybrid_preset_runs_through_bench(hybrid_bench):
 def test_moe_roofline_counts_only_touched_experts():
     """bench's MoE weight bytes per step equal the dense bytes plus the share of routed experts that
     uniformly routed tokens touch, counted here by simulation."""
-    import importlib.util
-
     import numpy as np
 
-    spec = importlib.util.spec_from_file_location("bench_script", ROOT / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from scripts_loader import load_script
+
+    bench = load_script("bench")
     E, k, expert, dense = 128, 8, 30e9, 1.5e9
     fig = dict(weight_bytes_read_per_decode_step=dense + expert, routed_expert_bytes=expert, num_experts=E,
                num_experts_per_tok=k)

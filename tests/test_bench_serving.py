@@ -1,7 +1,6 @@
 """scripts/bench_serving.py: its statistics against a stub with known timings, then a real `jtp serve`."""
 
 import asyncio
-import importlib.util
 import json
 import os
 import random
@@ -11,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,10 +19,9 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "scripts" / "bench_serving.py")
-bench = sys.modules["bench_serving"] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
-spec.loader.exec_module(bench)
+from scripts_loader import load_script
+
+bench = load_script("bench_serving")
 
 FIRST_DELAY, GAP = 0.15, 0.02  # the stub's time to first token and between tokens (s)
 TURN_STEP = 0.1  # the stub's extra time to first token per earlier turn of a chat (s)

@@ -3,23 +3,16 @@ expects and nothing else, the published parameter counts, and a tiny MoE preset 
 loads without a missing or unexpected tensor and whose greedy tokens jtp reproduces."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from hf_models import hf_greedy
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_random_checkpoint.py"
+from scripts_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def mk():
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("make_random_checkpoint")
 
 
 # Published sizes: Qwen3-8B 8.19 B, Qwen3-30B-A3B 30.5 B parameters.

@@ -403,13 +403,9 @@ def test_fused_and_per_expert_checkpoints_load_the_same(case, tmp_path):
 
 
 def checkpoint_script():
-    import importlib.util
+    from scripts_loader import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "make_random_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("make_random_checkpoint")
 
 
 @pytest.mark.parametrize("preset, billions", [("qwen3.5-0.8b", 0.752), ("qwen3.5-9b", 8.954), ("qwen3.5-tiny", 0.000928)])
