@@ -85,6 +85,7 @@ class EngineStats:
     spec_decode_num_drafts: int = 0  # speculating rows verified
     spec_decode_num_draft_tokens: int = 0  # tokens drafted for them
     spec_decode_num_accepted_tokens: int = 0  # of those, tokens the target model sampled too
+    spec_decode_num_state_rollbacks: int = 0  # hybrid rows whose recurrent state went back before a rejected draft
 
     @property
     def spec_decode_acceptance_rate(self) -> float:
@@ -231,12 +232,6 @@ class Engine:
         cfg = self.cfg = self.runner.cfg
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         hybrid = self.runner.bytes_per_state_slot() > 0
-        if speculative is not None and hybrid:
-            self.runner.close()
-            raise ConfigError(
-                f"speculative decoding is not supported for {cfg.model_type} yet: a rejected draft would need "
-                "the Gated DeltaNet state rolled back to the accepted tokens"
-            )
         self.speculative = speculative
         num_blocks = num_blocks or self._blocks_for_memory(memory_utilization, max_num_seqs)
         self.runner.allocate_cache(num_blocks)
@@ -361,6 +356,7 @@ class Engine:
             spec_decode_num_drafts=sched.spec_verified_rows,
             spec_decode_num_draft_tokens=sched.spec_draft_tokens,
             spec_decode_num_accepted_tokens=sched.spec_accepted_tokens,
+            spec_decode_num_state_rollbacks=sched.spec_state_rollbacks,
         )
 
     # ------------------------------------------------------------------ requests

@@ -72,6 +72,9 @@ class Request:
     state_reserved: bool = False
     pending_checkpoints: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (block, slot)
     decode_checkpoint: tuple[int, int] | None = None  # the latest one past the prompt (block, slot)
+    # A verify step in flight writes a fresh slot and keeps the one it read (-1: none), in case a
+    # rejected draft rolls the state back (`Scheduler.accepted`).
+    spec_state_read: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -206,8 +209,9 @@ class Scheduler:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.prompt_tokens_computed = 0
-        # Speculative decoding: drafted and accepted tokens, and rows verified.
+        # Speculative decoding: drafted and accepted tokens, rows verified, recurrent states rolled back.
         self.spec_draft_tokens = self.spec_accepted_tokens = self.spec_verified_rows = 0
+        self.spec_state_rollbacks = 0
 
     @property
     def caching(self) -> bool:
@@ -233,9 +237,10 @@ class Scheduler:
                 for _, slot in request.pending_checkpoints:  # their keys never became known
                     self.states.release(slot)
                 request.pending_checkpoints.clear()
-                if request.state_slot >= 0:
-                    self.states.release(request.state_slot)
-                    request.state_slot = -1
+                for slot in (request.state_slot, request.spec_state_read):
+                    if slot >= 0:
+                        self.states.release(slot)
+                request.state_slot = request.spec_state_read = -1
                 if request.state_reserved:
                     self.states.unreserve()
                     request.state_reserved = False
@@ -256,11 +261,11 @@ class Scheduler:
         for r in decoding + prefilling:
             if budget == 0:
                 break
-            if r in decoding:
-                drafts = self._drafts(r, budget - 1)
-                rows.append(ScheduledRow(r, r.num_computed, 1 + len(drafts), drafts=drafts))
-            else:
-                rows.append(ScheduledRow(r, r.num_computed, self._chunk(r, budget)))
+            chunk = self._chunk(r, budget)
+            # A row that reaches the last known token may append drafts (a decode row, or one that
+            # recomputes the tokens a hybrid's state rollback took back).
+            drafts = self._drafts(r, budget - chunk) if r.num_computed + chunk == r.num_tokens else ()
+            rows.append(ScheduledRow(r, r.num_computed, chunk + len(drafts), drafts=drafts))
             budget -= rows[-1].num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
@@ -286,7 +291,7 @@ class Scheduler:
             r.num_computed = end
             r.pending += row.samples * row.steps
             self.prompt_tokens_computed += max(0, min(end, len(r.prompt_ids)) - row.start)
-            if self.states is not None and self.caching:
+            if self.states is not None and self.caching and not row.drafts:  # drafts: once accepted
                 self._checkpoint(r)
         for slot in self._release_after_dispatch:
             self.states.release(slot)
@@ -294,24 +299,54 @@ class Scheduler:
 
     def accepted(self, row: ScheduledRow, num_accepted: int) -> None:
         """The target agreed with the row's first `num_accepted` drafts: their K/V is the sequence's;
-        the rest is discarded (the pool shrinks back to the computed tokens)."""
+        the rest is discarded (the pool shrinks back to the computed tokens).
+
+        Hybrid models: the row's recurrent state has seen every draft, and a state cannot drop
+        tokens. So when a draft was rejected, the request goes back to the state slot the row read
+        (kept for this) and its next row recomputes the accepted tokens (their K/V, already right,
+        is written again with the same values): a rollback costs 1 + num_accepted tokens of the
+        next step, no memory beyond the one extra slot in flight."""
         r = row.request
         r.num_computed += num_accepted
         self.spec_draft_tokens += len(row.drafts)
         self.spec_accepted_tokens += num_accepted
         self.spec_verified_rows += 1
-        if r.status is Status.RUNNING:
-            self.pool.truncate(r.id, r.num_computed)
+        if r.status is not Status.RUNNING:
+            return  # finished or aborted meanwhile: `remove` gave everything back
+        self.pool.truncate(r.id, r.num_computed)
+        if self.states is None:
+            return
+        read, r.spec_state_read = r.spec_state_read, -1
+        if num_accepted == len(row.drafts):
+            if read >= 0:
+                self.states.release(read)
+        else:
+            self.states.release(r.state_slot)  # the state after the rejected drafts: free again
+            r.state_slot, r.num_computed = read, row.start
+            if read < 0 or not self.states.is_exclusive(read):
+                assert self.states.reserve(), "the released slot must be available"  # its next write's slot
+                r.state_reserved = True
+            self.spec_state_rollbacks += 1
+            return  # (the state at row.start was offered as a checkpoint when the request got there)
+        if self.caching:
+            self._checkpoint(r)
 
     def _drafts(self, r: Request, room: int) -> tuple[int, ...]:
-        """N-gram drafts for a decode row whose last token the host knows, at most `room` of them
-        and never past max_tokens (the last token of a request is never drafted)."""
+        """N-gram drafts for a generating row whose last token the host knows, at most `room` of
+        them and never past max_tokens (the last token of a request is never drafted). On hybrid
+        models the row needs a spare state slot (it keeps the slot it reads), else it does not draft."""
         spec = self.speculative
-        if spec is None or r.pending or not r.params.speculate or r.params.has_penalties:
+        if (spec is None or r.pending or r.num_computed < len(r.prompt_ids) or not r.params.speculate
+                or r.params.has_penalties):
             return ()
         k = min(spec.num_speculative_tokens, room, r.params.max_tokens - r.num_generated - 1)
         tokens = r.prompt_ids + r.output_ids
-        return tuple(propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min))
+        drafts = tuple(propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min))
+        if drafts and self.states is not None and not r.state_reserved:
+            if not self.states.reserve():
+                return ()
+            r.state_reserved = True
+        return drafts
 
     def _decode_steps(self, rows: list[ScheduledRow]) -> int:
         """How many decode steps this step runs on the device: up to num_scheduler_steps when every
@@ -457,10 +492,11 @@ class Scheduler:
 
     def _assign_state_slots(self, row: ScheduledRow) -> None:
         """The row reads the request's state slot and writes it in place, or writes a fresh slot
-        when the current one must stay intact (a checkpoint, a restored prefix, the zero state)."""
+        when the current one must stay intact (a checkpoint, a restored prefix, the zero state,
+        a speculating row's state before its drafts)."""
         r = row.request
         row.state_read = r.state_slot
-        if r.state_slot >= 0 and self.states.is_exclusive(r.state_slot):
+        if not row.drafts and r.state_slot >= 0 and self.states.is_exclusive(r.state_slot):
             row.state_write = r.state_slot
             if r.state_reserved:  # its checkpoint was a duplicate and went back: the slot is its own again
                 self.states.unreserve()
@@ -468,7 +504,9 @@ class Scheduler:
             return
         row.state_write = self.states.allocate()  # against the request's reservation
         r.state_reserved = False
-        if r.state_slot >= 0:
+        if row.drafts:
+            r.spec_state_read = r.state_slot  # held until the drafts are verified (`accepted`)
+        elif r.state_slot >= 0:
             self._release_after_dispatch.append(r.state_slot)
         r.state_slot = row.state_write
 

@@ -39,8 +39,7 @@ SECRET = bytes(range(32))
 
 
 def cpu_env(devices: int, **extra) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JTP_COMPILATION_CACHE="")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     env.pop("JTP_LAUNCH_SECRET", None)
     env.update(extra)
     return env

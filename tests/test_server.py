@@ -173,8 +173,7 @@ def start_engine(args: EngineArgs):
 def start_serve(devices: int, *flags: str) -> tuple[subprocess.Popen, str, list[str]]:
     """`jtp serve` with the dense settings on a free port in a subprocess (`devices` forced CPU
     devices); returns it, its base URL and its stderr lines (collected on) once /ready answers."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JTP_COMPILATION_CACHE="")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jtp.cli", "serve", "--port", "0", "--no-warmup", *flags,
          *(f"--{k.replace('_', '-')}={v}" for k, v in DENSE_ARGS.items() if k != "warmup")],

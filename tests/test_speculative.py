@@ -67,15 +67,6 @@ def test_bad_speculative_config_is_refused_with_a_reason(spec, message):
         EngineArgs(model="demo", speculative_config=spec).validate()
 
 
-def test_hybrid_models_refuse_speculation(tmp_path):
-    pytest.importorskip("torch")
-    from hf_hybrid import build_model, save
-
-    path = save(build_model("qwen3_5_text", seed=1), tmp_path / "hybrid")
-    with pytest.raises(ConfigError, match="Gated DeltaNet state"):
-        Engine(path, **KW, speculative_config=NGRAM)
-
-
 # ----------------------------------------------------------------------------- the engine
 
 
@@ -100,11 +91,11 @@ def outputs(completions):
     return [(c.token_ids, c.finish_reason, c.logprobs, c.top_logprobs) for c in completions]
 
 
-def assert_same(got, expected):
+def assert_same(got, expected, atol=2e-5):
     for i, ((tokens, reason, lp, top), (tokens_e, reason_e, lp_e, top_e)) in enumerate(zip(got, expected)):
         assert tokens == tokens_e and reason == reason_e, f"request {i}"
         if lp_e is not None:
-            np.testing.assert_allclose(lp, lp_e, atol=2e-5, err_msg=f"request {i}")
+            np.testing.assert_allclose(lp, lp_e, atol=atol, err_msg=f"request {i}")
             assert [set(t) for t in top] == [set(t) for t in top_e], f"request {i}"
 
 
@@ -117,22 +108,64 @@ def moe_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def hybrid_paths(tmp_path_factory):
+    """Tiny Qwen3.5 (dense FFN) and Qwen3-Next (routed experts) checkpoints."""
+    pytest.importorskip("torch")
+    from hf_hybrid import build_model, save
+
+    root = tmp_path_factory.mktemp("hybrid-spec")
+    return {kind: save(build_model(kind, seed=1), root / kind) for kind in ("qwen3_5_text", "qwen3_next")}
+
+
+@pytest.fixture(scope="module")
 def dense_path():
     from jtp.demo import ensure_demo_checkpoint
 
     return ensure_demo_checkpoint()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def oracle_drafts(sequences: list[list[int]], vocab: int):
+    """A stand-in for propose_ngram that drafts the continuation of whichever of `sequences` the
+    request's tokens begin, with one draft replaced by a wrong token every other call."""
+    calls = iter(range(10**9))
+
+    def propose(tokens, k, max_n, min_n):
+        (full,) = [s for s in sequences if s[: len(tokens)] == tokens]
+        drafts = full[len(tokens) : len(tokens) + k]
+        i = next(calls)
+        if i % 2 and drafts:
+            j = i // 2 % len(drafts)
+            drafts[j] = (drafts[j] + 1) % vocab
+        return drafts
+
+    return propose
+
+
+def checkpoint_path(request, family: str):
+    if family in ("qwen3_5_text", "qwen3_next"):
+        return request.getfixturevalue("hybrid_paths")[family]
+    return request.getfixturevalue("dense_path" if family == "qwen3" else "moe_path")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_next"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_speculation_keeps_every_output(request, family, tp):
-    path = request.getfixturevalue("dense_path" if family == "qwen3" else "moe_path")
+    """Hybrids too: a rejected draft rolls the Gated DeltaNet state back (counted), and the next
+    tokens still equal the non-speculative run's."""
+    path = checkpoint_path(request, family)
     reference = Engine(path, **KW)
     prompts, params = workload(reference.cfg.vocab_size, seed=tp)
     expected = outputs(run_staggered(reference, prompts, params))
     reference.close()
 
     engine = Engine(path, tp, **KW, speculative_config=NGRAM)
+    if engine.states is not None:
+        # Tiny random hybrids never repeat themselves, so every n-gram draft would be rejected at
+        # once: draft the reference's own next tokens instead, with one made wrong half the time,
+        # so rows accept all, some or none of their drafts.
+        monkeypatch = request.getfixturevalue("monkeypatch")
+        full = [p + list(e[0]) for p, e in zip(prompts, expected)]
+        monkeypatch.setattr("jtp.scheduler.propose_ngram", oracle_drafts(full, engine.cfg.vocab_size))
     pool_sizes = []
     original_step = engine.step
 
@@ -144,7 +177,18 @@ def test_speculation_keeps_every_output(request, family, tp):
         return events
 
     engine.step = step
-    assert_same(outputs(run_staggered(engine, prompts, params)), expected)
+    verified = []  # (drafts, accepted) of each verified row of a running request
+    accepted = engine.scheduler.accepted
+
+    def spy(row, num_accepted):
+        if row.request.status.value == "running":
+            verified.append((len(row.drafts), num_accepted))
+        return accepted(row, num_accepted)
+
+    engine.scheduler.accepted = spy
+    # Hybrids: a verify row runs the DeltaNet chunk-wise where a decode row steps it token by
+    # token; the fp32 sums differ in order, by ~1e-6 relative (the tokens are the same).
+    assert_same(outputs(run_staggered(engine, prompts, params)), expected, 2e-5 if engine.states is None else 1e-4)
     stats = engine.stats()
     # Drafts were made, some accepted and some rejected part-way (the rollback ran).
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens, stats
@@ -152,6 +196,14 @@ def test_speculation_keeps_every_output(request, family, tp):
     assert pool_sizes and all(pool == expected for pool, expected in pool_sizes)
     assert engine.pool.num_free_blocks == engine.pool.total_blocks
     engine.pool.check_invariants()
+    if engine.states is None:
+        assert stats.spec_decode_num_state_rollbacks == 0
+    else:  # a rollback for each row that rejected a draft (every row that did not accept them all)
+        rejected_rows = sum(n < drafts for drafts, n in verified)
+        assert stats.spec_decode_num_state_rollbacks == rejected_rows > 0, stats
+        engine.states.check_invariants()
+        held = [s for s in range(engine.states.num_slots) if engine.states.refs(s)]
+        assert not held and engine.states.num_reserved == 0, "a state slot outlived its request"
     engine.close()
 
 

@@ -63,6 +63,8 @@ class _EngineStats(Collector):
             ("jtp:spec_decode_num_drafts", "Speculating rows verified.", stats.spec_decode_num_drafts),
             ("jtp:spec_decode_num_draft_tokens", "Tokens drafted.", stats.spec_decode_num_draft_tokens),
             ("jtp:spec_decode_num_accepted_tokens", "Drafted tokens accepted.", stats.spec_decode_num_accepted_tokens),
+            ("jtp:spec_decode_num_state_rollbacks", "Hybrid rows whose recurrent state was rolled back "
+             "before a rejected draft.", stats.spec_decode_num_state_rollbacks),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], value)
