@@ -42,6 +42,10 @@ class AttentionMetadata(NamedTuple):
     # i32[L] = arange(L): only its static length matters, a bucketed bound on row_lens (L = 1 in a
     # pure decode step), so per-row layouts can be [B, L] instead of [B, T]. None: no bound known.
     query_bound: jax.Array | None = None
+    # Verify steps (speculative decoding) on hybrid models: each row also writes its state after its
+    # first keep_lens[b] tokens (those before its drafts) to slot state_keeps[b] (-1: none). None otherwise.
+    state_keeps: jax.Array | None = None
+    keep_lens: jax.Array | None = None
 
 
 class LayerKV(NamedTuple):

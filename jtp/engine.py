@@ -36,7 +36,7 @@ import jax
 
 from jtp.block_hash import block_keys, root_key
 from jtp.engine_args import resolve_state_slots
-from jtp.errors import ConfigError, ContextLengthError, EngineClosedError, QueueFullError, RequestError, WorkerGroupError
+from jtp.errors import ContextLengthError, EngineClosedError, QueueFullError, RequestError, WorkerGroupError
 from jtp.page_pool import PagePool
 from jtp.runner import ModelRunner, is_ready
 from jtp.sampling import SamplingParams, pack_penalty_tokens, pack_sampling, request_seed

@@ -27,6 +27,7 @@ from jtp.weights import load_params, resolve_dtype
 
 def plan_metadata(plan: StepPlan) -> AttentionMetadata:
     """The plan's arrays the model and attention read (the kernels' view of the batch)."""
+    verify = plan.logits_indices.ndim == 2  # a row's first sampled position is its last known token
     return AttentionMetadata(
         positions=plan.positions,
         slot_mapping=plan.slot_mapping,
@@ -38,6 +39,8 @@ def plan_metadata(plan: StepPlan) -> AttentionMetadata:
         state_reads=plan.state_reads,
         state_writes=plan.state_writes,
         query_bound=np.arange(plan.max_row_len or len(plan.token_ids), dtype=np.int32),
+        state_keeps=plan.state_keeps if verify else None,
+        keep_lens=(plan.logits_indices[0] - plan.row_starts + 1).astype(np.int32) if verify else None,
     )
 
 

@@ -72,9 +72,9 @@ class Request:
     state_reserved: bool = False
     pending_checkpoints: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (block, slot)
     decode_checkpoint: tuple[int, int] | None = None  # the latest one past the prompt (block, slot)
-    # A verify step in flight writes a fresh slot and keeps the one it read (-1: none), in case a
-    # rejected draft rolls the state back (`Scheduler.accepted`).
-    spec_state_read: int = -1
+    # A verify step in flight: the slot with the state before its drafts (-1: none), which the
+    # request goes back to if a draft is rejected (`Scheduler.accepted`).
+    spec_state_kept: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -167,6 +167,7 @@ class ScheduledRow:
     samples: bool = dataclasses.field(init=False)  # frozen now: the request grows once dispatched
     state_read: int = -1  # recurrent-state slots (hybrid models)
     state_write: int = -1
+    state_keep: int = -1  # a speculating row's state before its drafts (see Scheduler.accepted)
     steps: int = 1  # tokens the row samples: several in a multi-step decode (one token fed, K sampled)
     drafts: tuple[int, ...] = ()  # speculative tokens fed after the row's last known token
 
@@ -237,10 +238,10 @@ class Scheduler:
                 for _, slot in request.pending_checkpoints:  # their keys never became known
                     self.states.release(slot)
                 request.pending_checkpoints.clear()
-                for slot in (request.state_slot, request.spec_state_read):
+                for slot in (request.state_slot, request.spec_state_kept):
                     if slot >= 0:
                         self.states.release(slot)
-                request.state_slot = request.spec_state_read = -1
+                request.state_slot = request.spec_state_kept = -1
                 if request.state_reserved:
                     self.states.unreserve()
                     request.state_reserved = False
@@ -301,40 +302,39 @@ class Scheduler:
         """The target agreed with the row's first `num_accepted` drafts: their K/V is the sequence's;
         the rest is discarded (the pool shrinks back to the computed tokens).
 
-        Hybrid models: the row's recurrent state has seen every draft, and a state cannot drop
-        tokens. So when a draft was rejected, the request goes back to the state slot the row read
-        (kept for this) and its next row recomputes the accepted tokens (their K/V, already right,
-        is written again with the same values): a rollback costs 1 + num_accepted tokens of the
-        next step, no memory beyond the one extra slot in flight."""
+        Hybrid models: a recurrent state cannot drop tokens, so a verify row writes two states: the
+        state after all its tokens (`state_write`, a fresh slot) and the state before its drafts
+        (`state_keep`, in place of the one it read). All drafts accepted: the first is the
+        request's. Else the request goes back to the second, and its next row recomputes the
+        accepted drafts (their K/V, already right, is written again with the same values): a
+        rollback costs num_accepted tokens of the next step and no memory beyond the slot in flight."""
         r = row.request
-        r.num_computed += num_accepted
         self.spec_draft_tokens += len(row.drafts)
         self.spec_accepted_tokens += num_accepted
         self.spec_verified_rows += 1
         if r.status is not Status.RUNNING:
+            r.num_computed += num_accepted
             return  # finished or aborted meanwhile: `remove` gave everything back
-        self.pool.truncate(r.id, r.num_computed)
+        self.pool.truncate(r.id, r.num_computed + num_accepted)
         if self.states is None:
+            r.num_computed += num_accepted
             return
-        read, r.spec_state_read = r.spec_state_read, -1
+        kept, r.spec_state_kept = r.spec_state_kept, -1
         if num_accepted == len(row.drafts):
-            if read >= 0:
-                self.states.release(read)
+            r.num_computed += num_accepted
+            self.states.release(kept)
         else:
-            self.states.release(r.state_slot)  # the state after the rejected drafts: free again
-            r.state_slot, r.num_computed = read, row.start
-            if read < 0 or not self.states.is_exclusive(read):
-                assert self.states.reserve(), "the released slot must be available"  # its next write's slot
-                r.state_reserved = True
+            self.states.release(r.state_slot)  # the state after the rejected drafts
+            r.state_slot = kept
             self.spec_state_rollbacks += 1
-            return  # (the state at row.start was offered as a checkpoint when the request got there)
         if self.caching:
             self._checkpoint(r)
 
     def _drafts(self, r: Request, room: int) -> tuple[int, ...]:
         """N-gram drafts for a generating row whose last token the host knows, at most `room` of
         them and never past max_tokens (the last token of a request is never drafted). On hybrid
-        models the row needs a spare state slot (it keeps the slot it reads), else it does not draft."""
+        models the row needs its own state slot (the state before the drafts goes there) and a
+        spare one (for the state after them), else it does not draft."""
         spec = self.speculative
         if (spec is None or r.pending or r.num_computed < len(r.prompt_ids) or not r.params.speculate
                 or r.params.has_penalties):
@@ -342,10 +342,13 @@ class Scheduler:
         k = min(spec.num_speculative_tokens, room, r.params.max_tokens - r.num_generated - 1)
         tokens = r.prompt_ids + r.output_ids
         drafts = tuple(propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min))
-        if drafts and self.states is not None and not r.state_reserved:
-            if not self.states.reserve():
+        if drafts and self.states is not None:
+            if r.state_slot < 0 or not self.states.is_exclusive(r.state_slot):
                 return ()
-            r.state_reserved = True
+            if not r.state_reserved:
+                if not self.states.reserve():
+                    return ()
+                r.state_reserved = True
         return drafts
 
     def _decode_steps(self, rows: list[ScheduledRow]) -> int:
@@ -504,8 +507,8 @@ class Scheduler:
             return
         row.state_write = self.states.allocate()  # against the request's reservation
         r.state_reserved = False
-        if row.drafts:
-            r.spec_state_read = r.state_slot  # held until the drafts are verified (`accepted`)
+        if row.drafts:  # the state before the drafts goes in place, kept until they are verified
+            row.state_keep = r.spec_state_kept = r.state_slot
         elif r.state_slot >= 0:
             self._release_after_dispatch.append(r.state_slot)
         r.state_slot = row.state_write
@@ -528,6 +531,7 @@ class Scheduler:
         seq_slots = np.full(B, -1, np.int32)
         state_reads = np.full(B, -1, np.int32)
         state_writes = np.full(B, -1, np.int32)
+        state_keeps = np.full(B, -1, np.int32)
         # A verify step samples each row at 1 + k positions ([1 + k, B]): a speculating row's last
         # known token and each draft; every other row repeats its one position.
         verify = any(r.drafts for r in rows)
@@ -543,7 +547,7 @@ class Scheduler:
             block_tables[b, : len(table)] = table
             context_lens[b] = end
             row_starts[b], row_lens[b], seq_slots[b] = cursor, row.num_tokens, req.seq_slot
-            state_reads[b], state_writes[b] = row.state_read, row.state_write
+            state_reads[b], state_writes[b], state_keeps[b] = row.state_read, row.state_write, row.state_keep
             if verify:
                 last = cursor + row.num_tokens - 1 - len(row.drafts)
                 logits_indices[:, b] = np.minimum(last + np.arange(len(logits_indices)), cursor + row.num_tokens - 1)
@@ -552,7 +556,7 @@ class Scheduler:
             cursor += row.num_tokens
         return StepPlan(
             token_ids, positions, slot_mapping, token_rows, block_tables, context_lens,
-            row_starts, row_lens, seq_slots, state_reads, state_writes, logits_indices,
+            row_starts, row_lens, seq_slots, state_reads, state_writes, state_keeps, logits_indices,
             max_row_len=max_row_len, num_steps=rows[0].steps,
         )
 
@@ -563,6 +567,6 @@ class Scheduler:
         logits_indices = zeros(self.speculative.verify_positions, B) if verify else zeros(B)
         return StepPlan(
             zeros(T), zeros(T), np.full(T, -1, np.int32), zeros(T), zeros(B, M), zeros(B),
-            zeros(B), zeros(B), *(np.full(B, -1, np.int32) for _ in range(3)), logits_indices,
+            zeros(B), zeros(B), *(np.full(B, -1, np.int32) for _ in range(4)), logits_indices,
             max_row_len=max_row_len,
         )

@@ -45,6 +45,9 @@ class StepPlan:
     seq_slots: np.ndarray  # i32[B] each running request's index in the sampled-token buffer (-1 = padding row)
     state_reads: np.ndarray  # i32[B] recurrent-state slot each row restores from (-1 = zero state)
     state_writes: np.ndarray  # i32[B] recurrent-state slot each row writes (-1 = none)
+    # i32[B] slot for a speculating row's state before its drafts (-1 = none): where a hybrid goes
+    # back to when a draft is rejected (only read in verify steps)
+    state_keeps: np.ndarray
     # i32[B] index (into T) of the token whose logits each row samples from; [1 + k, B] in a verify step
     # (speculative decoding): row b samples at each of logits_indices[:, b], with generation steps step + j
     logits_indices: np.ndarray
@@ -100,7 +103,7 @@ class StepInput:
     stop_ids: np.ndarray | None = None
 
     MAGIC = b"JTPS"
-    VERSION = 2
+    VERSION = 3
 
     def encode(self) -> bytes:
         """Framed bytes: magic, version, header length, JSON header, then the arrays back to back."""

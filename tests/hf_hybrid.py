@@ -182,6 +182,7 @@ class Planner:
             seq_slots=np.full(B, -1, np.int32),
             state_reads=np.full(B, -1, np.int32),
             state_writes=np.full(B, -1, np.int32),
+            state_keeps=np.full(B, -1, np.int32),
             logits_indices=np.zeros(B, np.int32),
         )
         start = 0

@@ -48,6 +48,7 @@ def one_row_plan(ids, start, block_table, block_size) -> StepPlan:
         seq_slots=i32(0),
         state_reads=i32(0 if start else -1),
         state_writes=i32(0),
+        state_keeps=i32(-1),
         logits_indices=i32(n - 1),
     )
 

@@ -181,7 +181,9 @@ def test_mixed_batch_and_reused_slot(case):
 
 
 def test_single_step_rule_equals_chunked_rule():
-    """The L = 1 decode recurrence, token after token, is the chunked rule over the same tokens."""
+    """The L = 1 decode recurrence, token after token, is the chunked rule over the same tokens;
+    and the chunked rule's kept state (a verify row's state before its drafts) is the recurrence's
+    state after that many tokens, in any chunk."""
     import jax
     import jax.numpy as jnp
 
@@ -198,13 +200,17 @@ def test_single_step_rule_equals_chunked_rule():
     # Row 2 is empty from t = 5 on: k = g = beta = 0 must leave its state alone in both paths.
     pad = (jnp.arange(B)[:, None] == 2) & (jnp.arange(L)[None, :] >= 5)
     k, g, beta = jnp.where(pad[..., None, None], 0.0, k), jnp.where(pad[..., None], 0.0, g), jnp.where(pad[..., None], 0.0, beta)
-    o_ref, S_ref = jax.jit(chunked_gated_delta_rule, static_argnums=6)(q, k, v, g, beta, S0, 4)
-    S, outs, step = S0, [], jax.jit(gated_delta_step)
+    keep_lens = jnp.array([3, 6, 0], jnp.int32)  # in the first chunk, the second, and none at all
+    o_ref, S_ref, kept = jax.jit(chunked_gated_delta_rule, static_argnums=6)(q, k, v, g, beta, S0, 4, keep_lens)
+    S, outs, states, step = S0, [], [S0], jax.jit(gated_delta_step)
     for t in range(L):
         o, S = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
         outs.append(o)
+        states.append(S)
     assert rel(jnp.stack(outs, 1), o_ref) < 1e-5
     assert rel(S, S_ref) < 1e-5
+    for b, n in enumerate(keep_lens.tolist()):
+        assert rel(states[n][b], kept[b]) < 1e-5, f"row {b}: state after {n} tokens"
 
 
 @pytest.mark.parametrize("C", [1, 2, 3, 17, 64])

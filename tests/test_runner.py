@@ -34,6 +34,7 @@ def prefill_plan(ids: list[int], block_size: int) -> StepPlan:
         seq_slots=one(0),
         state_reads=one(-1),
         state_writes=one(0),
+        state_keeps=one(-1),
         logits_indices=one(n - 1),
     )
 

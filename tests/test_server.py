@@ -627,7 +627,8 @@ def test_client_disconnect_aborts_its_request_and_frees_the_pool(served, monkeyp
             running = served.kv_in_use() > 0
         if running:
             break
-        assert served.pool_returns_to_full() and aborted() == before  # it finished: nothing to abort
+        # Its tokens were all computed (it may still count as aborted: not all were delivered). Again.
+        assert served.pool_returns_to_full()
     assert running, "every request finished before its first event was read"
     assert served.pool_returns_to_full()
     assert aborted() == before + 1

@@ -87,6 +87,10 @@ class RowLayout(NamedTuple):
     write_slots: jax.Array  # i32[B] state slot to write, out of range for padding rows (dropped)
     token_row: jax.Array  # i32[T] row of each flat token
     token_t: jax.Array  # i32[T] its index within the row
+    # Verify steps: each row's state after its first keep_lens[b] tokens goes to keep_slots[b]
+    # (out of range: dropped). None in other steps.
+    keep_slots: jax.Array | None = None
+    keep_lens: jax.Array | None = None
 
 
 def row_layout(meta: AttentionMetadata, num_tokens: int, length: int, num_slots: int) -> RowLayout:
@@ -104,6 +108,8 @@ def row_layout(meta: AttentionMetadata, num_tokens: int, length: int, num_slots:
         write_slots=jnp.where(real, meta.state_writes, num_slots),
         token_row=token_row,
         token_t=token_t,
+        keep_slots=None if meta.state_keeps is None else jnp.where(real & (meta.state_keeps >= 0), meta.state_keeps, num_slots),
+        keep_lens=meta.keep_lens,
     )
 
 
@@ -129,9 +135,13 @@ def causal_conv(x: jax.Array, weight: jax.Array, state: jax.Array, rows: RowLayo
     w = weight.astype(jnp.float32)
     out = sum(full[:, j : j + L].astype(jnp.float32) * w[:, j] for j in range(K))
     # The new state is the K-1 inputs before each row's end: full[len .. len+K-2].
-    lens = rows.valid.sum(axis=1)
-    tail = jnp.take_along_axis(full, (lens[:, None] + jnp.arange(K - 1))[:, :, None], axis=1)
-    state = state.at[rows.write_slots].set(tail.swapaxes(1, 2).astype(state.dtype), mode="drop")
+    def tail(lens):  # the K-1 inputs before each row's token `lens`, as a state [B, C, K-1]
+        cols = jnp.take_along_axis(full, (lens[:, None] + jnp.arange(K - 1))[:, :, None], axis=1)
+        return cols.swapaxes(1, 2).astype(state.dtype)
+
+    state = state.at[rows.write_slots].set(tail(rows.valid.sum(axis=1)), mode="drop")
+    if rows.keep_slots is not None:
+        state = state.at[rows.keep_slots].set(tail(rows.keep_lens), mode="drop")
     return jax.nn.silu(out), state
 
 
@@ -168,12 +178,13 @@ def unit_lower_inverse(A: jax.Array) -> jax.Array:
     return inverse
 
 
-def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int):
+def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int, keep_lens=None):
     """The gated delta rule over [B, L] rows, `chunk` tokens at a time (reference §2 step 7).
 
     q, k [B, L, H, dk]; v [B, L, H, dv]; g (log decay), beta [B, L, H]; state [B, H, dk, dv];
     all fp32, L a multiple of chunk. Padding tokens must have k = g = beta = 0 (no-ops).
-    Returns o [B, L, H, dv] and the final state.
+    Returns o [B, L, H, dv], the final state and, given keep_lens [B], the state after each
+    row's first keep_lens[b] tokens (else None).
     """
     B, L, H, dk = k.shape
     n = L // chunk
@@ -185,8 +196,9 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int):
     causal = jnp.tril(jnp.ones((chunk, chunk), bool))  # j <= i
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)  # j < i
 
-    def step(S, c):
-        q, k, v, g, beta = c  # [B, H, C, d] / [B, H, C]
+    def step(carry, c):
+        S, kept = carry
+        q, k, v, g, beta, first = c  # [B, H, C, d] / [B, H, C]; first: the chunk's first index
         gamma = jnp.cumsum(g, axis=-1)
         # exp(gamma_i - gamma_j) for j <= i; masked before exp so nothing overflows.
         decay = jnp.exp(jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
@@ -200,15 +212,26 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int):
         P = jnp.einsum("bhid,bhjd->bhij", q, k, precision=_HIGHEST) * decay
         o = jnp.einsum("bhik,bhkv->bhiv", q * jnp.exp(gamma)[..., None], S, precision=_HIGHEST)
         o = o + jnp.einsum("bhij,bhjv->bhiv", P, V_new, precision=_HIGHEST)
+        if keep_lens is not None:  # the state after token m of this chunk: S_m from S as S_C below
+            m = keep_lens - 1 - first  # [B]
+            gamma_m = jnp.take_along_axis(gamma, jnp.clip(m, 0, chunk - 1)[:, None, None], axis=-1)  # [B, H, 1]
+            upto = (jnp.arange(chunk) <= m[:, None])[:, None, :]  # [B, 1, C]
+            weight = jnp.where(upto, jnp.exp(jnp.where(upto, gamma_m - gamma, 0.0)), 0.0)
+            S_m = jnp.exp(gamma_m)[..., None] * S + jnp.einsum(
+                "bhjk,bhjv->bhkv", k * weight[..., None], V_new, precision=_HIGHEST
+            )
+            here = ((m >= 0) & (m < chunk))[:, None, None, None]
+            kept = jnp.where(here, S_m, kept)
         last = gamma[..., -1:]
         S = jnp.exp(last)[..., None] * S + jnp.einsum(
             "bhjk,bhjv->bhkv", k * jnp.exp(last - gamma)[..., None], V_new, precision=_HIGHEST
         )
-        return S, o
+        return (S, kept), o
 
-    state, o = jax.lax.scan(step, state, tuple(chunks(x) for x in (q, k, v, g, beta)))
+    xs = tuple(chunks(x) for x in (q, k, v, g, beta)) + (jnp.arange(n) * chunk,)
+    (state, kept), o = jax.lax.scan(step, (state, state if keep_lens is not None else None), xs)
     o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, L, H, -1)  # [n, B, H, C, dv] -> [B, L, H, dv]
-    return o, state
+    return o, state, kept
 
 
 def gated_delta_step(q, k, v, g, beta, state):
@@ -257,8 +280,10 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: Row
         o, final = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial)
         o = o[:, None]
     else:
-        o, final = chunked_gated_delta_rule(q, k, v, g, beta, initial, chunk)
+        o, final, kept = chunked_gated_delta_rule(q, k, v, g, beta, initial, chunk, rows.keep_lens)
     recurrent = state.recurrent.at[rows.write_slots].set(final, mode="drop")
+    if rows.keep_slots is not None:  # (verify rows always have several tokens: never L = 1)
+        recurrent = recurrent.at[rows.keep_slots].set(kept, mode="drop")
 
     o = o[rows.token_row, rows.token_t].astype(x.dtype)  # back to the flat order [T, Hv, dv]
     z = linear(x, p["gdn_z"]).reshape(T, Hv, dv)
