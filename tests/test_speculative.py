@@ -147,11 +147,12 @@ def checkpoint_path(request, family: str):
     return request.getfixturevalue("dense_path" if family == "qwen3" else "moe_path")
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_next"])
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("family, tp", [("qwen3", 1), ("qwen3", 2), ("qwen3_moe", 1), ("qwen3_moe", 2),
+                                        ("qwen3_5_text", 1), ("qwen3_next", 2)])
 def test_speculation_keeps_every_output(request, family, tp):
     """Hybrids too: a rejected draft rolls the Gated DeltaNet state back (counted), and the next
-    tokens still equal the non-speculative run's."""
+    tokens still equal the non-speculative run's. (One tp per hybrid: each compiles ~2 minutes
+    of step variants on a CI core; the state slots are per row, so tp does not touch the rollback.)"""
     path = checkpoint_path(request, family)
     reference = Engine(path, **KW)
     prompts, params = workload(reference.cfg.vocab_size, seed=tp)
@@ -285,3 +286,41 @@ def test_warmup_compiles_the_verify_steps(dense_path):
     assert engine.stats().spec_decode_num_drafts > 0
     assert engine.runner.compilations == before
     engine.close()
+
+
+def test_seeded_sampling_keeps_its_distribution(dense_path):
+    """Speculation must not change what sampling draws from. 240 seeded requests with speculation
+    on against 240 other seeds with it off, at temperature 3 over the top 4 tokens: for each of the
+    tokens after the first (the ones drafts stand in for), a chi-square two-sample test of their
+    counts. Fixed seeds, so the verdict is the same on every run; accepted drafts are counted so
+    the verify path is known to have drawn some of these tokens."""
+    from scipy.stats import chi2_contingency
+
+    small = KW | dict(max_num_batched_tokens=128, max_num_seqs=16, block_size=16, num_blocks=128)
+    n, steps, T = 240, 4, 3.0
+    engine = Engine(dense_path, **small)
+    # A text, what the model samples after it, and the text again: prompt lookup then drafts what
+    # followed the text the first time, which the model often samples again.
+    greedy = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=20, temperature=0))[0].token_ids
+    text = [5, 6, 7, 8] + [t for t in greedy if t not in engine.eos_ids]
+    after = engine.generate([text], SamplingParams(max_tokens=6, temperature=T, top_k=4, seed=0, ignore_eos=True))[0].token_ids
+    prompt = text + after + text
+    engine.close()
+
+    def sample(seeds, speculative):
+        engine = Engine(dense_path, **small, speculative_config=NGRAM if speculative else None)
+        params = [SamplingParams(max_tokens=steps, temperature=T, top_k=4, seed=s, ignore_eos=True) for s in seeds]
+        tokens = np.array([c.token_ids for c in engine.generate([prompt] * n, params)])
+        stats = engine.stats()
+        engine.close()
+        return tokens, stats
+
+    with_spec, stats = sample(range(n), True)
+    without, _ = sample(range(n, 2 * n), False)
+    assert stats.spec_decode_num_accepted_tokens > n // 4, stats  # many tokens came through verification
+    for j in range(1, steps):
+        values = sorted(set(with_spec[:, j]) | set(without[:, j]))
+        table = [[int((col == v).sum()) for v in values] for col in (with_spec[:, j], without[:, j])]
+        p = chi2_contingency(table).pvalue
+        print(f"token {j}: p = {p:.3f}, counts {table}")
+        assert p > 1e-3, f"token {j}: speculation changed its distribution (p = {p:.2g}, counts {table})"
