@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-scheduler-steps", type=int, default=1,
                     help="decode steps per dispatch (the engine's multi-step decode; 1: one per dispatch)")
+    ap.add_argument("--speculative-config", default=None,
+                    help="speculative decoding, as on `jtp serve` (the decode rows report acceptance)")
     ap.add_argument("--copy-gib", type=float, default=None, help="copy-bandwidth buffer (default 2 GiB GPU, 1/16 CPU)")
     ap.add_argument("--matmul-n", type=int, default=None, help="matmul size n (default 8192 GPU, 512 CPU)")
     ap.add_argument("--seed", type=int, default=0)
@@ -388,6 +390,7 @@ def run_decode(engine, timer, rng, batch: int, args, chunk: int) -> dict:
         engine.step()
     context_before = [o.request.num_tokens for o in outs]
     step_s, runner_s, tokens, rows = [], [], 0, []
+    spec_before = engine.stats()
     t_all = time.perf_counter()
     timer.take_wait()
     for _ in range(args.decode_steps):
@@ -398,6 +401,7 @@ def run_decode(engine, timer, rng, batch: int, args, chunk: int) -> dict:
         tokens += sum(len(e.token_ids) for e in events)
         rows.append(len({e.request_id for e in events}))
     total_s = time.perf_counter() - t_all
+    spec = engine.stats()
     finished_early = sum(o.request.finish_reason is not None for o in outs)
     T, B_pad, M = timer.last_shape
     for r in rids:
@@ -422,7 +426,18 @@ def run_decode(engine, timer, rng, batch: int, args, chunk: int) -> dict:
         wait_ms_per_step_median=1e3 * statistics.median(runner_s),
         host_ms_per_step_median=1e3 * statistics.median(s - r for s, r in zip(step_s, runner_s)),
         plan_shape_TxBxM=[T, B_pad, M],
+        speculative=None if engine.speculative is None else speculation_counts(spec_before, spec),
     )
+
+
+def speculation_counts(before, after) -> dict:
+    """Drafts verified in the timed steps: rows, tokens drafted and accepted, and the two rates."""
+    rows = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    return dict(rows=rows, draft_tokens=drafted, accepted_tokens=accepted,
+                acceptance_rate=accepted / drafted if drafted else 0.0,
+                mean_accepted_length=1 + accepted / rows if rows else 0.0)
 
 
 def attention_probe(runner, batch: int, context: int, shape, iters: int = 20, seed: int = 0) -> dict | None:
@@ -625,7 +640,9 @@ def add_rooflines(res: dict) -> None:
         nbytes = touched_weight_bytes(fig, d["batch"]) + d["batch"] * (
             d["context_mean"] * fig["kv_bytes_per_token"] + fig.get("state_bytes_per_seq_step", 0))
         d["roofline_bytes_per_step"] = nbytes
-        d["roofline_ms_per_step"] = 1e3 * nbytes / bw * d.get("decode_steps_per_dispatch", 1)  # per dispatch
+        # per dispatch: a multi-step dispatch reads the weights once per step, a verify step once
+        steps = 1 if d.get("speculative") else d.get("decode_steps_per_dispatch", 1)
+        d["roofline_ms_per_step"] = 1e3 * nbytes / bw * steps
         d["roofline_tokens_per_s"] = d["batch"] / (nbytes / bw)
         d["fraction_of_roofline"] = d["tokens_per_s"] / d["roofline_tokens_per_s"]
         d["achieved_bandwidth_Bps"] = nbytes * d["tokens_per_s"] / d["batch"]  # one weight read per decode step
@@ -694,6 +711,12 @@ def markdown(res: dict) -> str:
             f"(waiting on device / host work) | {fmt(d['ms_per_step_median'], 2)} "
             f"({fmt(d['wait_ms_per_step_median'], 2)} / {fmt(d['host_ms_per_step_median'], 2)}) | "
             f"{fmt(d['roofline_ms_per_step'], 2)} | | {fmt(h['ms_per_step'], 2) if h else '—'} | |")
+        if d.get("speculative"):
+            sp = d["speculative"]
+            lines.append(
+                f"| decode B={d['batch']}: drafts accepted / drafted (rate, mean accepted length) | "
+                f"{sp['accepted_tokens']} / {sp['draft_tokens']} ({pct(sp['acceptance_rate'])}, "
+                f"{sp['mean_accepted_length']:.2f}) | | | | |")
         if "attention_ms_per_step_est" in d:
             kv_ms = 1e3 * d["batch"] * d["context_mean"] * res["model"]["kv_bytes_per_token"] / (
                 res["ceilings"]["copy_bandwidth_Bps"] * res["engine"]["tensor_parallel_size"])
@@ -753,7 +776,7 @@ def main(argv=None) -> int:
         group, devices = start_leader(EngineArgs(
             model=str(args.model), tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
             max_num_seqs=max_b, block_size=bs, num_processes=args.num_processes,
-            num_scheduler_steps=args.num_scheduler_steps))
+            num_scheduler_steps=args.num_scheduler_steps, speculative_config=args.speculative_config))
 
     res: dict = {
         "command": " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], Path.cwd())] + sys.argv[1:])
@@ -809,7 +832,7 @@ def main(argv=None) -> int:
     engine = Engine(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
                     max_num_seqs=max_b, max_num_batched_tokens=chunk, block_size=bs, num_blocks=num_blocks,
                     max_model_len=max_model_len, tokenizer=False, group=group, devices=devices,
-                    num_scheduler_steps=args.num_scheduler_steps)
+                    num_scheduler_steps=args.num_scheduler_steps, speculative_config=args.speculative_config)
     jax.block_until_ready(engine.runner.params)
     load_s = time.perf_counter() - t
     runner = engine.runner

@@ -140,3 +140,20 @@ def test_moe_roofline_counts_only_touched_experts():
     assert bench.touched_weight_bytes(fig, 1) == pytest.approx(dense + expert * k / E)
     dense_fig = dict(weight_bytes_read_per_decode_step=dense, routed_expert_bytes=0, num_experts=0)
     assert bench.touched_weight_bytes(dense_fig, 64) == dense
+
+
+def test_speculative_decode_reports_acceptance(tmp_path):
+    """--speculative-config: each timed step emits a token per row plus the drafts it accepted,
+    and the counts the bench reports add up to the tokens it timed."""
+    from jtp.demo import ensure_demo_checkpoint
+
+    out = tmp_path / "spec.json"
+    _run(["scripts/bench.py", "--model", str(ensure_demo_checkpoint()), "--batch-sizes", "2", "--context", "24",
+          "--prefill-len", "24", "--decode-steps", "12", "--warmup-steps", "8", "--prefill-runs", "1",
+          "--prefill-requests", "1", "--dtype", "float32", "--json", str(out),
+          "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'], 180)
+    (d,) = json.loads(out.read_text())["decode"]
+    sp = d["speculative"]
+    assert sp["rows"] > 0 and 0 < sp["accepted_tokens"] <= sp["draft_tokens"], sp
+    assert d["tokens"] == 2 * 12 + sp["accepted_tokens"]
+    assert sp["mean_accepted_length"] == pytest.approx(1 + sp["accepted_tokens"] / sp["rows"])
