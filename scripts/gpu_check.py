@@ -8,7 +8,7 @@ downloaded), through the engine's real step (continuous batching, multi-step dec
   3. bfloat16 the same against transformers in bfloat16: max |difference| <= --bf16-tol (both
      round differently: this bounds, it does not equate), plus how often the argmaxes agree.
 
-    python3 scripts/gpu_check.py --out DIR [--presets qwen3-0.6b,qwen3-30b-a3b-4l,qwen3.5-0.8b] [--tp 2]
+    python3 scripts/gpu_check.py --out DIR [--presets qwen3-0.6b,qwen3-30b-a3b-4l,qwen3.5-0.8b,qwen3.5-35b-a3b-4l,qwen3-next-80b-a3b-4l] [--tp 2]
 
 Float32 runs with full-precision dots and without GEMM autotuning (set here before jax loads), so
 tp=1 and tp=N differ only in the order of their reductions. Prints one line per check and writes
@@ -127,7 +127,7 @@ def check_preset(preset: str, args, root: Path) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--presets", default="qwen3-0.6b,qwen3-30b-a3b-4l,qwen3.5-0.8b")
+    ap.add_argument("--presets", default="qwen3-0.6b,qwen3-30b-a3b-4l,qwen3.5-0.8b,qwen3.5-35b-a3b-4l,qwen3-next-80b-a3b-4l")
     ap.add_argument("--tp", type=int, default=2, help="1 skips the tp=N == tp=1 check (one device)")
     ap.add_argument("--tokens", type=int, default=24, help="greedy tokens per prompt")
     ap.add_argument("--prompt-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[5, 37, 130, 300])

@@ -146,6 +146,36 @@ HYBRID_PRESETS: dict[str, dict] = {
 }
 PRESETS.update(HYBRID_PRESETS)
 
+# Hybrid MoE: every layer's FFN is top-k routed experts plus a sigmoid-gated shared expert.
+# Qwen3.5-MoE (qwen3_5_moe_text) stores the experts fused ([E, 2I, H] gate|up, [E, H, I] down);
+# Qwen3-Next stores them one by one and packs the DeltaNet projections per key head
+# (in_proj_qkvz, in_proj_ba). Shapes: the architecture reference §1.
+_HYBRID_MOE = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, moe_intermediate_size=512,
+                   shared_expert_intermediate_size=512, norm_topk_prob=True, output_router_logits=False,
+                   router_aux_loss_coef=0.001)
+_QWEN3_5_MOE = dict(_HYBRID_MOE, architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text")
+_QWEN3_NEXT = dict(_HYBRID_MOE, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", bos_token_id=151643,
+                   eos_token_id=151645, vocab_size=151936, intermediate_size=5120, decoder_sparse_step=1,
+                   mlp_only_layers=[], rope_parameters=dict(rope_type="default", rope_theta=10000000.0,
+                                                            partial_rotary_factor=0.25))
+_TINY_HYBRID = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24, vocab_size=1024,
+                    max_position_embeddings=4096, eos_token_id=1023, num_hidden_layers=4, num_experts=8,
+                    num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+HYBRID_MOE_PRESETS: dict[str, dict] = {
+    "qwen3.5-35b-a3b": dict(_QWEN3_5_MOE, num_hidden_layers=40, num_experts=256, num_experts_per_tok=8),
+    "qwen3-next-80b-a3b": dict(_QWEN3_NEXT, num_hidden_layers=48, num_experts=512, num_experts_per_tok=10),
+    # Their first 4 layers (3 DeltaNet + 1 gated attention, real shapes): float32 fits one GPU (gpu_check.py).
+    "qwen3.5-35b-a3b-4l": dict(_QWEN3_5_MOE, num_hidden_layers=4, num_experts=256, num_experts_per_tok=8),
+    "qwen3-next-80b-a3b-4l": dict(_QWEN3_NEXT, num_hidden_layers=4, num_experts=512, num_experts_per_tok=10),
+    # CPU-sized, same structures.
+    "qwen3.5-moe-tiny": dict(_QWEN3_5_MOE, **_TINY_HYBRID, rope_parameters=dict(
+        rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25, mrope_section=[4, 2, 2],
+        mrope_interleaved=True)),
+    "qwen3-next-tiny": dict(_QWEN3_NEXT, **{**_TINY_HYBRID, "intermediate_size": 256}),
+}
+PRESETS.update(HYBRID_MOE_PRESETS)
+
 WEIGHT_STD = 0.02
 CHUNK = 1 << 24  # elements per generator call
 
@@ -153,8 +183,11 @@ CHUNK = 1 << 24  # elements per generator call
 def make_config(preset: str, dtype: str) -> dict:
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    if preset in HYBRID_PRESETS:
-        cfg = {**_QWEN3_5_COMMON, **HYBRID_PRESETS[preset]}
+    if preset in HYBRID_PRESETS or preset in HYBRID_MOE_PRESETS:
+        cfg = {**_QWEN3_5_COMMON, **PRESETS[preset]}
+        if cfg["model_type"] != "qwen3_5_text":
+            del cfg["intermediate_size"]  # (Qwen3-Next's own is set again below; 3.5-MoE has none)
+            cfg.update(PRESETS[preset])
         # Real Qwen3.5 configs list the layer kinds explicitly: full attention every 4th layer.
         interval = cfg.pop("full_attention_interval")
         cfg["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
@@ -170,7 +203,7 @@ def make_config(preset: str, dtype: str) -> dict:
 
 def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) in checkpoint order; kind is 'weight', 'norm' (mean 1) or 'zero' (mean 0)."""
-    if cfg["model_type"] == "qwen3_5_text":
+    if cfg["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
         return _qwen3_5_specs(cfg)
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     D = cfg["head_dim"]
@@ -210,9 +243,25 @@ def _moe_specs(mlp: str, cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
     return specs
 
 
+def _hybrid_moe_specs(mlp: str, cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """Router, experts (fused for Qwen3.5-MoE, one by one for Qwen3-Next) and the gated shared expert."""
+    H, I, E, Is = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"], cfg["shared_expert_intermediate_size"]
+    specs = [(mlp + "gate.weight", (E, H), "weight")]
+    if cfg["model_type"] == "qwen3_next":
+        specs += _moe_specs(mlp, cfg)[1:]
+    else:
+        specs += [(mlp + "experts.gate_up_proj", (E, 2 * I, H), "weight"), (mlp + "experts.down_proj", (E, H, I), "weight")]
+    return specs + [
+        (mlp + "shared_expert.gate_proj.weight", (Is, H), "weight"),
+        (mlp + "shared_expert.up_proj.weight", (Is, H), "weight"),
+        (mlp + "shared_expert.down_proj.weight", (H, Is), "weight"),
+        (mlp + "shared_expert_gate.weight", (1, H), "weight"),
+    ]
+
+
 def _qwen3_5_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
-    """Qwen3_5ForCausalLM's tensors (reference §3): zero-centred norms are 'zero' (y = x(1 + w))."""
-    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    """Qwen3.5 / Qwen3-Next tensors (reference §3): zero-centred norms are 'zero' (y = x(1 + w))."""
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
     D, Nq, Nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     Hk, Hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv, K = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
@@ -224,11 +273,17 @@ def _qwen3_5_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
         specs.append((p + "input_layernorm.weight", (H,), "zero"))
         if kind == "linear_attention":
             a = p + "linear_attn."
+            if cfg["model_type"] == "qwen3_next":  # grouped per key head: [q k v z] and [b a]
+                specs += [(a + "in_proj_qkvz.weight", (2 * key_dim + 2 * value_dim, H), "weight"),
+                          (a + "in_proj_ba.weight", (2 * Hv, H), "weight")]
+            else:
+                specs += [
+                    (a + "in_proj_qkv.weight", (conv_dim, H), "weight"),  # [Q | K | V]
+                    (a + "in_proj_z.weight", (value_dim, H), "weight"),
+                    (a + "in_proj_b.weight", (Hv, H), "weight"),
+                    (a + "in_proj_a.weight", (Hv, H), "weight"),
+                ]
             specs += [
-                (a + "in_proj_qkv.weight", (conv_dim, H), "weight"),  # [Q | K | V]
-                (a + "in_proj_z.weight", (value_dim, H), "weight"),
-                (a + "in_proj_b.weight", (Hv, H), "weight"),
-                (a + "in_proj_a.weight", (Hv, H), "weight"),
                 (a + "conv1d.weight", (conv_dim, 1, K), "weight"),
                 (a + "dt_bias", (Hv,), "norm"),
                 (a + "A_log", (Hv,), "zero"),
@@ -245,12 +300,13 @@ def _qwen3_5_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
                 (a + "q_norm.weight", (D,), "zero"),
                 (a + "k_norm.weight", (D,), "zero"),
             ]
-        specs += [
-            (p + "post_attention_layernorm.weight", (H,), "zero"),
-            (p + "mlp.gate_proj.weight", (I, H), "weight"),
-            (p + "mlp.up_proj.weight", (I, H), "weight"),
-            (p + "mlp.down_proj.weight", (H, I), "weight"),
-        ]
+        specs.append((p + "post_attention_layernorm.weight", (H,), "zero"))
+        if "num_experts" in cfg:
+            specs += _hybrid_moe_specs(p + "mlp.", cfg)
+        else:
+            I = cfg["intermediate_size"]
+            specs += [(p + "mlp.gate_proj.weight", (I, H), "weight"), (p + "mlp.up_proj.weight", (I, H), "weight"),
+                      (p + "mlp.down_proj.weight", (H, I), "weight")]
     specs.append(("model.norm.weight", (H,), "zero"))
     if not cfg["tie_word_embeddings"]:
         specs.append(("lm_head.weight", (V, H), "weight"))

@@ -50,3 +50,42 @@ def test_tiny_moe_preset_loads_in_hf_and_jtp_greedy_matches(mk, tmp_path):
     engine = Engine(path, dtype="float32", tokenizer=False, num_blocks=64, block_size=16, max_num_seqs=4)
     got = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [c.token_ids for c in got] == expected
+
+
+@pytest.mark.parametrize("preset", ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b-4l", "qwen3-next-80b-a3b-4l", "qwen3.5-moe-tiny", "qwen3-next-tiny"])
+def test_hybrid_moe_presets_have_every_tensor_jtp_expects(mk, preset):
+    from jtp.config import ModelConfig
+    from jtp.models.qwen3_5 import param_layout
+
+    raw = mk.make_config(preset, "bfloat16")
+    specs = {name: tuple(shape) for name, shape, _ in mk.tensor_specs(raw)}
+    cfg = ModelConfig.from_hf(raw)
+    expected = {}
+    for source in param_layout(cfg).values():
+        expected |= source.expected()
+    assert expected == specs
+    assert cfg.num_experts == raw["num_experts"] and all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    assert [cfg.is_linear_layer(i) for i in range(4)] == [True, True, True, False]
+
+
+@pytest.mark.parametrize("preset, hf_class", [("qwen3.5-moe-tiny", "Qwen3_5MoeForCausalLM"),
+                                              ("qwen3-next-tiny", "Qwen3NextForCausalLM")])
+def test_tiny_hybrid_moe_presets_load_in_hf_and_jtp_greedy_matches(mk, tmp_path, preset, hf_class):
+    """The checkpoint layout real hybrid MoE models ship (fused or per-expert experts, packed or
+    split DeltaNet projections): transformers loads it whole, and jtp's greedy tokens are its."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from jtp.engine import Engine
+    from jtp.sampling import SamplingParams
+
+    path = tmp_path / preset
+    mk.write_checkpoint(preset, path, dtype="float32", quiet=True)
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    assert type(model).__name__ == hf_class
+    prompts = [np.random.default_rng(n).integers(0, 1024, n).tolist() for n in (3, 21)]
+    expected = [hf_greedy(model.eval(), p, 6) for p in prompts]
+    engine = Engine(path, dtype="float32", tokenizer=False, num_blocks=64, block_size=16, max_num_seqs=4)
+    got = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [c.token_ids for c in got] == expected
