@@ -15,11 +15,10 @@ def mk():
     return load_script("make_random_checkpoint")
 
 
-# Published sizes: Qwen3-8B 8.19 B, Qwen3-30B-A3B 30.5 B parameters.
-@pytest.mark.parametrize("preset, billions", [("qwen3-8b", 8.191), ("qwen3-30b-a3b", 30.532), ("qwen3-30b-a3b-4l", 3.1148), ("qwen3-moe-tiny", 0.0011517)])
-def test_presets_have_every_tensor_jtp_expects(mk, preset, billions):
+def checkpoint_against_layout(mk, preset: str, param_layout):
+    """The preset's config, its tensors {name: shape} and jtp's ModelConfig, once the tensors were
+    found to be exactly those jtp's layout expects."""
     from jtp.config import ModelConfig
-    from jtp.models.qwen3 import param_layout
 
     raw = mk.make_config(preset, "bfloat16")
     specs = {name: tuple(shape) for name, shape, _ in mk.tensor_specs(raw)}
@@ -28,6 +27,15 @@ def test_presets_have_every_tensor_jtp_expects(mk, preset, billions):
     for source in param_layout(cfg).values():
         expected |= source.expected()
     assert expected == specs
+    return raw, specs, cfg
+
+
+# Published sizes: Qwen3-8B 8.19 B, Qwen3-30B-A3B 30.5 B parameters.
+@pytest.mark.parametrize("preset, billions", [("qwen3-8b", 8.191), ("qwen3-30b-a3b", 30.532), ("qwen3-30b-a3b-4l", 3.1148), ("qwen3-moe-tiny", 0.0011517)])
+def test_presets_have_every_tensor_jtp_expects(mk, preset, billions):
+    from jtp.models.qwen3 import param_layout
+
+    raw, specs, cfg = checkpoint_against_layout(mk, preset, param_layout)
     assert sum(int(np.prod(s)) for s in specs.values()) == pytest.approx(billions * 1e9, rel=1e-3)
     if "moe" in raw["model_type"]:
         assert cfg.num_experts == raw["num_experts"] and all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
@@ -54,16 +62,9 @@ def test_tiny_moe_preset_loads_in_hf_and_jtp_greedy_matches(mk, tmp_path):
 
 @pytest.mark.parametrize("preset", ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b-4l", "qwen3-next-80b-a3b-4l", "qwen3.5-moe-tiny", "qwen3-next-tiny"])
 def test_hybrid_moe_presets_have_every_tensor_jtp_expects(mk, preset):
-    from jtp.config import ModelConfig
     from jtp.models.qwen3_5 import param_layout
 
-    raw = mk.make_config(preset, "bfloat16")
-    specs = {name: tuple(shape) for name, shape, _ in mk.tensor_specs(raw)}
-    cfg = ModelConfig.from_hf(raw)
-    expected = {}
-    for source in param_layout(cfg).values():
-        expected |= source.expected()
-    assert expected == specs
+    raw, _, cfg = checkpoint_against_layout(mk, preset, param_layout)
     assert cfg.num_experts == raw["num_experts"] and all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     assert [cfg.is_linear_layer(i) for i in range(4)] == [True, True, True, False]
 
