@@ -211,6 +211,7 @@ class Engine:
         snapshot_budget_bytes: int | None = None,
         num_scheduler_steps: int = 1,
         speculative_config: str | dict | SpeculativeConfig | None = None,
+        enable_expert_parallel: bool = False,
         group=None,
         devices=None,
     ):
@@ -218,7 +219,7 @@ class Engine:
         # A multi-process group (jtp/group.py): the runner sends each collective call to the followers.
         runner_args = dict(block_size=block_size, max_seqs=max_num_seqs, devices=devices,
                            num_state_slots=resolve_state_slots(max_num_seqs, num_state_slots),
-                           num_scheduler_steps=num_scheduler_steps)
+                           num_scheduler_steps=num_scheduler_steps, expert_parallel=enable_expert_parallel)
         if group is None:
             self.runner = ModelRunner(model_dir, tensor_parallel_size, dtype, **runner_args)
         else:
@@ -305,6 +306,7 @@ class Engine:
                 max_snapshots=args.max_snapshots,
                 num_scheduler_steps=args.num_scheduler_steps,
                 speculative_config=args.speculative_config,
+                enable_expert_parallel=args.enable_expert_parallel,
                 group=group,
                 devices=devices,
             )

@@ -49,6 +49,7 @@ class EngineArgs:
     num_state_slots: int | None = None  # hybrid models: recurrent-state slots (None = 2 x max_num_seqs + 8)
     max_snapshots: int = 64  # explicit snapshots kept (LRU beyond it)
     num_scheduler_steps: int = 1  # decode steps one dispatch may run on the device (multi-step decode)
+    enable_expert_parallel: bool = False  # MoE: whole experts per device instead of a slice of each
     speculative_config: str | None = None  # JSON, as vLLM spells it: '{"method": "ngram", "num_speculative_tokens": 4}'
     # Multi-process groups (jtp/launcher.py): one JAX process per host or device group.
     num_processes: int = 1
@@ -188,8 +189,12 @@ class EngineArgs:
                             "docs/bench/h200-speed2.md)")
         p.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                            '"prompt_lookup_max": 3}\' (prompt-lookup drafts verified in one step; attention-only '
-                            'models; the engine then runs each step to its end before the next)')
+                            '"prompt_lookup_max": 3}\' (prompt-lookup drafts verified in one step; the engine then '
+                            'runs each step to its end before the next)')
+        p.add_argument("--enable-expert-parallel", action="store_true", default=d.enable_expert_parallel,
+                       help="MoE models: split the routed experts whole over the tensor-parallel devices (expert "
+                            "parallelism) instead of splitting each expert's intermediate dim "
+                            "(docs/architecture.md: which wins where)")
         g = p.add_argument_group("multi-process (one JAX process per host or device group; see the README)")
         g.add_argument("--num-processes", type=int, default=d.num_processes,
                        help="processes in the group; alone, the leader spawns the others on this host")

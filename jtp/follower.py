@@ -73,7 +73,7 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
         args.model_dir(), args.tensor_parallel_size, None if args.dtype == "auto" else args.dtype,
         block_size=args.block_size, max_seqs=args.max_num_seqs, devices=devices,
         num_state_slots=resolve_state_slots(args.max_num_seqs, args.num_state_slots),
-        num_scheduler_steps=args.num_scheduler_steps,
+        num_scheduler_steps=args.num_scheduler_steps, expert_parallel=args.enable_expert_parallel,
     )
     channel.send(Kind.READY, json.dumps(describe_mesh(devices)).encode())
     log.info("follower %d ready: %d devices", spec.process_id, len(devices))

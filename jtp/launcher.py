@@ -171,6 +171,7 @@ def fingerprint(args: "EngineArgs") -> dict:
         "max_num_seqs": args.max_num_seqs,
         "num_state_slots": args.num_state_slots,
         "num_scheduler_steps": args.num_scheduler_steps,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "num_processes": args.num_processes,
     }
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtp.attention import AttentionMetadata, choose_attention
+from jtp.moe import choose_experts
 from jtp.config import ModelConfig
 from jtp.models import family_of
 from jtp.sampling import MAX_LOGPROBS, SampleResult, pack_sampling, sample
@@ -61,11 +62,12 @@ class ModelRunner:
         devices=None,
         num_state_slots: int | None = None,
         num_scheduler_steps: int = 1,
+        expert_parallel: bool = False,
     ):
         self.cfg = ModelConfig.from_dir(model_dir)
         self.mesh = make_mesh(tensor_parallel_size, devices)
         self.dtype = resolve_dtype(self.cfg, dtype)
-        self.params = load_params(model_dir, self.cfg, self.mesh, self.dtype)
+        self.params = load_params(model_dir, self.cfg, self.mesh, self.dtype, expert_parallel)
         self.block_size = block_size
         self.max_seqs = max_seqs
         self.num_state_slots = num_state_slots or max_seqs  # recurrent-state slots (hybrid models)
@@ -76,8 +78,9 @@ class ModelRunner:
             self.allocate_cache(num_blocks)
         # Chosen once here, so tracing the step reads no globals or environment.
         self.attention = choose_attention(self.mesh)
+        self.experts = choose_experts(self.mesh, expert_parallel)
         self._step_fn = jax.jit(
-            functools.partial(_step, self.family, self.cfg, self.attention),
+            functools.partial(_step, self.family, self.cfg, self.attention, self.experts),
             donate_argnums=(1, 2),
             static_argnames=("flags",),
         )
@@ -85,7 +88,9 @@ class ModelRunner:
         # so the host's cost of a call (launch, arguments, Python) is paid once for several tokens.
         self.num_scheduler_steps = num_scheduler_steps
         self._decode_fn = jax.jit(
-            functools.partial(_decode_steps, self.family, self.cfg, self.attention, block_size, num_scheduler_steps),
+            functools.partial(
+                _decode_steps, self.family, self.cfg, self.attention, self.experts, block_size, num_scheduler_steps
+            ),
             donate_argnums=(1, 2),
             static_argnames=("flags",),
         )
@@ -217,14 +222,14 @@ class ModelRunner:
 
 
 def _step(
-    family, cfg, attention, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling, penalty_tokens,
+    family, cfg, attention, experts, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling, penalty_tokens,
     flags,
 ):
     """The serving step: forward over the ragged batch, logits at each row's index, sampling.
     Results get a leading axis of one step (the decode loop's results have several)."""
     _TRACES.count += 1
     result, cache, sampled = _forward_and_sample(
-        family, cfg, attention, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling,
+        family, cfg, attention, experts, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling,
         penalty_tokens, flags,
     )
     if logits_indices.ndim == 1:
@@ -233,7 +238,7 @@ def _step(
 
 
 def _decode_steps(
-    family, cfg, attention, block_size, max_steps, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
+    family, cfg, attention, experts, block_size, max_steps, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
     sampling, penalty_tokens, stop_ids, num_steps, flags,
 ):
     """Up to `num_steps` decode steps of a pure decode batch (one token per row) in one call.
@@ -266,7 +271,7 @@ def _decode_steps(
         i, cache, sampled, tokens, meta, results, done = carry
         step_sampling = sampling._replace(step=sampling.step + i)
         result, cache, sampled = _forward_and_sample(
-            family, cfg, attention, params, cache, sampled, tokens, meta, logits_indices, seq_slots, step_sampling,
+            family, cfg, attention, experts, params, cache, sampled, tokens, meta, logits_indices, seq_slots, step_sampling,
             penalty_tokens, flags,
         )
         results = jax.tree.map(lambda acc, r: acc.at[i].set(r), results, result)
@@ -284,12 +289,12 @@ def _decode_steps(
 
 
 def _forward_and_sample(
-    family, cfg, attention, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling, penalty_tokens,
+    family, cfg, attention, experts, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling, penalty_tokens,
     flags,
 ):
     slot_of_token = seq_slots[meta.token_rows]
     tokens = jnp.where(tokens >= 0, tokens, sampled[jnp.maximum(slot_of_token, 0)])
-    hidden, cache = family.forward(params, cfg, tokens, cache, meta, attention)
+    hidden, cache = family.forward(params, cfg, tokens, cache, meta, attention, experts)
     penalty_ids, penalty_is_output = penalty_tokens if penalty_tokens is not None else (None, None)
 
     def sample_at(indices, sampling):

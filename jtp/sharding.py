@@ -5,7 +5,8 @@ output dim), row-parallel o_proj and down_proj (split the input dim). Activation
 replicated between blocks, so XLA inserts exactly one all-reduce after each row-parallel
 matmul: two per layer. Embedding and lm_head are split over the vocabulary. MoE experts are
 split inside each expert (intra-expert TP over the intermediate dim; docs/architecture.md
-says why). The `dp` axis is size 1 for now and reserved for data-parallel replicas.
+says why), or with expert parallelism whole experts over the devices (EXPERT_PARALLEL_RULES;
+jtp/moe.py computes either inside shard_map). The `dp` axis is size 1 for now and reserved for data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ PARTITION_RULES: list[tuple[str, P]] = [
     (r"\.(gdn_out|shared_down)$", P(None, "tp")),  # row-parallel: all-reduce after
     (r".*", P()),  # norms, router, o_bias: replicated
 ]
+
+# --enable-expert-parallel: device d holds experts [d*E/tp, (d+1)*E/tp) whole.
+EXPERT_PARALLEL_RULES: list[tuple[str, P]] = [(r"\.experts_(gate|up|down)$", P("tp", None, None))]
 
 KV_CACHE_SPEC = P(None, None, "tp", None)  # [blocks, block_size, kv_heads, head_dim]: split heads
 CONV_STATE_SPEC = P(None, "tp", None)  # [max_seqs, channels, K-1]: channels split like the conv weights
@@ -84,11 +88,15 @@ def kv_head_replicas(cfg: ModelConfig, tp: int) -> int:
     return tp // cfg.num_kv_heads
 
 
-def validate_tp(cfg: ModelConfig, tp: int) -> None:
+def validate_tp(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
     checks = [("num_attention_heads", cfg.num_heads)]
+    if expert_parallel:
+        if not cfg.num_experts:
+            raise ShardingError("expert parallelism needs a mixture-of-experts model; this one has no routed experts")
+        checks.append(("num_experts", cfg.num_experts))
     if any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
         checks.append(("intermediate_size", cfg.intermediate_size))
-    if cfg.num_experts:
+    if cfg.num_experts and not expert_parallel:
         checks.append(("moe_intermediate_size", cfg.moe_intermediate_size))
     if cfg.shared_expert_intermediate_size:
         checks.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
@@ -102,8 +110,8 @@ def validate_tp(cfg: ModelConfig, tp: int) -> None:
     kv_head_replicas(cfg, tp)
 
 
-def spec_for(path: str, shape: tuple[int, ...], tp: int) -> P:
-    for pattern, spec in PARTITION_RULES:
+def spec_for(path: str, shape: tuple[int, ...], tp: int, expert_parallel: bool = False) -> P:
+    for pattern, spec in (EXPERT_PARALLEL_RULES if expert_parallel else []) + PARTITION_RULES:
         if re.search(pattern, path):
             break
     # A vocabulary that does not divide evenly stays replicated rather than failing.
@@ -114,8 +122,8 @@ def spec_for(path: str, shape: tuple[int, ...], tp: int) -> P:
     return spec
 
 
-def named_sharding(mesh: Mesh, path: str, shape: tuple[int, ...]) -> NamedSharding:
-    return NamedSharding(mesh, spec_for(path, shape, tp_size(mesh)))
+def named_sharding(mesh: Mesh, path: str, shape: tuple[int, ...], expert_parallel: bool = False) -> NamedSharding:
+    return NamedSharding(mesh, spec_for(path, shape, tp_size(mesh), expert_parallel))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

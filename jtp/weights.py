@@ -159,13 +159,16 @@ def resolve_dtype(cfg: ModelConfig, dtype: str | None):
     return DTYPES[name]
 
 
-def load_params(model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32) -> dict:
-    """Load a model directory (safetensors, or an Orbax checkpoint written by `jtp convert`)."""
+def load_params(model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False) -> dict:
+    """Load a model directory (safetensors, or an Orbax checkpoint written by `jtp convert`).
+
+    expert_parallel: split the routed experts over the devices whole instead of inside each expert.
+    """
     model_dir = Path(model_dir)
     tp = tp_size(mesh)
-    validate_tp(cfg, tp)
+    validate_tp(cfg, tp, expert_parallel)
     if not any(model_dir.glob("*.safetensors")) and (model_dir / ORBAX_SUBDIR).is_dir():
-        return restore_orbax(model_dir / ORBAX_SUBDIR, cfg, mesh, dtype)
+        return restore_orbax(model_dir / ORBAX_SUBDIR, cfg, mesh, dtype, expert_parallel)
     ckpt = SafetensorsCheckpoint(model_dir)
     layout = resolve_layout(family_of(cfg).param_layout(cfg, tp), ckpt)
     check_checkpoint(ckpt, layout, cfg)
@@ -173,7 +176,8 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32
     flat = {}
     for path, source in layout.items():
         read: Callable = lambda index, s=source: s.read(ckpt, index).astype(host_dtype, copy=False)
-        flat[path] = jax.make_array_from_callback(source.shape, named_sharding(mesh, path, source.shape), read)
+        sharding = named_sharding(mesh, path, source.shape, expert_parallel)
+        flat[path] = jax.make_array_from_callback(source.shape, sharding, read)
     return unflatten(flat, cfg.num_layers)
 
 
@@ -203,7 +207,7 @@ def save_orbax(params: dict, cfg: ModelConfig, tp: int, path: str | Path) -> Non
         ckptr.save(path, _canonical(flatten(params), cfg, tp))
 
 
-def restore_orbax(path: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32) -> dict:
+def restore_orbax(path: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False) -> dict:
     """Restore into the mesh's sharding: each device reads its own slice from the Orbax files."""
     import orbax.checkpoint as ocp
 
@@ -215,7 +219,7 @@ def restore_orbax(path: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32) -
     for path_, source in canonical.items():
         needs_repeat = target[path_].shape != source.shape
         # Replicated KV heads are restored whole (they are small) and repeated on device below.
-        sharding = replicated(mesh) if needs_repeat else named_sharding(mesh, path_, source.shape)
+        sharding = replicated(mesh) if needs_repeat else named_sharding(mesh, path_, source.shape, expert_parallel)
         abstract[path_] = jax.ShapeDtypeStruct(source.shape, dtype, sharding=sharding)
     with ocp.StandardCheckpointer() as ckptr:
         flat = ckptr.restore(Path(path).absolute(), abstract)

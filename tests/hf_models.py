@@ -197,7 +197,9 @@ def assert_step_collectives(runner, plan) -> None:
     activations, others = 0, []
     for shapes, kind in _COLLECTIVE.findall(runner.compiled_text(plan)):
         sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\w+\[([\d,]*)\]", shapes)]
-        if kind == "all-reduce" and max(sizes) >= T * runner.cfg.hidden_size:  # [T, H] or [T * top_k, H]
+        if kind == "all-reduce" and max(sizes) >= T * runner.cfg.hidden_size:
+            # [T, H] exactly: MoE layers combine a token's top-k pairs before reducing, never [T*k, H].
+            assert max(sizes) == T * runner.cfg.hidden_size, (shapes, T)
             activations += 1
         else:
             others.append((kind, max(sizes)))

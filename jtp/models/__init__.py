@@ -2,7 +2,8 @@
 
     param_layout(cfg, tp) -> {path: Source}     where each parameter comes from in the checkpoint
     init_cache(cfg, mesh, num_blocks, block_size, num_state_slots, dtype) -> cache pytree
-    forward(params, cfg, tokens, cache, meta, attend) -> (hidden [T, H], cache)   attend: a PagedAttention
+    forward(params, cfg, tokens, cache, meta, attend, routed) -> (hidden [T, H], cache)
+        attend: a PagedAttention (jtp/attention.py), routed: a RoutedExperts (jtp/moe.py)
     compute_logits(params, hidden) -> float32 logits
 """
 

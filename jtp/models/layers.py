@@ -53,33 +53,6 @@ def route_top_k(x: jax.Array, router: jax.Array, top_k: int, normalize: bool) ->
     return weights.astype(x.dtype), experts
 
 
-def moe_experts(
-    x: jax.Array,
-    weights: jax.Array,
-    experts: jax.Array,
-    gate: jax.Array,
-    up: jax.Array,
-    down: jax.Array,
-) -> jax.Array:
-    """Sum_k weights[t,k] * SwiGLU_{experts[t,k]}(x[t]) with grouped matmuls.
-
-    The T*k (token, expert) pairs are sorted by expert so that `ragged_dot` runs one GEMM per
-    expert over its contiguous group. gate/up are [E, H, I], down is [E, I, H]; with I sharded
-    over `tp` every device computes its slice of every expert and XLA all-reduces the sum.
-    """
-    num_tokens, top_k = experts.shape
-    num_experts = gate.shape[0]
-    flat_experts = experts.reshape(-1)
-    order = jnp.argsort(flat_experts, stable=True)
-    token_of_pair = order // top_k
-    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
-
-    xs = x[token_of_pair]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * jax.lax.ragged_dot(xs, up, group_sizes)
-    ys = jax.lax.ragged_dot(h, down, group_sizes) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros_like(x).at[token_of_pair].add(ys)
-
-
 def rms_norm_zero_centered(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Qwen3-Next / Qwen3.5 RMSNorm: the stored weight w is applied as (1 + w), in fp32, then cast."""
     xf = x.astype(jnp.float32)

@@ -21,7 +21,8 @@ from jtp.attention import AttentionMetadata, LayerKV, PagedAttention, write_kv
 from jtp.config import ModelConfig
 from jtp.sharding import KV_CACHE_SPEC, kv_head_replicas
 from jtp.sources import RepeatedHeads, Source, StackedExperts, Tensor
-from jtp.models.layers import apply_rope, linear, moe_experts, rms_norm, rope_cos_sin, route_top_k, swiglu_mlp
+from jtp.models.layers import apply_rope, linear, rms_norm, rope_cos_sin, route_top_k, swiglu_mlp
+from jtp.moe import RoutedExperts
 
 
 def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, attend: PagedAttention):
@@ -38,15 +39,16 @@ def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: Attenti
     return linear(o.reshape(T, -1), p["o_proj"], p.get("o_bias")), kv
 
 
-def feed_forward(p: dict, cfg: ModelConfig, layer: int, x):
+def feed_forward(p: dict, cfg: ModelConfig, layer: int, x, routed: RoutedExperts):
     if not cfg.is_moe_layer(layer):
         return swiglu_mlp(x, p["gate_proj"], p["up_proj"], p["down_proj"])
     weights, experts = route_top_k(x, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    return moe_experts(x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"])
+    return routed(x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"])
 
 
 def forward(
-    params: dict, cfg: ModelConfig, tokens, kv_cache: list[LayerKV], meta: AttentionMetadata, attend: PagedAttention
+    params: dict, cfg: ModelConfig, tokens, kv_cache: list[LayerKV], meta: AttentionMetadata, attend: PagedAttention,
+    routed: RoutedExperts,
 ):
     """tokens [T] -> final hidden states [T, H] and the updated KV cache."""
     x = params["embed"][tokens]
@@ -55,7 +57,7 @@ def forward(
     for i, p in enumerate(params["layers"]):
         a, kv = attention(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), cos, sin, kv_cache[i], meta, attend)
         h = x + a
-        x = h + feed_forward(p, cfg, i, rms_norm(h, p["post_norm"], cfg.rms_norm_eps))
+        x = h + feed_forward(p, cfg, i, rms_norm(h, p["post_norm"], cfg.rms_norm_eps), routed)
         new_cache.append(kv)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
 
@@ -151,7 +153,7 @@ def mlp_layout(mlp: str, cfg: ModelConfig) -> dict[str, Source]:
 
 
 def stacked_experts_layout(mlp: str, cfg: ModelConfig) -> dict[str, Source]:
-    """Routed experts stored one by one (mlp.experts.{e}.*_proj), stacked for ragged_dot."""
+    """Routed experts stored one by one (mlp.experts.{e}.*_proj), stacked [E, in, out] for grouped matmuls."""
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     experts = [f"{mlp}experts.{e}." for e in range(cfg.num_experts)]
 

@@ -47,6 +47,7 @@ from jtp.models.layers import (
 )
 from jtp.models import qwen3
 from jtp.models.qwen3 import compute_logits, zeroed_layer_kv  # noqa: F401 - compute_logits is part of the family API
+from jtp.moe import RoutedExperts
 from jtp.sharding import CONV_STATE_SPEC, RECURRENT_STATE_SPEC
 from jtp.sources import (
     FirstPresent,
@@ -309,8 +310,8 @@ def gated_attention(
     return linear(o.reshape(T, -1), p["o_proj"]), kv
 
 
-def feed_forward(p: dict, cfg: ModelConfig, layer: int, x):
-    y = qwen3.feed_forward(p, cfg, layer, x)  # SwiGLU MLP or routed experts
+def feed_forward(p: dict, cfg: ModelConfig, layer: int, x, routed: RoutedExperts):
+    y = qwen3.feed_forward(p, cfg, layer, x, routed)  # SwiGLU MLP or routed experts
     if "shared_gate" in p:  # MoE layers' sigmoid-gated shared expert
         shared = swiglu_mlp(x, p["shared_gate"], p["shared_up"], p["shared_down"])
         y = y + jax.nn.sigmoid(linear(x, p["shared_expert_gate"])) * shared
@@ -335,7 +336,10 @@ def deltanet_row_length(meta: AttentionMetadata, num_tokens: int) -> tuple[int, 
     return -(-bound // chunk) * chunk, chunk
 
 
-def forward(params: dict, cfg: ModelConfig, tokens, cache: list, meta: AttentionMetadata, attend: PagedAttention):
+def forward(
+    params: dict, cfg: ModelConfig, tokens, cache: list, meta: AttentionMetadata, attend: PagedAttention,
+    routed: RoutedExperts,
+):
     """tokens [T] -> final hidden states [T, H] and the updated cache (K/V pages and slot states)."""
     T = tokens.shape[0]
     x = params["embed"][tokens]
@@ -352,7 +356,7 @@ def forward(params: dict, cfg: ModelConfig, tokens, cache: list, meta: Attention
         else:
             a, layer_cache = gated_attention(p, cfg, h, cos, sin, cache[i], meta, attend)
         h = x + a
-        x = h + feed_forward(p, cfg, i, rms_norm_zero_centered(h, p["post_norm"], cfg.rms_norm_eps))
+        x = h + feed_forward(p, cfg, i, rms_norm_zero_centered(h, p["post_norm"], cfg.rms_norm_eps), routed)
         new_cache.append(layer_cache)
     return rms_norm_zero_centered(x, params["final_norm"], cfg.rms_norm_eps), new_cache
 

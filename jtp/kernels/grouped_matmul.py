@@ -1,0 +1,172 @@
+"""Grouped matmul over expert groups as one Pallas (Triton backend) GPU kernel: the MoE GEMMs.
+
+    y[p] = x[p] @ w[e]   for the rows p of group e, where the rows are sorted by group
+
+Same function as `jax.lax.ragged_dot(x, w, group_sizes)` restricted to the groups
+[first_group, first_group + E_local) whose rows start at `row_offset` (expert parallelism: a
+device owns a contiguous range of experts, and sorted pairs put their rows in one contiguous run).
+
+Work decomposition
+------------------
+* Each group's rows are cut into tiles of BM rows, and the tiles of all groups are listed densely
+  (`tile_map`, plain jnp before the kernel): at most ceil(P / BM) + min(E, P) tiles.
+* Program (tile, n block, k split) multiplies its tile's rows by the [K / splits, BN] slice of its
+  group's weight. A program past the last used tile returns at once and reads nothing, so a decode
+  step reads the weights of the experts its tokens chose and no others (B=1, top-8 of 128: 1/16 of
+  the experts' bytes); a big batch reads every used expert once per tile of its rows.
+* Few tiles (decode) leave SMs idle, so K is split over `splits` programs writing fp32 partials
+  that jnp sums afterwards; with one split the kernel writes x.dtype directly.
+* Rows past a tile's group (the next group's, or padding) are loaded but never stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulConfig:
+    bm: int  # rows per tile
+    bn: int  # output columns per program
+    bk: int  # contraction step
+    splits: int  # programs sharing one tile's contraction (fp32 partials, summed after)
+    warps: int = 4
+    stages: int = 3
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def supported(k: int, n: int) -> bool:
+    """Triton tiles are powers of two of at least 16: K and N need such a divisor."""
+    return _largest_pow2_divisor(k, 64) >= 16 and _largest_pow2_divisor(n, 64) >= 16
+
+
+def choose_config(rows: int, k: int, n: int, num_groups: int) -> GroupedMatmulConfig:
+    """Static tile sizes for P = `rows` sorted rows of a [K] -> [N] projection; JTP_MOE_* override.
+
+    Few rows per group (decode: P / E small) use the 16-row minimum of an MMA, BN 64 and split K
+    until about 4 programs per SM of an H200 are in flight; many rows (prefill) use 64x128 tiles.
+    """
+    env = lambda name, default: int(os.environ.get(f"JTP_MOE_{name}", default))  # noqa: E731
+    rows_per_group = rows / max(1, min(num_groups, rows))
+    big = rows_per_group >= 48
+    bm = env("BM", 64 if big else 16)
+    bn = min(env("BN", 128 if big else 64), _largest_pow2_divisor(n, 256))
+    bk = min(env("BK", 64 if big else 128), _largest_pow2_divisor(k, 256))
+    tiles = max(1, min(num_groups, rows)) + -(-rows // bm)
+    programs = tiles * (n // bn)
+    splits = 1
+    while programs * splits < 512 and k % (bk * splits * 2) == 0 and splits < 8:
+        splits *= 2
+    splits = env("SPLITS", splits)
+    return GroupedMatmulConfig(bm, bn, bk, splits, env("WARPS", 4), env("STAGES", 3))
+
+
+def num_tiles(rows: int, num_groups: int, bm: int) -> int:
+    return max(1, min(num_groups, rows) + -(-rows // bm))
+
+
+def tile_map(group_sizes: jax.Array, row_offset, bm: int, count: int):
+    """Dense list of (group, first row, rows) tiles over the groups; unused tiles have 0 rows."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    starts = row_offset + jnp.cumsum(sizes) - sizes
+    per_group = (sizes + bm - 1) // bm
+    cum = jnp.cumsum(per_group)  # inclusive
+    t = jnp.arange(count, dtype=jnp.int32)
+    group = jnp.sum((cum[None, :] <= t[:, None]).astype(jnp.int32), axis=1)  # first group with cum > t
+    used = group < sizes.shape[0]
+    group = jnp.minimum(group, sizes.shape[0] - 1)
+    i = t - (cum[group] - per_group[group])
+    start = starts[group] + i * bm
+    n = jnp.where(used, jnp.clip(sizes[group] - i * bm, 0, bm), 0)
+    return group.astype(jnp.int32), jnp.where(n > 0, start, 0).astype(jnp.int32), n.astype(jnp.int32)
+
+
+def _kernel(tile_group_ref, tile_start_ref, tile_rows_ref, x_ref, w_ref, o_ref, *, bm, bk, k_steps, precision):
+    t, s = pl.program_id(0), pl.program_id(2)
+    group, start, rows = tile_group_ref[t], tile_start_ref[t], tile_rows_ref[t]
+
+    @pl.when(rows > 0)  # an unused tile reads no weights
+    def _():
+        def body(i, acc):
+            k0 = pl.multiple_of((s * k_steps + i) * bk, bk)
+            x = x_ref[pl.ds(start, bm), pl.ds(k0, bk)]  # [BM, BK]
+            w = w_ref[group, pl.ds(k0, bk), :]  # [BK, BN]
+            return acc + lax.dot_general(
+                x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+            )
+
+        acc = lax.fori_loop(0, k_steps, body, jnp.zeros((bm, w_ref.shape[2]), jnp.float32))
+        mask = jnp.broadcast_to((lax.broadcasted_iota(jnp.int32, (bm,), 0) < rows)[:, None], acc.shape)
+        plgpu.store(o_ref.at[pl.ds(start, bm), :], acc.astype(o_ref.dtype), mask=mask)
+
+
+def grouped_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    row_offset: jax.Array | int = 0,
+    *,
+    config: GroupedMatmulConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """x [P, K] (rows sorted by group), w [E, K, N], group_sizes [E] -> [P, N] in x.dtype.
+
+    Group e's rows are row_offset + sum(group_sizes[:e]) onwards. Rows outside every group are
+    left unwritten (their values are unspecified): the caller masks or ignores them.
+    """
+    P, K = x.shape
+    E, _, N = w.shape
+    cfg = config or choose_config(P, K, N, E)
+    count = num_tiles(P, E, cfg.bm)
+    k_steps = K // (cfg.bk * cfg.splits)
+    assert k_steps * cfg.bk * cfg.splits == K and N % cfg.bn == 0, (K, N, cfg)
+    tiles = tile_map(group_sizes, jnp.asarray(row_offset, jnp.int32), cfg.bm, count)
+    # BM rows of padding: a tile's load of BM rows from its first row never runs past the array.
+    xp = jnp.pad(x, ((0, cfg.bm), (0, 0)))
+    rows = P + cfg.bm
+
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    kernel = functools.partial(_kernel, bm=cfg.bm, bk=cfg.bk, k_steps=k_steps, precision=precision)
+    vec = pl.BlockSpec((count,), lambda t, n, s: (0,))
+    in_specs = [
+        vec, vec, vec,
+        pl.BlockSpec((rows, K), lambda t, n, s: (0, 0)),
+        pl.BlockSpec((E, K, cfg.bn), lambda t, n, s: (0, 0, n)),
+    ]
+    if cfg.splits == 1:
+        out_shape = jax.ShapeDtypeStruct((rows, N), x.dtype)
+        out_spec = pl.BlockSpec((rows, cfg.bn), lambda t, n, s: (0, n))
+    else:
+        out_shape = jax.ShapeDtypeStruct((cfg.splits, rows, N), jnp.float32)
+        out_spec = pl.BlockSpec((None, rows, cfg.bn), lambda t, n, s: (s, 0, n))
+    out = pl.pallas_call(
+        kernel,
+        grid=(count, N // cfg.bn, cfg.splits),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.warps, num_stages=cfg.stages),
+        interpret=interpret,
+        name=f"jtp_grouped_matmul_m{cfg.bm}_n{cfg.bn}_k{cfg.bk}_s{cfg.splits}",
+    )(*tiles, xp, w)
+    if cfg.splits > 1:
+        out = out.sum(axis=0).astype(x.dtype)
+    return out[:P]

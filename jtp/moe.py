@@ -1,0 +1,117 @@
+"""Routed experts: sum_k weights[t,k] * SwiGLU_{experts[t,k]}(x[t]), over a mesh.
+
+The T*k (token, expert) pairs are sorted by expert so each expert's rows are one contiguous
+group, and three grouped matmuls (gate, up, down) run one GEMM per group: on GPUs the Pallas
+kernel of jtp/kernels/grouped_matmul.py, which reads only the experts some token chose;
+elsewhere `lax.ragged_dot`.
+
+Two ways to split the experts over the "tp" axis, each inside shard_map (a pallas_call is opaque
+to XLA's partitioner):
+* intra-expert TP (default): every device holds a 1/tp slice of every expert's intermediate dim
+  and computes all pairs on its slice;
+* expert parallelism (`expert_parallel=True`, vLLM's --enable-expert-parallel): device d holds
+  whole experts [d*E/tp, (d+1)*E/tp) and computes the pairs routed to them. Activations are
+  replicated between blocks (attention is tensor-parallel), so dispatch needs no communication:
+  the pairs of a device's experts are already a contiguous run of the sorted pairs.
+Either way each device combines its pairs into a partial [T, H] output (weighting by the router
+and adding the k pairs of a token) and XLA sums the partials over "tp": one all-reduce of [T, H]
+per MoE layer, never one of the k-times larger [T*k, H] pair outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jtp.kernels import grouped_matmul as gmm
+
+IMPLS = ("kernel", "ragged_dot")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutedExperts:
+    """The routed-experts computation a model calls, with its implementation and mesh fixed up front
+    (ModelRunner builds one in `choose_experts` and closes the jitted step over it)."""
+
+    impl: str = "ragged_dot"
+    mesh: Mesh | None = None
+    expert_parallel: bool = False
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"experts {self.impl!r}: expected kernel or ragged_dot (JTP_MOE also takes auto)")
+
+    def __call__(self, x, weights, experts, gate, up, down) -> jax.Array:
+        """x [T, H]; router weights / expert ids [T, k]; gate, up [E, H, I]; down [E, I, H] -> [T, H]."""
+        tp = self.mesh.shape["tp"] if self.mesh is not None else 1
+        use_kernel = self.impl == "kernel" and gmm.supported(gate.shape[1], gate.shape[2] // tp) and (
+            gmm.supported(down.shape[1] // tp, down.shape[2])
+        )
+        if self.expert_parallel:  # EP: the kernel needs whole experts, the shapes are full ones
+            use_kernel = self.impl == "kernel" and gmm.supported(*gate.shape[1:]) and gmm.supported(*down.shape[1:])
+        local = _pairs_to_tokens(use_kernel, self.expert_parallel, num_experts=gate.shape[0])
+        if tp == 1:
+            return local(x, weights, experts, gate, up, down)
+        rep = P()
+        if self.expert_parallel:
+            w_spec = P("tp", None, None)
+            specs = (rep, rep, rep, w_spec, w_spec, w_spec)
+        else:
+            col, row = P(None, None, "tp"), P(None, "tp", None)
+            specs = (rep, rep, rep, col, col, row)
+        # Each device returns its partial sum as one slice of a [tp, T, H] array; summing that axis
+        # is the all-reduce, emitted by XLA. check_vma=False: pallas_call has no replication rule.
+        partials = jax.shard_map(
+            lambda *a: local(*a)[None], mesh=self.mesh, in_specs=specs, out_specs=P("tp"), check_vma=False
+        )(x, weights, experts, gate, up, down)
+        return jnp.sum(partials, axis=0)
+
+
+def choose_experts(mesh: Mesh | None = None, expert_parallel: bool = False, impl: str | None = None) -> RoutedExperts:
+    """The kernel on GPUs, ragged_dot elsewhere; `impl` or JTP_MOE=kernel|ragged_dot|auto forces one."""
+    impl = impl or os.environ.get("JTP_MOE", "").strip().lower() or "auto"
+    if impl == "auto":
+        impl = "kernel" if jax.default_backend() == "gpu" else "ragged_dot"
+    return RoutedExperts(impl, mesh, expert_parallel)
+
+
+def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int):
+    interpret = jax.default_backend() != "gpu"
+
+    def grouped(x, w, sizes, offset):
+        if use_kernel:
+            return gmm.grouped_matmul(x, w, sizes, offset, interpret=interpret)
+        if not expert_parallel:
+            return jax.lax.ragged_dot(x, w, sizes)
+        # ragged_dot's groups start at row 0: rotate this device's run of rows there and back.
+        return jnp.roll(jax.lax.ragged_dot(jnp.roll(x, -offset, axis=0), w, sizes), offset, axis=0)
+
+    def local(x, weights, experts, gate, up, down):
+        """This device's experts' share of the output, [T, H] (the whole output when not split)."""
+        T, k = experts.shape
+        num_local = gate.shape[0]
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
+        counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+        if expert_parallel:
+            first = jax.lax.axis_index("tp") * num_local
+            sizes = jax.lax.dynamic_slice(counts, (first,), (num_local,))
+            offset = jnp.sum(jnp.where(jnp.arange(num_experts) < first, counts, 0))
+        else:
+            sizes, offset = counts, jnp.int32(0)
+
+        xs = x[order // k]  # [T*k, H]: each pair's token
+        h = jax.nn.silu(grouped(xs, gate, sizes, offset)) * grouped(xs, up, sizes, offset)
+        ys = grouped(h, down, sizes, offset)  # [T*k, H]
+        if expert_parallel:  # rows of other devices' experts are unwritten: zero them
+            pair = jnp.arange(T * k)
+            ys = jnp.where(((pair >= offset) & (pair < offset + jnp.sum(sizes)))[:, None], ys, 0)
+        # Back to (token, k) order and combine: a gather and a k-term sum, no scatter.
+        unsorted = ys[jnp.argsort(order)].reshape(T, k, -1)
+        return jnp.einsum("tkh,tk->th", unsorted, weights.astype(ys.dtype))
+
+    return local

@@ -1,0 +1,128 @@
+"""Routed experts: the grouped-matmul kernel (Pallas' interpreter on CPU) against lax.ragged_dot,
+and expert parallelism against tensor parallelism through the serving step on 8 forced CPU devices
+(same greedy tokens; one [T, H] all-reduce per MoE layer, the k pairs of a token combined first)."""
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from jtp.kernels.grouped_matmul import GroupedMatmulConfig, grouped_matmul, num_tiles, tile_map
+from jtp.runner import ModelRunner
+from jtp.sharding import ShardingError
+
+pytest.importorskip("torch")
+from hf_models import assert_same_outputs, assert_step_collectives, make_hf_checkpoint  # noqa: E402
+from test_hf_parity import one_row_plan  # noqa: E402
+from test_sharding import greedy  # noqa: E402
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def sorted_rows(rng, rows: int, num_groups: int, used: int):
+    """Group sizes of `rows` rows spread over `used` of the groups (the others empty)."""
+    chosen = rng.choice(num_groups, size=used, replace=False)
+    ids = np.sort(rng.choice(chosen, size=rows))
+    return jnp.asarray(np.bincount(ids, minlength=num_groups), jnp.int32)
+
+
+@pytest.mark.parametrize(
+    "rows,k,n,groups,used,config",
+    [
+        (8, 64, 96, 32, 8, None),  # a decode step's pairs: split K, 16-row tiles
+        (40, 32, 64, 4, 4, GroupedMatmulConfig(16, 32, 16, 2)),
+        (200, 64, 32, 8, 5, GroupedMatmulConfig(64, 32, 32, 1)),  # tiles spanning groups' ends
+        (3, 16, 16, 8, 2, GroupedMatmulConfig(16, 16, 16, 1)),
+    ],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_matches_ragged_dot(rows, k, n, groups, used, config, dtype):
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((groups, k, n)), dtype)
+    sizes = sorted_rows(rng, rows, groups, used)
+    ref = jax.lax.ragged_dot(x, w, sizes, precision=HIGHEST, preferred_element_type=jnp.float32)
+    out = grouped_matmul(x, w, sizes, config=config, interpret=True)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    tol = 1e-4 if dtype == jnp.float32 else 0.05 * float(jnp.abs(ref).max())
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=tol, rtol=0)
+
+    # A contiguous range of groups whose rows start at an offset: one device's experts under EP.
+    lo, hi = groups // 4, groups // 4 + groups // 2
+    offset = int(sizes[:lo].sum())
+    count = int(sizes[lo:hi].sum())
+    local = grouped_matmul(x, w[lo:hi], sizes[lo:hi], offset, config=config, interpret=True)
+    np.testing.assert_allclose(
+        np.asarray(local[offset : offset + count], np.float32), np.asarray(ref[offset : offset + count]), atol=tol, rtol=0
+    )
+
+
+def test_tile_map_touches_only_chosen_experts():
+    """B=1 decode of a top-8-of-128 model: 8 pairs, one 16-row tile per chosen expert, and every
+    other program of the grid idle, so the kernel reads 8 experts' weights, not 128."""
+    experts = np.array([3, 17, 40, 41, 77, 90, 100, 127])
+    sizes = jnp.asarray(np.bincount(experts, minlength=128), jnp.int32)
+    group, start, rows = (np.asarray(a) for a in tile_map(sizes, 0, 16, num_tiles(8, 128, 16)))
+    used = rows > 0
+    assert sorted(group[used].tolist()) == experts.tolist()
+    assert rows[used].tolist() == [1] * 8 and start[used].tolist() == list(range(8))
+    # A prefill-sized step: tiles cover every row exactly once, each inside its group.
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(0, 150, 16)
+    sizes[[2, 9]] = 0
+    group, start, rows = (np.asarray(a) for a in tile_map(jnp.asarray(sizes), 0, 64, num_tiles(int(sizes.sum()), 16, 64)))
+    covered = np.concatenate([np.arange(s, s + r) for s, r in zip(start, rows) if r])
+    np.testing.assert_array_equal(np.sort(covered), np.arange(sizes.sum()))
+    ends = np.cumsum(sizes)
+    for g, s, r in zip(group, start, rows):
+        if r:
+            assert ends[g] - sizes[g] <= s and s + r <= ends[g]
+
+
+EP_MODEL = dict(
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=2, mlp_only_layers=[],
+    num_attention_heads=8, num_key_value_heads=2, head_dim=16,  # tp=8 divides the heads
+)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    _, path = make_hf_checkpoint("qwen3_moe", tmp_path_factory.mktemp("moe"), **EP_MODEL)
+    return path
+
+
+def test_expert_parallel_matches_tensor_parallel(moe_checkpoint):
+    prompt = np.random.default_rng(1).integers(0, 128, 13).tolist()
+    base = greedy(ModelRunner(moe_checkpoint, 1, num_blocks=16, block_size=4), prompt, 8)
+    for tp in (2, 8):
+        runner = ModelRunner(moe_checkpoint, tp, num_blocks=16, block_size=4, expert_parallel=True)
+        gate = runner.params["layers"][0]["experts_gate"]
+        assert gate.addressable_shards[0].data.shape == (8 // tp, 64, 32)  # whole experts per device
+        assert_same_outputs(greedy(runner, prompt, 8), base, atol=1e-5, msg=f"EP tp={tp}")
+
+
+def test_kernel_path_matches_ragged_dot_in_the_step(moe_checkpoint, monkeypatch):
+    """The GPU path (JTP_MOE=kernel, interpreted here) through the serving step, TP and EP."""
+    prompt = np.random.default_rng(2).integers(0, 128, 9).tolist()
+    base = greedy(ModelRunner(moe_checkpoint, 1, num_blocks=16, block_size=4), prompt, 4)
+    monkeypatch.setenv("JTP_MOE", "kernel")
+    for tp, ep in ((1, False), (2, False), (2, True)):
+        runner = ModelRunner(moe_checkpoint, tp, num_blocks=16, block_size=4, expert_parallel=ep)
+        assert runner.experts.impl == "kernel"
+        assert_same_outputs(greedy(runner, prompt, 4), base, atol=1e-5, msg=f"kernel tp={tp} ep={ep}")
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_moe_step_all_reduces_tokens_not_pairs(moe_checkpoint, ep):
+    """Prefill and decode: each MoE layer all-reduces one [T, H] array (checked exactly)."""
+    for plan in (one_row_plan(list(range(1, 8)), 0, [0, 1, 2], 4), one_row_plan([1], 5, [0, 1, 2], 4)):
+        assert_step_collectives(ModelRunner(moe_checkpoint, 4, num_blocks=8, block_size=4, expert_parallel=ep), plan)
+
+
+def test_expert_parallel_needs_divisible_experts(tmp_path):
+    _, six = make_hf_checkpoint("qwen3_moe", tmp_path / "six", **{**EP_MODEL, "num_experts": 6})
+    with pytest.raises(ShardingError, match=r"num_experts \(6\) is not divisible by tensor_parallel_size=4"):
+        ModelRunner(six, 4, num_blocks=4, expert_parallel=True)
+    _, dense = make_hf_checkpoint("qwen3", tmp_path / "dense")
+    with pytest.raises(ShardingError, match="mixture-of-experts"):
+        ModelRunner(dense, 2, num_blocks=4, expert_parallel=True)
