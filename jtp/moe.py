@@ -82,9 +82,7 @@ def choose_experts(mesh: Mesh | None = None, expert_parallel: bool = False, impl
 def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int):
     interpret = jax.default_backend() != "gpu"
 
-    def grouped(x, w, sizes, offset):
-        if use_kernel:
-            return gmm.grouped_matmul(x, w, sizes, offset, interpret=interpret)
+    def ragged(x, w, sizes, offset):
         if not expert_parallel:
             return jax.lax.ragged_dot(x, w, sizes)
         # ragged_dot's groups start at row 0: rotate this device's run of rows there and back.
@@ -93,7 +91,7 @@ def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int):
     def local(x, weights, experts, gate, up, down):
         """This device's experts' share of the output, [T, H] (the whole output when not split)."""
         T, k = experts.shape
-        num_local = gate.shape[0]
+        P, num_local = T * k, gate.shape[0]
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
         counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
@@ -104,11 +102,20 @@ def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int):
         else:
             sizes, offset = counts, jnp.int32(0)
 
-        xs = x[order // k]  # [T*k, H]: each pair's token
-        h = jax.nn.silu(grouped(xs, gate, sizes, offset)) * grouped(xs, up, sizes, offset)
-        ys = grouped(h, down, sizes, offset)  # [T*k, H]
-        if expert_parallel:  # rows of other devices' experts are unwritten: zero them
-            pair = jnp.arange(T * k)
+        if use_kernel:
+            bm = gmm.tile_rows(P, num_local)
+            tiles = gmm.tile_map(sizes, offset, bm, gmm.num_tiles(P, num_local, bm))
+            # The kernel loads BM rows from a tile's start: gather BM spare rows (token 0's, never stored).
+            xs = x[jnp.pad(order // k, (0, bm))]
+            kw = dict(num_rows=P, tiles=tiles, interpret=interpret)
+            h = gmm.grouped_matmul(xs, (gate, up), sizes, offset, **kw)  # silu(xs @ gate) * (xs @ up)
+            ys = gmm.grouped_matmul(h, down, sizes, offset, **kw)[:P]
+        else:
+            xs = x[order // k]  # [T*k, H]: each pair's token
+            h = jax.nn.silu(ragged(xs, gate, sizes, offset)) * ragged(xs, up, sizes, offset)
+            ys = ragged(h, down, sizes, offset)  # [T*k, H]
+        if expert_parallel:  # rows of other devices' experts: unwritten by the kernel, zero them
+            pair = jnp.arange(P)
             ys = jnp.where(((pair >= offset) & (pair < offset + jnp.sum(sizes)))[:, None], ys, 0)
         # Back to (token, k) order and combine: a gather and a k-term sum, no scatter.
         unsorted = ys[jnp.argsort(order)].reshape(T, k, -1)

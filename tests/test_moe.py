@@ -47,6 +47,14 @@ def test_kernel_matches_ragged_dot(rows, k, n, groups, used, config, dtype):
     tol = 1e-4 if dtype == jnp.float32 else 0.05 * float(jnp.abs(ref).max())
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=tol, rtol=0)
 
+    # gate and up in one pass, the SwiGLU activation in the kernel's epilogue.
+    up = jnp.asarray(rng.standard_normal((groups, k, n)), dtype)
+    ref_up = jax.lax.ragged_dot(x, up, sizes, precision=HIGHEST, preferred_element_type=jnp.float32)
+    fused = grouped_matmul(x, (w, up), sizes, config=config, interpret=True)
+    ref_fused = jax.nn.silu(ref) * ref_up
+    fused_tol = 1e-3 if dtype == jnp.float32 else 0.05 * float(jnp.abs(ref_fused).max())
+    np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(ref_fused), atol=fused_tol, rtol=1e-4)
+
     # A contiguous range of groups whose rows start at an offset: one device's experts under EP.
     lo, hi = groups // 4, groups // 4 + groups // 2
     offset = int(sizes[:lo].sum())

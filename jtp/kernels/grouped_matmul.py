@@ -17,6 +17,8 @@ Work decomposition
 * Few tiles (decode) leave SMs idle, so K is split over `splits` programs writing fp32 partials
   that jnp sums afterwards; with one split the kernel writes x.dtype directly.
 * Rows past a tile's group (the next group's, or padding) are loaded but never stored.
+* gate and up run as one pass (w = (gate, up)): x is read once and the SwiGLU activation is the
+  epilogue, so an MoE layer is two kernels, sharing one tile map.
 """
 
 from __future__ import annotations
@@ -58,22 +60,27 @@ def supported(k: int, n: int) -> bool:
     return _largest_pow2_divisor(k, 64) >= 16 and _largest_pow2_divisor(n, 64) >= 16
 
 
-def choose_config(rows: int, k: int, n: int, num_groups: int) -> GroupedMatmulConfig:
+def tile_rows(rows: int, num_groups: int) -> int:
+    """Rows per tile: the 16-row minimum of an MMA when groups are small (decode), 128 for prefill."""
+    rows_per_group = rows / max(1, min(num_groups, rows))
+    return int(os.environ.get("JTP_MOE_BM", 128 if rows_per_group >= 96 else 64 if rows_per_group >= 48 else 16))
+
+
+def choose_config(rows: int, k: int, n: int, num_groups: int, num_weights: int = 1) -> GroupedMatmulConfig:
     """Static tile sizes for P = `rows` sorted rows of a [K] -> [N] projection; JTP_MOE_* override.
 
-    Few rows per group (decode: P / E small) use the 16-row minimum of an MMA, BN 64 and split K
-    until about 4 programs per SM of an H200 are in flight; many rows (prefill) use 64x128 tiles.
+    Small groups (decode) use 16-row tiles, BN 64 and split K until about two programs per SM of an
+    H200 are in flight; big groups (prefill) use 128x128 tiles (the best of a sweep on an H200:
+    docs/bench/h200-moe.md).
     """
     env = lambda name, default: int(os.environ.get(f"JTP_MOE_{name}", default))  # noqa: E731
-    rows_per_group = rows / max(1, min(num_groups, rows))
-    big = rows_per_group >= 48
-    bm = env("BM", 64 if big else 16)
+    bm = tile_rows(rows, num_groups)
+    big = bm >= 64
     bn = min(env("BN", 128 if big else 64), _largest_pow2_divisor(n, 256))
-    bk = min(env("BK", 64 if big else 128), _largest_pow2_divisor(k, 256))
-    tiles = max(1, min(num_groups, rows)) + -(-rows // bm)
-    programs = tiles * (n // bn)
+    bk = min(env("BK", (64 if num_weights == 1 else 32) if big else 128), _largest_pow2_divisor(k, 256))
+    programs = num_tiles(rows, num_groups, bm) * (n // bn)
     splits = 1
-    while programs * splits < 512 and k % (bk * splits * 2) == 0 and splits < 8:
+    while programs * splits < 264 and k % (bk * splits * 2) == 0 and splits < 8:
         splits *= 2
     splits = env("SPLITS", splits)
     return GroupedMatmulConfig(bm, bn, bk, splits, env("WARPS", 4), env("STAGES", 3))
@@ -99,74 +106,97 @@ def tile_map(group_sizes: jax.Array, row_offset, bm: int, count: int):
     return group.astype(jnp.int32), jnp.where(n > 0, start, 0).astype(jnp.int32), n.astype(jnp.int32)
 
 
-def _kernel(tile_group_ref, tile_start_ref, tile_rows_ref, x_ref, w_ref, o_ref, *, bm, bk, k_steps, precision):
+def _kernel(tile_group_ref, tile_start_ref, tile_rows_ref, x_ref, *refs, bm, bk, k_steps, precision, gated):
+    """One (tile, n block, k split): acc = x[tile rows] @ w[group][k range, n block]; with two weights
+    (gate, up) and one split, writes silu(x @ gate) * (x @ up)."""
+    w_refs, out_refs = refs[: 1 + gated], refs[1 + gated :]
     t, s = pl.program_id(0), pl.program_id(2)
     group, start, rows = tile_group_ref[t], tile_start_ref[t], tile_rows_ref[t]
 
     @pl.when(rows > 0)  # an unused tile reads no weights
     def _():
-        def body(i, acc):
+        def body(i, accs):
             k0 = pl.multiple_of((s * k_steps + i) * bk, bk)
             x = x_ref[pl.ds(start, bm), pl.ds(k0, bk)]  # [BM, BK]
-            w = w_ref[group, pl.ds(k0, bk), :]  # [BK, BN]
-            return acc + lax.dot_general(
-                x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+            return tuple(
+                acc + lax.dot_general(
+                    x, w_ref[group, pl.ds(k0, bk), :],  # [BK, BN]
+                    (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision,
+                )
+                for acc, w_ref in zip(accs, w_refs)
             )
 
-        acc = lax.fori_loop(0, k_steps, body, jnp.zeros((bm, w_ref.shape[2]), jnp.float32))
-        mask = jnp.broadcast_to((lax.broadcasted_iota(jnp.int32, (bm,), 0) < rows)[:, None], acc.shape)
-        plgpu.store(o_ref.at[pl.ds(start, bm), :], acc.astype(o_ref.dtype), mask=mask)
+        zeros = jnp.zeros((bm, w_refs[0].shape[2]), jnp.float32)
+        accs = lax.fori_loop(0, k_steps, body, (zeros,) * len(w_refs))
+        if len(out_refs) < len(accs):  # gated, one split: the SwiGLU activation in the epilogue
+            accs = (jax.nn.silu(accs[0]) * accs[1],)
+        mask = jnp.broadcast_to((lax.broadcasted_iota(jnp.int32, (bm,), 0) < rows)[:, None], zeros.shape)
+        for acc, o_ref in zip(accs, out_refs):
+            plgpu.store(o_ref.at[pl.ds(start, bm), :], acc.astype(o_ref.dtype), mask=mask)
 
 
 def grouped_matmul(
     x: jax.Array,
-    w: jax.Array,
+    w: jax.Array | tuple[jax.Array, jax.Array],
     group_sizes: jax.Array,
     row_offset: jax.Array | int = 0,
     *,
+    num_rows: int | None = None,
+    tiles=None,
     config: GroupedMatmulConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """x [P, K] (rows sorted by group), w [E, K, N], group_sizes [E] -> [P, N] in x.dtype.
+    """x [P', K] (rows sorted by group), w [E, K, N], group_sizes [E] -> [P', N] in x.dtype.
 
-    Group e's rows are row_offset + sum(group_sizes[:e]) onwards. Rows outside every group are
-    left unwritten (their values are unspecified): the caller masks or ignores them.
+    w = (gate, up): one pass computes silu(x @ gate) * (x @ up), reading x once.
+    Group e's rows are row_offset + sum(group_sizes[:e]) onwards, all below `num_rows` (default P').
+    A tile loads BM rows from its first row, so x needs BM rows past num_rows: they are added here
+    unless x already has them (the caller can gather them for free; their values are never used).
+    Rows outside every group are left unwritten (unspecified): the caller masks or ignores them.
+    `tiles`: `tile_map`'s output for these groups at this config's BM, when the caller shares it.
     """
-    P, K = x.shape
-    E, _, N = w.shape
-    cfg = config or choose_config(P, K, N, E)
-    count = num_tiles(P, E, cfg.bm)
+    weights = w if isinstance(w, tuple) else (w,)
+    gated = len(weights) == 2
+    P = num_rows if num_rows is not None else x.shape[0]
+    K = x.shape[1]
+    E, _, N = weights[0].shape
+    cfg = config or choose_config(P, K, N, E, len(weights))
     k_steps = K // (cfg.bk * cfg.splits)
     assert k_steps * cfg.bk * cfg.splits == K and N % cfg.bn == 0, (K, N, cfg)
-    tiles = tile_map(group_sizes, jnp.asarray(row_offset, jnp.int32), cfg.bm, count)
-    # BM rows of padding: a tile's load of BM rows from its first row never runs past the array.
-    xp = jnp.pad(x, ((0, cfg.bm), (0, 0)))
-    rows = P + cfg.bm
+    if tiles is None:
+        tiles = tile_map(group_sizes, jnp.asarray(row_offset, jnp.int32), cfg.bm, num_tiles(P, E, cfg.bm))
+    count = tiles[0].shape[0]
+    given_rows = x.shape[0]
+    if given_rows < P + cfg.bm:
+        x = jnp.pad(x, ((0, P + cfg.bm - x.shape[0]), (0, 0)))
+    rows = x.shape[0]
 
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, bm=cfg.bm, bk=cfg.bk, k_steps=k_steps, precision=precision)
+    kernel = functools.partial(
+        _kernel, bm=cfg.bm, bk=cfg.bk, k_steps=k_steps, precision=precision, gated=gated
+    )
     vec = pl.BlockSpec((count,), lambda t, n, s: (0,))
-    in_specs = [
-        vec, vec, vec,
-        pl.BlockSpec((rows, K), lambda t, n, s: (0, 0)),
-        pl.BlockSpec((E, K, cfg.bn), lambda t, n, s: (0, 0, n)),
-    ]
+    w_spec = pl.BlockSpec((E, K, cfg.bn), lambda t, n, s: (0, 0, n))
+    in_specs = [vec, vec, vec, pl.BlockSpec((rows, K), lambda t, n, s: (0, 0))] + [w_spec] * len(weights)
     if cfg.splits == 1:
-        out_shape = jax.ShapeDtypeStruct((rows, N), x.dtype)
-        out_spec = pl.BlockSpec((rows, cfg.bn), lambda t, n, s: (0, n))
-    else:
-        out_shape = jax.ShapeDtypeStruct((cfg.splits, rows, N), jnp.float32)
-        out_spec = pl.BlockSpec((None, rows, cfg.bn), lambda t, n, s: (s, 0, n))
-    out = pl.pallas_call(
+        out_shape = [jax.ShapeDtypeStruct((rows, N), x.dtype)]
+        out_specs = [pl.BlockSpec((rows, cfg.bn), lambda t, n, s: (0, n))]
+    else:  # fp32 partials, per weight
+        out_shape = [jax.ShapeDtypeStruct((cfg.splits, rows, N), jnp.float32)] * len(weights)
+        out_specs = [pl.BlockSpec((None, rows, cfg.bn), lambda t, n, s: (s, 0, n))] * len(weights)
+    outs = pl.pallas_call(
         kernel,
         grid=(count, N // cfg.bn, cfg.splits),
         in_specs=in_specs,
-        out_specs=out_spec,
+        out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.warps, num_stages=cfg.stages),
         interpret=interpret,
-        name=f"jtp_grouped_matmul_m{cfg.bm}_n{cfg.bn}_k{cfg.bk}_s{cfg.splits}",
-    )(*tiles, xp, w)
-    if cfg.splits > 1:
-        out = out.sum(axis=0).astype(x.dtype)
-    return out[:P]
+        name=f"jtp_grouped_matmul{'_swiglu' if gated else ''}_m{cfg.bm}_n{cfg.bn}_k{cfg.bk}_s{cfg.splits}",
+    )(*tiles, x, *weights)
+    if cfg.splits == 1:
+        out = outs[0]
+    else:
+        sums = [o.sum(axis=0) for o in outs]
+        out = (jax.nn.silu(sums[0]) * sums[1] if gated else sums[0]).astype(x.dtype)
+    return out[:given_rows]
