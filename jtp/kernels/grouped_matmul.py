@@ -76,8 +76,9 @@ def choose_config(rows: int, k: int, n: int, num_groups: int, num_weights: int =
     env = lambda name, default: int(os.environ.get(f"JTP_MOE_{name}", default))  # noqa: E731
     bm = tile_rows(rows, num_groups)
     big = bm >= 64
-    bn = min(env("BN", 128 if big else 64), _largest_pow2_divisor(n, 256))
-    bk = min(env("BK", (64 if num_weights == 1 else 32) if big else 128), _largest_pow2_divisor(k, 256))
+    # Two accumulators (gate and up) in 128x128 tiles would spill registers: halve BN for them.
+    bn = min(env("BN", (128 if num_weights == 1 else 64) if big else 64), _largest_pow2_divisor(n, 256))
+    bk = min(env("BK", 64 if big else 128), _largest_pow2_divisor(k, 256))
     programs = num_tiles(rows, num_groups, bm) * (n // bn)
     splits = 1
     while programs * splits < 264 and k % (bk * splits * 2) == 0 and splits < 8:
