@@ -45,8 +45,15 @@ class RoutedExperts:
         if self.impl not in IMPLS:
             raise ValueError(f"experts {self.impl!r}: expected kernel or ragged_dot (JTP_MOE also takes auto)")
 
-    def __call__(self, x, weights, experts, gate, up, down) -> jax.Array:
-        """x [T, H]; router weights / expert ids [T, k]; gate, up [E, H, I]; down [E, I, H] -> [T, H]."""
+    def __call__(self, x, weights, experts, gate, up, down, real_tokens=None) -> jax.Array:
+        """x [T, H]; router weights / expert ids [T, k]; gate, up [E, H, I]; down [E, I, H] -> [T, H].
+
+        real_tokens (bool [T], optional): False for a step's padding tokens, whose pairs then join
+        no group: they add no expert to the weights read (a B=1 decode step padded to 8 tokens
+        would otherwise read the experts of 7 copies of a padding token too) and their output is 0.
+        """
+        if real_tokens is not None:
+            experts = jnp.where(real_tokens[:, None], experts, gate.shape[0])  # past every group
         tp = self.mesh.shape["tp"] if self.mesh is not None else 1
         use_kernel = self.impl == "kernel" and gmm.supported(gate.shape[1], gate.shape[2] // tp) and (
             gmm.supported(down.shape[1] // tp, down.shape[2])
@@ -94,7 +101,7 @@ def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int):
         P, num_local = T * k, gate.shape[0]
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
-        counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+        counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # drops ids >= num_experts
         if expert_parallel:
             first = jax.lax.axis_index("tp") * num_local
             sizes = jax.lax.dynamic_slice(counts, (first,), (num_local,))
@@ -114,9 +121,10 @@ def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int):
             xs = x[order // k]  # [T*k, H]: each pair's token
             h = jax.nn.silu(ragged(xs, gate, sizes, offset)) * ragged(xs, up, sizes, offset)
             ys = ragged(h, down, sizes, offset)  # [T*k, H]
-        if expert_parallel:  # rows of other devices' experts: unwritten by the kernel, zero them
-            pair = jnp.arange(P)
-            ys = jnp.where(((pair >= offset) & (pair < offset + jnp.sum(sizes)))[:, None], ys, 0)
+        # Rows in no group here (other devices' experts, padding tokens' pairs): unwritten by the
+        # kernel, so they are zeroed, not multiplied (their contents are unspecified).
+        pair = jnp.arange(P)
+        ys = jnp.where(((pair >= offset) & (pair < offset + jnp.sum(sizes)))[:, None], ys, 0)
         # Back to (token, k) order and combine: a gather and a k-term sum, no scatter.
         unsorted = ys[jnp.argsort(order)].reshape(T, k, -1)
         return jnp.einsum("tkh,tk->th", unsorted, weights.astype(ys.dtype))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--preset", choices=SHAPES, default="qwen3-30b-a3b")
     ap.add_argument("--tokens", default="1,8,64,2048")
     ap.add_argument("--sweep", action="store_true", help="time a grid of tile configs per shape")
+    ap.add_argument("--layer-splits", default="", help="also time the whole layer at these JTP_MOE_SPLITS values")
     ap.add_argument("--json")
     args = ap.parse_args()
     H, I, E, k = SHAPES[args.preset]
@@ -149,6 +151,13 @@ def main() -> None:
         diff = float(jnp.abs(kernel_moe(x, w_arr, id_arr, gate, up, down).astype(jnp.float32)
                              - ragged_moe(x, w_arr, id_arr, gate, up, down).astype(jnp.float32)).max())
         nbytes = touched * 3 * H * I * 2
+        for splits in filter(None, args.layer_splits.split(",")):
+            os.environ["JTP_MOE_SPLITS"] = splits  # read when the kernel's config is chosen, at trace time
+            t = device_time(jax.jit(RoutedExperts("kernel")), x, w_arr, id_arr, gate, up, down)
+            del os.environ["JTP_MOE_SPLITS"]
+            results["rows"].append(dict(tokens=T, op="layer", splits=int(splits), kernel_s=t, touched_bytes=nbytes))
+            print(f"| {T} | {T * k} | {touched} | whole MoE layer, splits={splits} | {t * 1e3:.3f} | | "
+                  f"{nbytes / t / 1e9:.0f} | {100 * nbytes / t / bw:.0f}% | | | |")
         results["rows"].append(dict(tokens=T, op="layer", kernel_s=t_k, ragged_dot_s=t_r, max_abs_err=diff,
                                     touched_bytes=nbytes, flops=3 * 2 * T * k * H * I))
         print(f"| {T} | {T * k} | {touched} | whole MoE layer (max diff {diff:.1e}) | {t_k * 1e3:.3f} | {t_r * 1e3:.3f} | "

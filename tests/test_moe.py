@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jtp.kernels.grouped_matmul import GroupedMatmulConfig, grouped_matmul, num_tiles, tile_map
+from jtp.moe import RoutedExperts
 from jtp.runner import ModelRunner
 from jtp.sharding import ShardingError
 
@@ -85,6 +86,28 @@ def test_tile_map_touches_only_chosen_experts():
     for g, s, r in zip(group, start, rows):
         if r:
             assert ends[g] - sizes[g] <= s and s + r <= ends[g]
+
+
+@pytest.mark.parametrize("impl", ["kernel", "ragged_dot"])
+def test_padding_tokens_route_to_no_expert(impl):
+    """A step padded from 2 real tokens to 6: the padding tokens' experts are never used (the
+    kernel is given NaN weights for them and stays finite), real tokens' outputs equal an unpadded
+    run, padding outputs are 0."""
+    rng = np.random.default_rng(3)
+    E, H, I, k = 8, 32, 16, 2
+    x = jnp.asarray(rng.standard_normal((6, H)), jnp.float32)
+    experts = jnp.asarray([[0, 1], [2, 3], [4, 5], [6, 7], [4, 6], [5, 7]], jnp.int32)
+    weights = jnp.asarray(rng.random((6, k)), jnp.float32)
+    gate, up = (jnp.asarray(rng.standard_normal((E, H, I)), jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.standard_normal((E, I, H)), jnp.float32)
+    real = jnp.arange(6) < 2
+    routed = RoutedExperts(impl)
+    expected = routed(x[:2], weights[:2], experts[:2], gate, up, down)
+    if impl == "kernel":  # experts 4..7 belong to padding tokens only: poison them
+        gate, up, down = (w.at[4:].set(jnp.nan) for w in (gate, up, down))
+    out = routed(x, weights, experts, gate, up, down, real)
+    np.testing.assert_allclose(np.asarray(out[:2]), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out[2:]), 0)
 
 
 EP_MODEL = dict(

@@ -70,7 +70,7 @@ def choose_config(rows: int, k: int, n: int, num_groups: int, num_weights: int =
     """Static tile sizes for P = `rows` sorted rows of a [K] -> [N] projection; JTP_MOE_* override.
 
     Small groups (decode) use 16-row tiles, BN 64 and split K until about two programs per SM of an
-    H200 are in flight; big groups (prefill) use 128x128 tiles (the best of a sweep on an H200:
+    H200 are in flight even when only one token's experts are used; big groups (prefill) use 128x128 tiles (the best of a sweep on an H200:
     docs/bench/h200-moe.md).
     """
     env = lambda name, default: int(os.environ.get(f"JTP_MOE_{name}", default))  # noqa: E731
@@ -79,7 +79,10 @@ def choose_config(rows: int, k: int, n: int, num_groups: int, num_weights: int =
     # Two accumulators (gate and up) in 128x128 tiles would spill registers: halve BN for them.
     bn = min(env("BN", (128 if num_weights == 1 else 64) if big else 64), _largest_pow2_divisor(n, 256))
     bk = min(env("BK", 64 if big else 128), _largest_pow2_divisor(k, 256))
-    programs = num_tiles(rows, num_groups, bm) * (n // bn)
+    # The used tiles are known only on the device; size the split for the fewest a step of this
+    # shape may use when groups are small (one token's top-k: rows / 8 groups), so a B=1 decode
+    # step still fills the SMs. Splitting a big batch further costs only a small fp32 partial sum.
+    programs = (num_tiles(rows, num_groups, bm) if big else max(1, min(num_groups, rows // 8))) * (n // bn)
     splits = 1
     while programs * splits < 264 and k % (bk * splits * 2) == 0 and splits < 8:
         splits *= 2

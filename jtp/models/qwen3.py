@@ -39,11 +39,11 @@ def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: Attenti
     return linear(o.reshape(T, -1), p["o_proj"], p.get("o_bias")), kv
 
 
-def feed_forward(p: dict, cfg: ModelConfig, layer: int, x, routed: RoutedExperts):
+def feed_forward(p: dict, cfg: ModelConfig, layer: int, x, routed: RoutedExperts, real_tokens):
     if not cfg.is_moe_layer(layer):
         return swiglu_mlp(x, p["gate_proj"], p["up_proj"], p["down_proj"])
     weights, experts = route_top_k(x, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    return routed(x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"])
+    return routed(x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"], real_tokens)
 
 
 def forward(
@@ -53,11 +53,12 @@ def forward(
     """tokens [T] -> final hidden states [T, H] and the updated KV cache."""
     x = params["embed"][tokens]
     cos, sin = rope_cos_sin(meta.positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+    real_tokens = meta.slot_mapping >= 0  # padding tokens (-1) route to no expert
     new_cache = []
     for i, p in enumerate(params["layers"]):
         a, kv = attention(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), cos, sin, kv_cache[i], meta, attend)
         h = x + a
-        x = h + feed_forward(p, cfg, i, rms_norm(h, p["post_norm"], cfg.rms_norm_eps), routed)
+        x = h + feed_forward(p, cfg, i, rms_norm(h, p["post_norm"], cfg.rms_norm_eps), routed, real_tokens)
         new_cache.append(kv)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
 

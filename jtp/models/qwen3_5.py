@@ -310,8 +310,8 @@ def gated_attention(
     return linear(o.reshape(T, -1), p["o_proj"]), kv
 
 
-def feed_forward(p: dict, cfg: ModelConfig, layer: int, x, routed: RoutedExperts):
-    y = qwen3.feed_forward(p, cfg, layer, x, routed)  # SwiGLU MLP or routed experts
+def feed_forward(p: dict, cfg: ModelConfig, layer: int, x, routed: RoutedExperts, real_tokens):
+    y = qwen3.feed_forward(p, cfg, layer, x, routed, real_tokens)  # SwiGLU MLP or routed experts
     if "shared_gate" in p:  # MoE layers' sigmoid-gated shared expert
         shared = swiglu_mlp(x, p["shared_gate"], p["shared_up"], p["shared_down"])
         y = y + jax.nn.sigmoid(linear(x, p["shared_expert_gate"])) * shared
@@ -345,6 +345,7 @@ def forward(
     x = params["embed"][tokens]
     cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
     length, chunk = deltanet_row_length(meta, T)
+    real_tokens = meta.slot_mapping >= 0  # padding tokens (-1) route to no expert
     rows = None
     new_cache = []
     for i, p in enumerate(params["layers"]):
@@ -356,7 +357,9 @@ def forward(
         else:
             a, layer_cache = gated_attention(p, cfg, h, cos, sin, cache[i], meta, attend)
         h = x + a
-        x = h + feed_forward(p, cfg, i, rms_norm_zero_centered(h, p["post_norm"], cfg.rms_norm_eps), routed)
+        x = h + feed_forward(
+            p, cfg, i, rms_norm_zero_centered(h, p["post_norm"], cfg.rms_norm_eps), routed, real_tokens
+        )
         new_cache.append(layer_cache)
     return rms_norm_zero_centered(x, params["final_norm"], cfg.rms_norm_eps), new_cache
 
