@@ -57,6 +57,9 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     shared_expert_intermediate_size: int = 0  # Is (0: no shared expert)
     checkpoint_prefix: str = "model."  # "model.language_model." for the multimodal wrappers
+    # Multi-token-prediction layers the checkpoint ships (mtp.*; Qwen3.5 / Qwen3-Next), used as a
+    # speculative drafter with --speculative-config '{"method": "mtp"}'.
+    mtp_layers: int = 0
 
     @property
     def q_size(self) -> int:
@@ -257,7 +260,9 @@ def _hybrid_fields(f: "_Fields", num_layers: int) -> dict[str, Any]:
             f"{source}: linear_num_value_heads ({linear['linear_num_value_heads']}) must be a multiple of "
             f"linear_num_key_heads ({linear['linear_num_key_heads']})"
         )
-    return dict(qkv_bias=False, o_bias=False, qk_norm=True, layer_types=tuple(layer_types), **linear)
+    # Qwen3.5 names it mtp_num_hidden_layers; Qwen3-Next's config (and vLLM) num_nextn_predict_layers.
+    mtp = next((f.int(k) for k in ("mtp_num_hidden_layers", "num_nextn_predict_layers") if f.get(k, None) is not None), 0)
+    return dict(qkv_bias=False, o_bias=False, qk_norm=True, layer_types=tuple(layer_types), mtp_layers=mtp, **linear)
 
 
 def _moe_fields(f: "_Fields", moe: _Moe | None, num_layers: int) -> dict[str, Any]:

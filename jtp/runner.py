@@ -20,6 +20,7 @@ from jtp.attention import AttentionMetadata, choose_attention
 from jtp.moe import choose_experts
 from jtp.config import ModelConfig
 from jtp.models import family_of
+from jtp.models.qwen3 import zeroed_layer_kv
 from jtp.sampling import MAX_LOGPROBS, SampleResult, pack_sampling, sample
 from jtp.sharding import make_mesh, replicated, tp_size
 from jtp.step_input import SamplingBatch, StepInput, StepPlan, pack_stop_ids
@@ -63,11 +64,14 @@ class ModelRunner:
         num_state_slots: int | None = None,
         num_scheduler_steps: int = 1,
         expert_parallel: bool = False,
+        mtp: bool = False,
     ):
         self.cfg = ModelConfig.from_dir(model_dir)
         self.mesh = make_mesh(tensor_parallel_size, devices)
         self.dtype = resolve_dtype(self.cfg, dtype)
-        self.params = load_params(model_dir, self.cfg, self.mesh, self.dtype, expert_parallel)
+        # mtp: load the checkpoint's MTP head; every step then also drafts each row's next token.
+        self.params = load_params(model_dir, self.cfg, self.mesh, self.dtype, expert_parallel, mtp)
+        self.mtp = mtp
         self.block_size = block_size
         self.max_seqs = max_seqs
         self.num_state_slots = num_state_slots or max_seqs  # recurrent-state slots (hybrid models)
@@ -106,14 +110,17 @@ class ModelRunner:
     def allocate_cache(self, num_blocks: int) -> None:
         self.cache = None  # drop the old buffers before allocating the new ones
         self.num_blocks = num_blocks
-        self.cache = self.family.init_cache(
-            self.cfg, self.mesh, num_blocks, self.block_size, self.num_state_slots, self.dtype
-        )
+        self.cache = self._init_cache(num_blocks, self.num_state_slots)
+
+    def _init_cache(self, num_blocks: int, num_state_slots: int) -> list:
+        """The family's cache; with the MTP head, its attention layer's K/V last (same pages and slots)."""
+        cache = self.family.init_cache(self.cfg, self.mesh, num_blocks, self.block_size, num_state_slots, self.dtype)
+        if self.mtp:
+            cache.append(zeroed_layer_kv(self.cfg, self.mesh, num_blocks, self.block_size, self.dtype))
+        return cache
 
     def _cache_bytes(self, num_blocks: int, num_state_slots: int) -> int:
-        shapes = jax.eval_shape(
-            lambda: self.family.init_cache(self.cfg, self.mesh, num_blocks, self.block_size, num_state_slots, self.dtype)
-        )
+        shapes = jax.eval_shape(lambda: self._init_cache(num_blocks, num_state_slots))
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
     def bytes_per_block(self) -> int:
@@ -254,7 +261,7 @@ def _decode_steps(
     B, n = seq_slots.shape[0], flags.num_logprobs
     zeros = lambda dtype, *shape: jnp.zeros((max_steps, B, *shape), dtype)  # noqa: E731
     results = SampleResult(zeros(jnp.int32), zeros(jnp.float32), zeros(jnp.int32, n) if n else None,
-                           zeros(jnp.float32, n) if n else None)
+                           zeros(jnp.float32, n) if n else None, zeros(jnp.int32) if "mtp" in params else None)
 
     def advance(meta):
         positions = meta.positions + real_token
@@ -294,7 +301,10 @@ def _forward_and_sample(
 ):
     slot_of_token = seq_slots[meta.token_rows]
     tokens = jnp.where(tokens >= 0, tokens, sampled[jnp.maximum(slot_of_token, 0)])
-    hidden, cache = family.forward(params, cfg, tokens, cache, meta, attention, experts)
+    mtp_kv = cache[-1] if "mtp" in params else None
+    hidden, cache = family.forward(
+        params, cfg, tokens, cache[:-1] if mtp_kv is not None else cache, meta, attention, experts
+    )
     penalty_ids, penalty_is_output = penalty_tokens if penalty_tokens is not None else (None, None)
 
     def sample_at(indices, sampling):
@@ -317,9 +327,35 @@ def _forward_and_sample(
         first = per_position[0]
     else:
         result = first = sample_at(logits_indices, sampling)
+        per_position = [first]
+    if mtp_kv is not None:
+        drafts, mtp_kv = _mtp_drafts(
+            family, cfg, attention, experts, params, hidden, tokens, meta, logits_indices, seq_slots, per_position, mtp_kv
+        )
+        result = result._replace(draft=drafts if logits_indices.ndim == 2 else drafts[0])
+        cache = [*cache, mtp_kv]
     # Rows without a slot (padding) point past the end and are dropped.
     slots = jnp.where(seq_slots >= 0, seq_slots, sampled.shape[0])
     return result, cache, sampled.at[slots].set(first.tokens, mode="drop")
+
+
+def _mtp_drafts(family, cfg, attention, experts, params, hidden, tokens, meta, logits_indices, seq_slots, per_position, kv):
+    """The MTP head over every token of the step: at position t it takes the target's hidden state and
+    token t+1 (the row's next token in this step, or at a sampled position the token sampled there)
+    and guesses token t+2. Returns the greedy guess at each sampled position ([1 + k, B] in a verify
+    step, where the host keeps the one at the last accepted position) and the head's updated K/V.
+    Causal attention makes each position's guess depend only on positions up to it, so the guess at
+    an accepted position is right whatever was rejected after it."""
+    T = tokens.shape[0]
+    indices = logits_indices if logits_indices.ndim == 2 else logits_indices[None]
+    following = jnp.concatenate([tokens[1:], tokens[:1]])
+    for j, result in enumerate(per_position):
+        # A row with fewer positions repeats its last one: only its first copy sets the token.
+        fresh = (seq_slots >= 0) & ((indices[j] != indices[j - 1]) if j else True)
+        following = following.at[jnp.where(fresh, indices[j], T)].set(result.tokens, mode="drop")
+    mtp_hidden, kv = family.mtp_forward(params, cfg, hidden, following, kv, meta, attention, experts)
+    logits = family.compute_logits(params, mtp_hidden[indices.reshape(-1)])
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(indices.shape), kv
 
 
 class _TraceCounter(threading.local):

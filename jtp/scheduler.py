@@ -75,6 +75,7 @@ class Request:
     # A verify step in flight: the slot with the state before its drafts (-1: none), which the
     # request goes back to if a draft is rejected (`Scheduler.accepted`).
     spec_state_kept: int = -1
+    mtp_draft: int | None = None  # the MTP head's guess for the token after the last one (MTP speculation)
 
     @property
     def num_tokens(self) -> int:
@@ -331,7 +332,7 @@ class Scheduler:
             self._checkpoint(r)
 
     def _drafts(self, r: Request, room: int) -> tuple[int, ...]:
-        """N-gram drafts for a generating row whose last token the host knows, at most `room` of
+        """Drafts (n-gram, or the MTP head's) for a generating row whose last token the host knows, at most `room` of
         them and never past max_tokens (the last token of a request is never drafted). On hybrid
         models the row needs its own state slot (the state before the drafts goes there) and a
         spare one (for the state after them), else it does not draft."""
@@ -340,8 +341,11 @@ class Scheduler:
                 or r.params.has_penalties):
             return ()
         k = min(spec.num_speculative_tokens, room, r.params.max_tokens - r.num_generated - 1)
-        tokens = r.prompt_ids + r.output_ids
-        drafts = tuple(propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min))
+        if spec.method == "mtp":  # the guess the MTP head made in the step that produced the last token
+            drafts = (r.mtp_draft,) if r.mtp_draft is not None and k >= 1 else ()
+        else:
+            tokens = r.prompt_ids + r.output_ids
+            drafts = tuple(propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min))
         if drafts and self.states is not None:
             if r.state_slot < 0 or not self.states.is_exclusive(r.state_slot):
                 return ()

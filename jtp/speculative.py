@@ -1,5 +1,10 @@
 """Speculative decoding: the configuration, and n-gram (prompt-lookup) drafts.
 
+Drafts come from prompt lookup (`propose_ngram`, on the host) or, with method "mtp", from the
+checkpoint's multi-token-prediction head, which every step runs after the target on the device
+(`jtp.runner._mtp_drafts`): its greedy guess at a row's last accepted position is the row's draft
+in the next step. Either way the draft is one proposal (a point mass), so the rule below is exact.
+
 A speculating decode row feeds its last token plus k drafted tokens in one ragged step; the step
 samples the target model at each of the 1 + k positions with the key of that generation step, and
 the host accepts drafts while they equal what the target sampled, then takes the target's token at
@@ -16,7 +21,7 @@ import json
 
 from jtp.errors import ConfigError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "mtp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,19 +52,24 @@ class SpeculativeConfig:
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ConfigError(f"--speculative-config: unknown key(s) {unknown}; known: {sorted(known)}")
+        if spec.get("method") == "mtp":  # one MTP layer drafts one token (vLLM's default for it too)
+            spec = {"num_speculative_tokens": 1, **spec}
         config = cls(**spec)
         config.validate()
         return config
 
     def validate(self) -> None:
-        if self.method == "mtp":
-            raise ConfigError("speculative method 'mtp' (the checkpoint's MTP head) is not implemented yet; use 'ngram'")
         if self.method not in METHODS:
             raise ConfigError(f"speculative method {self.method!r} is unknown; one of {list(METHODS)}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 16:
                 raise ConfigError(f"speculative {name} must be an integer in 1..16, got {value!r}")
+        if self.method == "mtp" and self.num_speculative_tokens != 1:
+            raise ConfigError(
+                f"speculative method 'mtp' drafts one token per step (the checkpoint's one MTP layer, not chained); "
+                f"num_speculative_tokens must be 1, got {self.num_speculative_tokens}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(
                 f"speculative prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "

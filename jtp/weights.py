@@ -135,20 +135,30 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, layout: dict[str, Source], cfg
 
 
 def unflatten(flat: dict[str, jax.Array], num_layers: int) -> dict:
+    """"layers.3.q_proj" -> tree["layers"][3]["q_proj"]; "mtp.layer.q_proj" -> tree["mtp"]["layer"]["q_proj"]."""
     tree: dict = {"layers": [{} for _ in range(num_layers)]}
     for path, value in flat.items():
         if path.startswith("layers."):
             _, i, name = path.split(".", 2)
             tree["layers"][int(i)][name] = value
+        elif path.startswith("mtp."):
+            *parents, name = path.split(".")
+            node = tree
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[name] = value
         else:
             tree[path] = value
     return tree
 
 
 def flatten(tree: dict) -> dict[str, jax.Array]:
-    flat = {k: v for k, v in tree.items() if k != "layers"}
+    flat = {k: v for k, v in tree.items() if k not in ("layers", "mtp")}
     for i, layer in enumerate(tree["layers"]):
         flat.update({f"layers.{i}.{k}": v for k, v in layer.items()})
+    mtp = tree.get("mtp", {})
+    flat.update({f"mtp.{k}": v for k, v in mtp.items() if k != "layer"})
+    flat.update({f"mtp.layer.{k}": v for k, v in mtp.get("layer", {}).items()})
     return flat
 
 
@@ -159,18 +169,29 @@ def resolve_dtype(cfg: ModelConfig, dtype: str | None):
     return DTYPES[name]
 
 
-def load_params(model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False) -> dict:
+def load_params(
+    model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False, mtp: bool = False
+) -> dict:
     """Load a model directory (safetensors, or an Orbax checkpoint written by `jtp convert`).
 
     expert_parallel: split the routed experts over the devices whole instead of inside each expert.
+    mtp: also load the multi-token-prediction head (params["mtp"]), for MTP speculative decoding.
     """
     model_dir = Path(model_dir)
     tp = tp_size(mesh)
     validate_tp(cfg, tp, expert_parallel)
+    if mtp and not cfg.mtp_layers:
+        raise CheckpointError(
+            f"speculative method 'mtp' needs a checkpoint with an MTP head; this {cfg.model_type} config declares "
+            "none (mtp_num_hidden_layers / num_nextn_predict_layers)"
+        )
     if not any(model_dir.glob("*.safetensors")) and (model_dir / ORBAX_SUBDIR).is_dir():
+        if mtp:
+            raise CheckpointError("the MTP head is not kept in Orbax checkpoints (`jtp convert`); serve the safetensors")
         return restore_orbax(model_dir / ORBAX_SUBDIR, cfg, mesh, dtype, expert_parallel)
     ckpt = SafetensorsCheckpoint(model_dir)
-    layout = resolve_layout(family_of(cfg).param_layout(cfg, tp), ckpt)
+    layout = family_of(cfg).param_layout(cfg, tp, mtp=True) if mtp else family_of(cfg).param_layout(cfg, tp)
+    layout = resolve_layout(layout, ckpt)
     check_checkpoint(ckpt, layout, cfg)
     host_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
     flat = {}

@@ -43,17 +43,18 @@ VISION = dict(
 KINDS = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_5_text_hk4")
 
 
-def build_model(kind: str, seed: int = 0):
-    """A float32 HF model of the given tiny kind, all parameters perturbed, in eval mode."""
+def build_model(kind: str, seed: int = 0, **overrides):
+    """A float32 HF model of the given tiny kind, all parameters perturbed, in eval mode.
+    `overrides` (qwen3_next and qwen3_5_text only) replace config fields, e.g. the layer pattern."""
     import transformers as tf
 
     torch.manual_seed(seed)
     if kind == "qwen3_next":
-        model = tf.Qwen3NextForCausalLM(
-            tf.Qwen3NextConfig(**COMMON, intermediate_size=96, rope_theta=1e7, mlp_only_layers=[1], **MOE)
-        )
+        kwargs = dict(**COMMON, intermediate_size=96, rope_theta=1e7, mlp_only_layers=[1], **MOE)
+        model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**{**kwargs, **overrides}))
     elif kind == "qwen3_5_text":
-        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**COMMON, intermediate_size=96, rope_parameters=ROPE))
+        kwargs = dict(**COMMON, intermediate_size=96, rope_parameters=ROPE)
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**{**kwargs, **overrides}))
     elif kind == "qwen3_5_text_hk4":  # 4 key heads, 8 value heads, 4 KV heads: tp=4 works
         cfg = {**COMMON, "num_key_value_heads": 4, "linear_num_key_heads": 4, "linear_num_value_heads": 8}
         model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**cfg, intermediate_size=96, rope_parameters=ROPE))

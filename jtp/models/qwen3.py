@@ -39,8 +39,8 @@ def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: Attenti
     return linear(o.reshape(T, -1), p["o_proj"], p.get("o_bias")), kv
 
 
-def feed_forward(p: dict, cfg: ModelConfig, layer: int, x, routed: RoutedExperts, real_tokens):
-    if not cfg.is_moe_layer(layer):
+def feed_forward(p: dict, cfg: ModelConfig, x, routed: RoutedExperts, real_tokens):
+    if "router" not in p:  # a dense layer
         return swiglu_mlp(x, p["gate_proj"], p["up_proj"], p["down_proj"])
     weights, experts = route_top_k(x, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     return routed(x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"], real_tokens)
@@ -58,7 +58,7 @@ def forward(
     for i, p in enumerate(params["layers"]):
         a, kv = attention(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), cos, sin, kv_cache[i], meta, attend)
         h = x + a
-        x = h + feed_forward(p, cfg, i, rms_norm(h, p["post_norm"], cfg.rms_norm_eps), routed, real_tokens)
+        x = h + feed_forward(p, cfg, rms_norm(h, p["post_norm"], cfg.rms_norm_eps), routed, real_tokens)
         new_cache.append(kv)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
 

@@ -310,8 +310,8 @@ def gated_attention(
     return linear(o.reshape(T, -1), p["o_proj"]), kv
 
 
-def feed_forward(p: dict, cfg: ModelConfig, layer: int, x, routed: RoutedExperts, real_tokens):
-    y = qwen3.feed_forward(p, cfg, layer, x, routed, real_tokens)  # SwiGLU MLP or routed experts
+def feed_forward(p: dict, cfg: ModelConfig, x, routed: RoutedExperts, real_tokens):
+    y = qwen3.feed_forward(p, cfg, x, routed, real_tokens)  # SwiGLU MLP or routed experts
     if "shared_gate" in p:  # MoE layers' sigmoid-gated shared expert
         shared = swiglu_mlp(x, p["shared_gate"], p["shared_up"], p["shared_down"])
         y = y + jax.nn.sigmoid(linear(x, p["shared_expert_gate"])) * shared
@@ -357,11 +357,32 @@ def forward(
         else:
             a, layer_cache = gated_attention(p, cfg, h, cos, sin, cache[i], meta, attend)
         h = x + a
-        x = h + feed_forward(
-            p, cfg, i, rms_norm_zero_centered(h, p["post_norm"], cfg.rms_norm_eps), routed, real_tokens
-        )
+        x = h + feed_forward(p, cfg, rms_norm_zero_centered(h, p["post_norm"], cfg.rms_norm_eps), routed, real_tokens)
         new_cache.append(layer_cache)
     return rms_norm_zero_centered(x, params["final_norm"], cfg.rms_norm_eps), new_cache
+
+
+def mtp_forward(
+    params: dict, cfg: ModelConfig, hidden, next_tokens, kv: LayerKV, meta: AttentionMetadata, attend: PagedAttention,
+    routed: RoutedExperts,
+):
+    """The multi-token-prediction head: (target hidden h_t [T, H], token t+1 [T]) at position t ->
+    its hidden state [T, H] (the shared lm_head turns it into a guess for token t+2), and its K/V.
+
+        x = fc([RMSNorm_e(Embed(x_{t+1})); RMSNorm_h(h_t)])
+        one full-attention decoder layer over x (own paged K/V, same slots as the target's), RMSNorm
+
+    `hidden` is the target's final-normed output, as vLLM's Qwen3-Next / Qwen3.5 MTP takes it.
+    """
+    m, eps = params["mtp"], cfg.rms_norm_eps
+    embedded = rms_norm_zero_centered(params["embed"][next_tokens], m["pre_fc_norm_embedding"], eps)
+    x = linear(jnp.concatenate([embedded, rms_norm_zero_centered(hidden, m["pre_fc_norm_hidden"], eps)], -1), m["fc"])
+    cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+    p = m["layer"]
+    a, kv = gated_attention(p, cfg, rms_norm_zero_centered(x, p["input_norm"], eps), cos, sin, kv, meta, attend)
+    h = x + a
+    x = h + feed_forward(p, cfg, rms_norm_zero_centered(h, p["post_norm"], eps), routed, meta.slot_mapping >= 0)
+    return rms_norm_zero_centered(x, m["norm"], eps), kv
 
 
 def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype) -> list:
@@ -458,30 +479,48 @@ def _moe_layout(cfg: ModelConfig, mlp: str) -> dict[str, Source]:
     return entries
 
 
-def param_layout(cfg: ModelConfig, tp: int = 1) -> dict[str, Source]:
-    """Parameter path -> where it comes from in a HF Qwen3-Next / Qwen3.5 checkpoint."""
-    H, D = cfg.hidden_size, cfg.head_dim
-    kv = qwen3.kv_source(cfg, tp)
+def param_layout(cfg: ModelConfig, tp: int = 1, mtp: bool = False) -> dict[str, Source]:
+    """Parameter path -> where it comes from in a HF Qwen3-Next / Qwen3.5 checkpoint; with `mtp`,
+    also the checkpoint's multi-token-prediction head (mtp.*, the speculative drafter)."""
+    H = cfg.hidden_size
     layout = qwen3.embedding_layout(cfg)
     for i in range(cfg.num_layers):
-        hf = f"{cfg.checkpoint_prefix}layers.{i}."
-        entries: dict[str, Source] = {
-            "input_norm": Tensor(hf + "input_layernorm.weight", (H,)),
-            "post_norm": Tensor(hf + "post_attention_layernorm.weight", (H,)),
-        }
-        if cfg.is_linear_layer(i):
-            entries |= _deltanet_layout(cfg, hf + "linear_attn.")
-        else:
-            attn = hf + "self_attn."
-            entries |= {
-                "q_proj": Tensor(attn + "q_proj.weight", (2 * cfg.q_size, H)),  # [q_h | gate_h] per head
-                "k_proj": kv(attn + "k_proj.weight", (cfg.kv_size, H)),
-                "v_proj": kv(attn + "v_proj.weight", (cfg.kv_size, H)),
-                "o_proj": Tensor(attn + "o_proj.weight", (H, cfg.q_size)),
-                "q_norm": Tensor(attn + "q_norm.weight", (D,)),
-                "k_norm": Tensor(attn + "k_norm.weight", (D,)),
-            }
-        mlp = hf + "mlp."
-        entries |= _moe_layout(cfg, mlp) if cfg.is_moe_layer(i) else qwen3.mlp_layout(mlp, cfg)
+        entries = _decoder_layer_layout(
+            cfg, tp, f"{cfg.checkpoint_prefix}layers.{i}.", cfg.is_linear_layer(i), cfg.is_moe_layer(i)
+        )
         layout.update({f"layers.{i}.{k}": v for k, v in entries.items()})
+    if mtp:
+        # fc [H, 2H] over [norm_e(embed(next token)); norm_h(hidden)], one full-attention decoder
+        # layer with its own K/V, a final norm; the embedding and lm_head are the model's.
+        layout |= {
+            "mtp.fc": Tensor("mtp.fc.weight", (H, 2 * H)),
+            "mtp.pre_fc_norm_embedding": Tensor("mtp.pre_fc_norm_embedding.weight", (H,)),
+            "mtp.pre_fc_norm_hidden": Tensor("mtp.pre_fc_norm_hidden.weight", (H,)),
+            "mtp.norm": Tensor("mtp.norm.weight", (H,)),
+        }
+        layer = _decoder_layer_layout(cfg, tp, "mtp.layers.0.", linear=False, moe=cfg.num_experts > 0)
+        layout.update({f"mtp.layer.{k}": v for k, v in layer.items()})
     return layout
+
+
+def _decoder_layer_layout(cfg: ModelConfig, tp: int, hf: str, linear: bool, moe: bool) -> dict[str, Source]:
+    H, D = cfg.hidden_size, cfg.head_dim
+    kv = qwen3.kv_source(cfg, tp)
+    entries: dict[str, Source] = {
+        "input_norm": Tensor(hf + "input_layernorm.weight", (H,)),
+        "post_norm": Tensor(hf + "post_attention_layernorm.weight", (H,)),
+    }
+    if linear:
+        entries |= _deltanet_layout(cfg, hf + "linear_attn.")
+    else:
+        attn = hf + "self_attn."
+        entries |= {
+            "q_proj": Tensor(attn + "q_proj.weight", (2 * cfg.q_size, H)),  # [q_h | gate_h] per head
+            "k_proj": kv(attn + "k_proj.weight", (cfg.kv_size, H)),
+            "v_proj": kv(attn + "v_proj.weight", (cfg.kv_size, H)),
+            "o_proj": Tensor(attn + "o_proj.weight", (H, cfg.q_size)),
+            "q_norm": Tensor(attn + "q_norm.weight", (D,)),
+            "k_norm": Tensor(attn + "k_norm.weight", (D,)),
+        }
+    mlp = hf + "mlp."
+    return entries | (_moe_layout(cfg, mlp) if moe else qwen3.mlp_layout(mlp, cfg))
