@@ -189,8 +189,9 @@ class EngineArgs:
                             "docs/bench/h200-speed2.md)")
         p.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                            '"prompt_lookup_max": 3}\' (prompt-lookup drafts verified in one step; the engine then '
-                            'runs each step to its end before the next)')
+                            '"prompt_lookup_max": 3}\' (prompt-lookup drafts verified in one step) or '
+                            '\'{"method": "mtp"}\' (the checkpoint\'s MTP head drafts; Qwen3.5 / Qwen3-Next); the '
+                            'engine then runs each step to its end before the next')
         p.add_argument("--enable-expert-parallel", action="store_true", default=d.enable_expert_parallel,
                        help="MoE models: split the routed experts whole over the tensor-parallel devices (expert "
                             "parallelism) instead of splitting each expert's intermediate dim "
