@@ -192,6 +192,8 @@ def make_config(preset: str, dtype: str) -> dict:
         interval = cfg.pop("full_attention_interval")
         cfg["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                               for i in range(cfg["num_hidden_layers"])]
+        # The MTP head's depth, under each family's name for it.
+        cfg["num_nextn_predict_layers" if cfg["model_type"] == "qwen3_next" else "mtp_num_hidden_layers"] = 1
     else:
         cfg = {**_COMMON, **(_MOE_COMMON if preset in MOE_PRESETS else {}), **PRESETS[preset]}
         cfg["max_window_layers"] = cfg["num_hidden_layers"]
@@ -243,11 +245,11 @@ def _moe_specs(mlp: str, cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
     return specs
 
 
-def _hybrid_moe_specs(mlp: str, cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
+def _hybrid_moe_specs(mlp: str, cfg: dict, fused_experts: bool = True) -> list[tuple[str, tuple[int, ...], str]]:
     """Router, experts (fused for Qwen3.5-MoE, one by one for Qwen3-Next) and the gated shared expert."""
     H, I, E, Is = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"], cfg["shared_expert_intermediate_size"]
     specs = [(mlp + "gate.weight", (E, H), "weight")]
-    if cfg["model_type"] == "qwen3_next":
+    if cfg["model_type"] == "qwen3_next" or not fused_experts:
         specs += _moe_specs(mlp, cfg)[1:]
     else:
         specs += [(mlp + "experts.gate_up_proj", (E, 2 * I, H), "weight"), (mlp + "experts.down_proj", (E, H, I), "weight")]
@@ -260,56 +262,66 @@ def _hybrid_moe_specs(mlp: str, cfg: dict) -> list[tuple[str, tuple[int, ...], s
 
 
 def _qwen3_5_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
-    """Qwen3.5 / Qwen3-Next tensors (reference §3): zero-centred norms are 'zero' (y = x(1 + w))."""
+    """Qwen3.5 / Qwen3-Next tensors (reference §3): zero-centred norms are 'zero' (y = x(1 + w)).
+    Real checkpoints ship a multi-token-prediction head (mtp.*, one full-attention layer) too."""
     H, V = cfg["hidden_size"], cfg["vocab_size"]
+    specs = [("model.embed_tokens.weight", (V, H), "weight")]
+    for i, kind in enumerate(cfg["layer_types"]):
+        specs += _qwen3_5_layer_specs(f"model.layers.{i}.", kind, cfg)
+    specs.append(("model.norm.weight", (H,), "zero"))
+    if not cfg["tie_word_embeddings"]:
+        specs.append(("lm_head.weight", (V, H), "weight"))
+    specs += [("mtp.fc.weight", (H, 2 * H), "weight"), ("mtp.pre_fc_norm_embedding.weight", (H,), "zero"),
+              ("mtp.pre_fc_norm_hidden.weight", (H,), "zero")]
+    # Qwen3.5-MoE stores the MTP layer's experts one by one, unlike the model's fused ones.
+    specs += _qwen3_5_layer_specs("mtp.layers.0.", "full_attention", cfg, fused_experts=False)
+    return specs + [("mtp.norm.weight", (H,), "zero")]
+
+
+def _qwen3_5_layer_specs(p: str, kind: str, cfg: dict, fused_experts: bool = True):
+    H = cfg["hidden_size"]
     D, Nq, Nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     Hk, Hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv, K = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
     key_dim, value_dim = Hk * dk, Hv * dv
     conv_dim = 2 * key_dim + value_dim
-    specs = [("model.embed_tokens.weight", (V, H), "weight")]
-    for i, kind in enumerate(cfg["layer_types"]):
-        p = f"model.layers.{i}."
-        specs.append((p + "input_layernorm.weight", (H,), "zero"))
-        if kind == "linear_attention":
-            a = p + "linear_attn."
-            if cfg["model_type"] == "qwen3_next":  # grouped per key head: [q k v z] and [b a]
-                specs += [(a + "in_proj_qkvz.weight", (2 * key_dim + 2 * value_dim, H), "weight"),
-                          (a + "in_proj_ba.weight", (2 * Hv, H), "weight")]
-            else:
-                specs += [
-                    (a + "in_proj_qkv.weight", (conv_dim, H), "weight"),  # [Q | K | V]
-                    (a + "in_proj_z.weight", (value_dim, H), "weight"),
-                    (a + "in_proj_b.weight", (Hv, H), "weight"),
-                    (a + "in_proj_a.weight", (Hv, H), "weight"),
-                ]
-            specs += [
-                (a + "conv1d.weight", (conv_dim, 1, K), "weight"),
-                (a + "dt_bias", (Hv,), "norm"),
-                (a + "A_log", (Hv,), "zero"),
-                (a + "norm.weight", (dv,), "norm"),  # gated RMSNorm: plain w, not zero-centred
-                (a + "out_proj.weight", (H, value_dim), "weight"),
-            ]
+    specs = [(p + "input_layernorm.weight", (H,), "zero")]
+    if kind == "linear_attention":
+        a = p + "linear_attn."
+        if cfg["model_type"] == "qwen3_next":  # grouped per key head: [q k v z] and [b a]
+            specs += [(a + "in_proj_qkvz.weight", (2 * key_dim + 2 * value_dim, H), "weight"),
+                      (a + "in_proj_ba.weight", (2 * Hv, H), "weight")]
         else:
-            a = p + "self_attn."
             specs += [
-                (a + "q_proj.weight", (2 * Nq * D, H), "weight"),  # per head [q_h | gate_h]
-                (a + "k_proj.weight", (Nkv * D, H), "weight"),
-                (a + "v_proj.weight", (Nkv * D, H), "weight"),
-                (a + "o_proj.weight", (H, Nq * D), "weight"),
-                (a + "q_norm.weight", (D,), "zero"),
-                (a + "k_norm.weight", (D,), "zero"),
+                (a + "in_proj_qkv.weight", (conv_dim, H), "weight"),  # [Q | K | V]
+                (a + "in_proj_z.weight", (value_dim, H), "weight"),
+                (a + "in_proj_b.weight", (Hv, H), "weight"),
+                (a + "in_proj_a.weight", (Hv, H), "weight"),
             ]
-        specs.append((p + "post_attention_layernorm.weight", (H,), "zero"))
-        if "num_experts" in cfg:
-            specs += _hybrid_moe_specs(p + "mlp.", cfg)
-        else:
-            I = cfg["intermediate_size"]
-            specs += [(p + "mlp.gate_proj.weight", (I, H), "weight"), (p + "mlp.up_proj.weight", (I, H), "weight"),
-                      (p + "mlp.down_proj.weight", (H, I), "weight")]
-    specs.append(("model.norm.weight", (H,), "zero"))
-    if not cfg["tie_word_embeddings"]:
-        specs.append(("lm_head.weight", (V, H), "weight"))
+        specs += [
+            (a + "conv1d.weight", (conv_dim, 1, K), "weight"),
+            (a + "dt_bias", (Hv,), "norm"),
+            (a + "A_log", (Hv,), "zero"),
+            (a + "norm.weight", (dv,), "norm"),  # gated RMSNorm: plain w, not zero-centred
+            (a + "out_proj.weight", (H, value_dim), "weight"),
+        ]
+    else:
+        a = p + "self_attn."
+        specs += [
+            (a + "q_proj.weight", (2 * Nq * D, H), "weight"),  # per head [q_h | gate_h]
+            (a + "k_proj.weight", (Nkv * D, H), "weight"),
+            (a + "v_proj.weight", (Nkv * D, H), "weight"),
+            (a + "o_proj.weight", (H, Nq * D), "weight"),
+            (a + "q_norm.weight", (D,), "zero"),
+            (a + "k_norm.weight", (D,), "zero"),
+        ]
+    specs.append((p + "post_attention_layernorm.weight", (H,), "zero"))
+    if "num_experts" in cfg:
+        specs += _hybrid_moe_specs(p + "mlp.", cfg, fused_experts)
+    else:
+        I = cfg["intermediate_size"]
+        specs += [(p + "mlp.gate_proj.weight", (I, H), "weight"), (p + "mlp.up_proj.weight", (I, H), "weight"),
+                  (p + "mlp.down_proj.weight", (H, I), "weight")]
     return specs
 
 

@@ -4,6 +4,7 @@ loads without a missing or unexpected tensor and whose greedy tokens jtp reprodu
 from __future__ import annotations
 
 import numpy as np
+from types import SimpleNamespace
 import pytest
 
 from hf_models import hf_greedy
@@ -19,12 +20,14 @@ def checkpoint_against_layout(mk, preset: str, param_layout):
     """The preset's config, its tensors {name: shape} and jtp's ModelConfig, once the tensors were
     found to be exactly those jtp's layout expects."""
     from jtp.config import ModelConfig
+    from jtp.weights import resolve_layout
 
     raw = mk.make_config(preset, "bfloat16")
     specs = {name: tuple(shape) for name, shape, _ in mk.tensor_specs(raw)}
     cfg = ModelConfig.from_hf(raw)
     expected = {}
-    for source in param_layout(cfg).values():
+    # Where the layout accepts either form (fused or per-expert experts), the one the files hold.
+    for source in resolve_layout(param_layout(cfg), SimpleNamespace(names=set(specs))).values():
         expected |= source.expected()
     assert expected == specs
     return raw, specs, cfg
@@ -64,7 +67,7 @@ def test_tiny_moe_preset_loads_in_hf_and_jtp_greedy_matches(mk, tmp_path):
 def test_hybrid_moe_presets_have_every_tensor_jtp_expects(mk, preset):
     from jtp.models.qwen3_5 import param_layout
 
-    raw, _, cfg = checkpoint_against_layout(mk, preset, param_layout)
+    raw, _, cfg = checkpoint_against_layout(mk, preset, lambda cfg: param_layout(cfg, mtp=True))  # MTP head too
     assert cfg.num_experts == raw["num_experts"] and all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     assert [cfg.is_linear_layer(i) for i in range(4)] == [True, True, True, False]
 
