@@ -31,3 +31,6 @@ def test_gpu_check_passes_on_tiny_presets(tmp_path):
         assert (preset, "bfloat16 top-20 logprobs vs transformers") in names
     f32 = [c for c in report["checks"] if c["check"].startswith("float32 top-20")]
     assert all(c["max_abs_diff"] <= 2e-3 and c["argmax_agreement"] == 1.0 for c in f32)
+    # bf16 is also measured against float32 transformers, for jtp and for transformers' own bf16.
+    bf16 = [c for c in report["checks"] if c["check"].startswith("bfloat16")]
+    assert all(0 < c["jtp_bf16_vs_f32"]["mean_abs_diff"] and 0 < c["hf_bf16_vs_f32"]["mean_abs_diff"] for c in bf16)
