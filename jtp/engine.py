@@ -190,6 +190,16 @@ class _Output:
         return delta
 
 
+def _drafts_of(row) -> list[int]:
+    """A row's MTP drafts up to the first -1 (a chain that ran out of allocated pages)."""
+    out = []
+    for d in row:
+        if d < 0:
+            break
+        out.append(int(d))
+    return out
+
+
 class Engine:
     def __init__(
         self,
@@ -220,7 +230,7 @@ class Engine:
         runner_args = dict(block_size=block_size, max_seqs=max_num_seqs, devices=devices,
                            num_state_slots=resolve_state_slots(max_num_seqs, num_state_slots),
                            num_scheduler_steps=num_scheduler_steps, expert_parallel=enable_expert_parallel,
-                           mtp=speculative is not None and speculative.method == "mtp")
+                           mtp_drafts=speculative.mtp_drafts if speculative else 0)
         if group is None:
             self.runner = ModelRunner(model_dir, tensor_parallel_size, dtype, **runner_args)
         else:
@@ -527,8 +537,8 @@ class Engine:
             if row.drafts:
                 events += self._accept(row, per_step, b, now)
                 continue
-            if result.draft is not None:  # MTP: the head's guess after the row's newest token
-                req.mtp_draft = int(per_step[row.steps - 1].draft[b])
+            if result.draft is not None:  # MTP: the head's drafts after the row's newest token
+                req.mtp_drafts = _drafts_of(per_step[row.steps - 1].draft[b])
             for i in range(row.steps):
                 req.pending -= 1
                 if req.status is Status.RUNNING:  # else finished or aborted meanwhile: discard
@@ -543,8 +553,8 @@ class Engine:
         sampled = [int(step.tokens[b]) for step in per_step]
         accepted = next((j for j, d in enumerate(row.drafts) if sampled[j] != d), len(row.drafts))
         self.scheduler.accepted(row, accepted)
-        if per_step[accepted].draft is not None:  # MTP: its guess at the last accepted position
-            req.mtp_draft = int(per_step[accepted].draft[b])
+        if per_step[0].draft is not None:  # MTP: its drafts from the last accepted position on
+            req.mtp_drafts = _drafts_of(per_step[0].draft[b])
         req.pending -= 1
         events = []
         for j in range(accepted + 1):

@@ -67,13 +67,17 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
 
     from jtp.group import tokens_digest
     from jtp.runner import ModelRunner
+    from jtp.speculative import SpeculativeConfig
     from jtp.step_input import StepInput
+
+    speculative = SpeculativeConfig.parse(args.speculative_config)  # the leader's: MTP changes the step
 
     runner = ModelRunner(
         args.model_dir(), args.tensor_parallel_size, None if args.dtype == "auto" else args.dtype,
         block_size=args.block_size, max_seqs=args.max_num_seqs, devices=devices,
         num_state_slots=resolve_state_slots(args.max_num_seqs, args.num_state_slots),
         num_scheduler_steps=args.num_scheduler_steps, expert_parallel=args.enable_expert_parallel,
+        mtp_drafts=speculative.mtp_drafts if speculative else 0,
     )
     channel.send(Kind.READY, json.dumps(describe_mesh(devices)).encode())
     log.info("follower %d ready: %d devices", spec.process_id, len(devices))

@@ -64,14 +64,14 @@ class ModelRunner:
         num_state_slots: int | None = None,
         num_scheduler_steps: int = 1,
         expert_parallel: bool = False,
-        mtp: bool = False,
+        mtp_drafts: int = 0,
     ):
         self.cfg = ModelConfig.from_dir(model_dir)
         self.mesh = make_mesh(tensor_parallel_size, devices)
         self.dtype = resolve_dtype(self.cfg, dtype)
-        # mtp: load the checkpoint's MTP head; every step then also drafts each row's next token.
-        self.params = load_params(model_dir, self.cfg, self.mesh, self.dtype, expert_parallel, mtp)
-        self.mtp = mtp
+        # mtp_drafts > 0: load the checkpoint's MTP head; every step then also drafts that many tokens per row.
+        self.params = load_params(model_dir, self.cfg, self.mesh, self.dtype, expert_parallel, mtp_drafts > 0)
+        self.mtp_drafts = mtp_drafts
         self.block_size = block_size
         self.max_seqs = max_seqs
         self.num_state_slots = num_state_slots or max_seqs  # recurrent-state slots (hybrid models)
@@ -84,7 +84,7 @@ class ModelRunner:
         self.attention = choose_attention(self.mesh)
         self.experts = choose_experts(self.mesh, expert_parallel)
         self._step_fn = jax.jit(
-            functools.partial(_step, self.family, self.cfg, self.attention, self.experts),
+            functools.partial(_step, self.family, self.cfg, self.attention, self.experts, self.mtp_drafts),
             donate_argnums=(1, 2),
             static_argnames=("flags",),
         )
@@ -93,7 +93,8 @@ class ModelRunner:
         self.num_scheduler_steps = num_scheduler_steps
         self._decode_fn = jax.jit(
             functools.partial(
-                _decode_steps, self.family, self.cfg, self.attention, self.experts, block_size, num_scheduler_steps
+                _decode_steps, self.family, self.cfg, self.attention, self.experts, self.mtp_drafts, block_size,
+                num_scheduler_steps,
             ),
             donate_argnums=(1, 2),
             static_argnames=("flags",),
@@ -115,7 +116,7 @@ class ModelRunner:
     def _init_cache(self, num_blocks: int, num_state_slots: int) -> list:
         """The family's cache; with the MTP head, its attention layer's K/V last (same pages and slots)."""
         cache = self.family.init_cache(self.cfg, self.mesh, num_blocks, self.block_size, num_state_slots, self.dtype)
-        if self.mtp:
+        if self.mtp_drafts:
             cache.append(zeroed_layer_kv(self.cfg, self.mesh, num_blocks, self.block_size, self.dtype))
         return cache
 
@@ -229,14 +230,14 @@ class ModelRunner:
 
 
 def _step(
-    family, cfg, attention, experts, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling, penalty_tokens,
-    flags,
+    family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
+    sampling, penalty_tokens, flags,
 ):
     """The serving step: forward over the ragged batch, logits at each row's index, sampling.
     Results get a leading axis of one step (the decode loop's results have several)."""
     _TRACES.count += 1
     result, cache, sampled = _forward_and_sample(
-        family, cfg, attention, experts, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling,
+        family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling,
         penalty_tokens, flags,
     )
     if logits_indices.ndim == 1:
@@ -245,8 +246,8 @@ def _step(
 
 
 def _decode_steps(
-    family, cfg, attention, experts, block_size, max_steps, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
-    sampling, penalty_tokens, stop_ids, num_steps, flags,
+    family, cfg, attention, experts, mtp_drafts, block_size, max_steps, params, cache, sampled, tokens, meta,
+    logits_indices, seq_slots, sampling, penalty_tokens, stop_ids, num_steps, flags,
 ):
     """Up to `num_steps` decode steps of a pure decode batch (one token per row) in one call.
 
@@ -261,7 +262,7 @@ def _decode_steps(
     B, n = seq_slots.shape[0], flags.num_logprobs
     zeros = lambda dtype, *shape: jnp.zeros((max_steps, B, *shape), dtype)  # noqa: E731
     results = SampleResult(zeros(jnp.int32), zeros(jnp.float32), zeros(jnp.int32, n) if n else None,
-                           zeros(jnp.float32, n) if n else None, zeros(jnp.int32) if "mtp" in params else None)
+                           zeros(jnp.float32, n) if n else None, zeros(jnp.int32, mtp_drafts) if mtp_drafts else None)
 
     def advance(meta):
         positions = meta.positions + real_token
@@ -278,8 +279,8 @@ def _decode_steps(
         i, cache, sampled, tokens, meta, results, done = carry
         step_sampling = sampling._replace(step=sampling.step + i)
         result, cache, sampled = _forward_and_sample(
-            family, cfg, attention, experts, params, cache, sampled, tokens, meta, logits_indices, seq_slots, step_sampling,
-            penalty_tokens, flags,
+            family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
+            step_sampling, penalty_tokens, flags,
         )
         results = jax.tree.map(lambda acc, r: acc.at[i].set(r), results, result)
         done = done | jnp.any(result.tokens[:, None] == stop_ids, axis=1)
@@ -296,8 +297,8 @@ def _decode_steps(
 
 
 def _forward_and_sample(
-    family, cfg, attention, experts, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling, penalty_tokens,
-    flags,
+    family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
+    sampling, penalty_tokens, flags,
 ):
     slot_of_token = seq_slots[meta.token_rows]
     tokens = jnp.where(tokens >= 0, tokens, sampled[jnp.maximum(slot_of_token, 0)])
@@ -330,32 +331,76 @@ def _forward_and_sample(
         per_position = [first]
     if mtp_kv is not None:
         drafts, mtp_kv = _mtp_drafts(
-            family, cfg, attention, experts, params, hidden, tokens, meta, logits_indices, seq_slots, per_position, mtp_kv
+            family, cfg, attention, experts, mtp_drafts, params, hidden, tokens, meta, logits_indices, seq_slots,
+            per_position, mtp_kv,
         )
-        result = result._replace(draft=drafts if logits_indices.ndim == 2 else drafts[0])
+        # [B, num_drafts] per step; a verify step's results are per position, each carries the same drafts.
+        result = result._replace(draft=jnp.broadcast_to(drafts, (len(per_position), *drafts.shape))
+                                 if logits_indices.ndim == 2 else drafts)
         cache = [*cache, mtp_kv]
     # Rows without a slot (padding) point past the end and are dropped.
     slots = jnp.where(seq_slots >= 0, seq_slots, sampled.shape[0])
     return result, cache, sampled.at[slots].set(first.tokens, mode="drop")
 
 
-def _mtp_drafts(family, cfg, attention, experts, params, hidden, tokens, meta, logits_indices, seq_slots, per_position, kv):
-    """The MTP head over every token of the step: at position t it takes the target's hidden state and
-    token t+1 (the row's next token in this step, or at a sampled position the token sampled there)
-    and guesses token t+2. Returns the greedy guess at each sampled position ([1 + k, B] in a verify
-    step, where the host keeps the one at the last accepted position) and the head's updated K/V.
-    Causal attention makes each position's guess depend only on positions up to it, so the guess at
-    an accepted position is right whatever was rejected after it."""
+def _mtp_drafts(
+    family, cfg, attention, experts, num_drafts, params, hidden, tokens, meta, logits_indices, seq_slots, per_position,
+    kv,
+):
+    """Drafts for every row's next step from the MTP head, [B, num_drafts] (-1: no draft there).
+
+    The head runs over every token of the step: at position t it takes the target's hidden state
+    and token t+1 (the row's next token in this step, or at a sampled position the token sampled
+    there) and guesses token t+2; this writes its K/V for the step's positions. Each row's first
+    draft is the guess at its last accepted position, counted here as the host counts it (drafts
+    accepted while the target sampled them). Causal attention makes that guess independent of the
+    rejected positions after it. Further drafts chain the head on its own output hidden state and
+    last guess, one position on, writing its K/V into the row's pages as far as they are allocated
+    (a chain stops at the end of the row's last page; the next step rewrites those positions)."""
     T = tokens.shape[0]
+    B = seq_slots.shape[0]
     indices = logits_indices if logits_indices.ndim == 2 else logits_indices[None]
+    real_row = seq_slots >= 0
+    samples = jnp.stack([r.tokens for r in per_position])  # [P, B]
+    # A row with fewer positions repeats its last one: only a new index is a draft position.
+    fresh = jnp.concatenate([real_row[None], indices[1:] != indices[:-1]], axis=0)  # [P, B]
     following = jnp.concatenate([tokens[1:], tokens[:1]])
-    for j, result in enumerate(per_position):
-        # A row with fewer positions repeats its last one: only its first copy sets the token.
-        fresh = (seq_slots >= 0) & ((indices[j] != indices[j - 1]) if j else True)
-        following = following.at[jnp.where(fresh, indices[j], T)].set(result.tokens, mode="drop")
+    for j in range(indices.shape[0]):
+        following = following.at[jnp.where(fresh[j] & real_row, indices[j], T)].set(samples[j], mode="drop")
     mtp_hidden, kv = family.mtp_forward(params, cfg, hidden, following, kv, meta, attention, experts)
-    logits = family.compute_logits(params, mtp_hidden[indices.reshape(-1)])
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(indices.shape), kv
+
+    # The last accepted position of each row: drafts (the tokens at positions 1..) matched in a row.
+    matched = (samples[:-1] == tokens[indices[1:]]) & fresh[1:]
+    accepted = jnp.sum(jnp.cumprod(matched.astype(jnp.int32), axis=0), axis=0)  # [B]
+    last = indices[accepted, jnp.arange(B)]
+    h = mtp_hidden[last]
+    guess = jnp.argmax(family.compute_logits(params, h), axis=-1).astype(jnp.int32)
+    drafts = [jnp.where(real_row, guess, -1)]
+
+    block_size = kv.k.shape[1]
+    pos = meta.positions[last]
+    allocated = -(-meta.context_lens // block_size) * block_size  # the row's pages end here
+    alive = real_row
+    rows = jnp.arange(B, dtype=jnp.int32)
+    for _ in range(num_drafts - 1):
+        pos = pos + 1
+        alive = alive & (pos < allocated)
+        page = jnp.take_along_axis(meta.block_tables, (pos // block_size)[:, None], axis=1)[:, 0]
+        chain_meta = meta._replace(
+            positions=pos,
+            slot_mapping=jnp.where(alive, page * block_size + pos % block_size, -1),
+            token_rows=rows,
+            context_lens=jnp.where(alive, pos + 1, 0),
+            row_starts=rows,
+            row_lens=alive.astype(jnp.int32),
+            query_bound=jnp.arange(1, dtype=jnp.int32),
+            state_keeps=None,
+            keep_lens=None,
+        )
+        h, kv = family.mtp_forward(params, cfg, h, jnp.maximum(drafts[-1], 0), kv, chain_meta, attention, experts)
+        guess = jnp.argmax(family.compute_logits(params, h), axis=-1).astype(jnp.int32)
+        drafts.append(jnp.where(alive, guess, -1))
+    return jnp.stack(drafts, axis=1), kv
 
 
 class _TraceCounter(threading.local):

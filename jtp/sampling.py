@@ -251,7 +251,7 @@ class SampleResult(NamedTuple):
     logprob: jax.Array  # f32[B], raw log_softmax at the chosen token
     top_ids: jax.Array | None  # i32[B, num_logprobs], None when num_logprobs == 0
     top_logprobs: jax.Array | None  # f32[B, num_logprobs]
-    draft: jax.Array | None = None  # i32[B]: the MTP head's guess for the token after this one (MTP speculation)
+    draft: jax.Array | None = None  # i32[B, k]: MTP speculation's drafts for each row's next step (-1: none)
 
 
 def build_penalty_counts(penalty_ids: jax.Array, penalty_is_output: jax.Array,

@@ -75,7 +75,7 @@ class Request:
     # A verify step in flight: the slot with the state before its drafts (-1: none), which the
     # request goes back to if a draft is rejected (`Scheduler.accepted`).
     spec_state_kept: int = -1
-    mtp_draft: int | None = None  # the MTP head's guess for the token after the last one (MTP speculation)
+    mtp_drafts: list[int] = dataclasses.field(default_factory=list)  # the MTP head's guesses after the last token
 
     @property
     def num_tokens(self) -> int:
@@ -341,8 +341,8 @@ class Scheduler:
                 or r.params.has_penalties):
             return ()
         k = min(spec.num_speculative_tokens, room, r.params.max_tokens - r.num_generated - 1)
-        if spec.method == "mtp":  # the guess the MTP head made in the step that produced the last token
-            drafts = (r.mtp_draft,) if r.mtp_draft is not None and k >= 1 else ()
+        if spec.method == "mtp":  # the guesses the MTP head made in the step that produced the last token
+            drafts = tuple(r.mtp_drafts[: max(k, 0)])
         else:
             tokens = r.prompt_ids + r.output_ids
             drafts = tuple(propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min))

@@ -2,8 +2,9 @@
 
 Drafts come from prompt lookup (`propose_ngram`, on the host) or, with method "mtp", from the
 checkpoint's multi-token-prediction head, which every step runs after the target on the device
-(`jtp.runner._mtp_drafts`): its greedy guess at a row's last accepted position is the row's draft
-in the next step. Either way the draft is one proposal (a point mass), so the rule below is exact.
+(`jtp.runner._mtp_drafts`): its greedy guess at a row's last accepted position, then k - 1 more by
+chaining the head on its own output, are the row's drafts in the next step. Either way each draft
+is one proposal (a point mass), so the rule below is exact.
 
 A speculating decode row feeds its last token plus k drafted tokens in one ragged step; the step
 samples the target model at each of the 1 + k positions with the key of that generation step, and
@@ -32,6 +33,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ... and the shortest
 
     @property
+    def mtp_drafts(self) -> int:
+        """Drafts the MTP head makes per row and step (0: not the MTP method)."""
+        return self.num_speculative_tokens if self.method == "mtp" else 0
+
+    @property
     def verify_positions(self) -> int:
         """Positions a verify step samples per row: the last known token and each draft."""
         return 1 + self.num_speculative_tokens
@@ -52,7 +58,7 @@ class SpeculativeConfig:
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ConfigError(f"--speculative-config: unknown key(s) {unknown}; known: {sorted(known)}")
-        if spec.get("method") == "mtp":  # one MTP layer drafts one token (vLLM's default for it too)
+        if spec.get("method") == "mtp":  # the checkpoints' one MTP layer: one draft unless asked for more
             spec = {"num_speculative_tokens": 1, **spec}
         config = cls(**spec)
         config.validate()
@@ -65,11 +71,6 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 16:
                 raise ConfigError(f"speculative {name} must be an integer in 1..16, got {value!r}")
-        if self.method == "mtp" and self.num_speculative_tokens != 1:
-            raise ConfigError(
-                f"speculative method 'mtp' drafts one token per step (the checkpoint's one MTP layer, not chained); "
-                f"num_speculative_tokens must be 1, got {self.num_speculative_tokens}"
-            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(
                 f"speculative prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "

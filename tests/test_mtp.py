@@ -1,5 +1,5 @@
 """MTP speculative decoding: the checkpoint's multi-token-prediction head (mtp.*) drafts one token per
-row, through the engine's real step.
+row (or k, chaining the head on its own output), through the engine's real step.
 
 HF transformers does not run mtp.* (it drops the tensors), so the reference is assembled from HF
 parts: the target's final-normed hidden states, the zero-centred RMSNorm and fc of the MTP input,
@@ -62,15 +62,24 @@ class MTPCheckpoint:
         config["num_nextn_predict_layers" if kind == "qwen3_next" else "mtp_num_hidden_layers"] = 1
         (path / "config.json").write_text(json.dumps(config))
 
-    def draft_logits(self, context: list[int]) -> np.ndarray:
-        """The head's logits for the token after `context`: at position n-2 it takes the target's
-        hidden state there and the last token, attending over positions 0..n-2 likewise."""
+    def draft_logits(self, context: list[int], chained: tuple[int, ...] = ()) -> np.ndarray:
+        """The head's logits for the next draft after `context` and the drafts `chained` before it.
+
+        First draft: at position n-2 the head takes the target's hidden state there and the last
+        token, attending over positions 0..n-2 likewise. Each further one: one position on, its
+        input is the previous draft and the head's own (final-normed) output at the previous position.
+        """
         with torch.no_grad():
             ids = torch.tensor([context])
             hidden = self.target.model(ids).last_hidden_state[:, :-1]
             embedded = self.target.model.embed_tokens(ids[:, 1:])
-            x = torch.cat([zero_centered_norm(embedded, self.norm_e), zero_centered_norm(hidden, self.norm_h)], -1)
-            return self.head(inputs_embeds=x @ self.fc.T).logits[0, -1].numpy()
+            x = torch.cat([zero_centered_norm(embedded, self.norm_e), zero_centered_norm(hidden, self.norm_h)], -1) @ self.fc.T
+            for draft in chained:
+                out = self.head.model(inputs_embeds=x).last_hidden_state[:, -1:]
+                e = self.target.model.embed_tokens(torch.tensor([[draft]]))
+                step = torch.cat([zero_centered_norm(e, self.norm_e), zero_centered_norm(out, self.norm_h)], -1) @ self.fc.T
+                x = torch.cat([x, step], 1)
+            return self.head(inputs_embeds=x).logits[0, -1].numpy()
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text"])
@@ -99,15 +108,20 @@ def generate_recording_drafts(path, monkeypatch, **kw):
     return [o.token_ids for o in outs], proposals, stats
 
 
+def assert_drafts_are_the_heads(checkpoint, proposals):
+    for context, drafts in proposals:
+        for j, draft in enumerate(drafts):
+            logits = checkpoint.draft_logits(context, drafts[:j])
+            assert logits[draft] >= logits.max() - 1e-4, (len(context), j, draft, int(logits.argmax()))
+
+
 def test_mtp_drafts_are_the_heads_guesses_and_keep_every_output(checkpoint, monkeypatch):
     plain, _, _ = generate_recording_drafts(checkpoint.path, monkeypatch)
     spec, proposals, stats = generate_recording_drafts(checkpoint.path, monkeypatch, speculative_config=MTP)
     assert spec == plain  # exact: drafts only decide how many tokens a step yields
-    assert len(proposals) >= 20 and stats.spec_decode_num_draft_tokens == len(proposals)
-    assert 0 < stats.spec_decode_num_accepted_tokens < len(proposals)  # both outcomes happen
-    for context, (draft,) in proposals:
-        logits = checkpoint.draft_logits(context)
-        assert logits[draft] >= logits.max() - 1e-4, (len(context), draft, int(logits.argmax()))
+    assert len(proposals) >= 20 and stats.spec_decode_num_draft_tokens == sum(len(d) for _, d in proposals)
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # both outcomes happen
+    assert_drafts_are_the_heads(checkpoint, proposals)
 
     # The head sharded over two devices drafts the same tokens.
     spec2, proposals2, _ = generate_recording_drafts(
@@ -115,10 +129,21 @@ def test_mtp_drafts_are_the_heads_guesses_and_keep_every_output(checkpoint, monk
     assert spec2 == plain and proposals2 == proposals
 
 
-def test_mtp_needs_a_head_and_drafts_one_token(tmp_path):
-    assert SpeculativeConfig.parse('{"method": "mtp"}').num_speculative_tokens == 1
-    with pytest.raises(ConfigError, match="num_speculative_tokens must be 1"):
-        SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 3}')
+def test_chained_mtp_drafts(checkpoint, monkeypatch):
+    """k = 3: the head chained on its own output; 16-token pages leave room for most chains."""
+    kw = dict(block_size=16, num_blocks=48)
+    plain, _, _ = generate_recording_drafts(checkpoint.path, monkeypatch, **kw)
+    spec, proposals, stats = generate_recording_drafts(
+        checkpoint.path, monkeypatch, speculative_config='{"method": "mtp", "num_speculative_tokens": 3}', **kw)
+    assert spec == plain
+    assert sum(len(d) == 3 for _, d in proposals) >= 10 and stats.spec_decode_num_accepted_tokens > 0
+    assert_drafts_are_the_heads(checkpoint, proposals)
+
+
+def test_mtp_needs_a_head(tmp_path):
+    assert SpeculativeConfig.parse('{"method": "mtp"}').num_speculative_tokens == 1  # the one MTP layer
+    with pytest.raises(ConfigError, match="1..16"):
+        SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 17}')
     path = hh.save(hh.build_model("qwen3_5_text"), tmp_path / "no-mtp")
     with pytest.raises(ValueError, match="needs a checkpoint with an MTP head"):
         Engine(path, **KW, speculative_config=MTP)

@@ -53,7 +53,7 @@ def test_propose_ngram_against_brute_force(seed):
 
 @pytest.mark.parametrize("spec, message", [
     ('{"method": "ngram", "k": 3}', "unknown key"),
-    ('{"method": "mtp", "num_speculative_tokens": 2}', "must be 1"),
+    ('{"method": "mtp", "num_speculative_tokens": 0}', "1..16"),
     ('{"method": "eagle"}', "unknown"),
     ('{"num_speculative_tokens": 0}', "1..16"),
     ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "exceeds"),
