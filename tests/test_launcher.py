@@ -224,9 +224,10 @@ def in_process(model: str, tp: int) -> list[list[int]]:
         return run_staggered(engine, engine.cfg.vocab_size)
 
 
-def two_processes(model: str) -> list[list[int]]:
-    args = json.dumps({"model": model, "num_processes": 2, "tensor_parallel_size": 4, "digest_interval": 4})
-    proc = subprocess.run([sys.executable, str(TESTS / "staggered.py"), args], env=cpu_env(2),
+def two_processes(model: str, tp: int = 4, **engine_args) -> list[list[int]]:
+    args = json.dumps({"model": model, "num_processes": 2, "tensor_parallel_size": tp, "digest_interval": 4,
+                       **engine_args})
+    proc = subprocess.run([sys.executable, str(TESTS / "staggered.py"), args], env=cpu_env(tp // 2),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -241,6 +242,16 @@ def test_two_processes_give_the_tokens_of_one_process_at_tp4_and_tp1(kind, reque
     assert [len(t) for t in group] == [s[2] for s in __import__("staggered").SCHEDULE]
     assert group == in_process(model, 4)
     assert group == in_process(model, 1)
+
+
+def test_two_processes_drafting_with_the_mtp_head_give_the_tokens_of_one_process(tmp_path):
+    """MTP speculation across a group: the followers load the head and run its K/V too (else the
+    steps would differ and the digests part), and the tokens are those without speculation."""
+    pytest.importorskip("torch")
+    from test_mtp import MTP, MTPCheckpoint
+
+    model = str(MTPCheckpoint("qwen3_5_text", tmp_path / "mtp").path)
+    assert two_processes(model, tp=2, speculative_config=MTP) == in_process(model, 1)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
