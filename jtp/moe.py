@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jtp.kernels import grouped_matmul as gmm
+from jtp.sharding import EXPERTS_EP_SPEC, EXPERTS_TP_SPECS
 
 IMPLS = ("kernel", "ragged_dot")
 
@@ -55,21 +56,18 @@ class RoutedExperts:
         if real_tokens is not None:
             experts = jnp.where(real_tokens[:, None], experts, gate.shape[0])  # past every group
         tp = self.mesh.shape["tp"] if self.mesh is not None else 1
-        use_kernel = self.impl == "kernel" and gmm.supported(gate.shape[1], gate.shape[2] // tp) and (
-            gmm.supported(down.shape[1] // tp, down.shape[2])
-        )
-        if self.expert_parallel:  # EP: the kernel needs whole experts, the shapes are full ones
-            use_kernel = self.impl == "kernel" and gmm.supported(*gate.shape[1:]) and gmm.supported(*down.shape[1:])
+        H, I = gate.shape[1:]
+        I_local = I if self.expert_parallel else I // tp  # EP keeps experts whole
+        use_kernel = self.impl == "kernel" and gmm.supported(H, I_local) and gmm.supported(I_local, H)
         local = _pairs_to_tokens(use_kernel, self.expert_parallel, num_experts=gate.shape[0])
         if tp == 1:
             return local(x, weights, experts, gate, up, down)
-        rep = P()
+        # The weights as the loader split them (jtp/sharding.py); activations replicated.
         if self.expert_parallel:
-            w_spec = P("tp", None, None)
-            specs = (rep, rep, rep, w_spec, w_spec, w_spec)
+            w_specs = (EXPERTS_EP_SPEC,) * 3
         else:
-            col, row = P(None, None, "tp"), P(None, "tp", None)
-            specs = (rep, rep, rep, col, col, row)
+            w_specs = tuple(EXPERTS_TP_SPECS[name] for name in ("gate", "up", "down"))
+        specs = (P(), P(), P(), *w_specs)
         # Each device returns its partial sum as one slice of a [tp, T, H] array; summing that axis
         # is the all-reduce, emitted by XLA. check_vma=False: pallas_call has no replication rule.
         partials = jax.shard_map(

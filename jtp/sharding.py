@@ -6,7 +6,8 @@ replicated between blocks, so XLA inserts exactly one all-reduce after each row-
 matmul: two per layer. Embedding and lm_head are split over the vocabulary. MoE experts are
 split inside each expert (intra-expert TP over the intermediate dim; docs/architecture.md
 says why), or with expert parallelism whole experts over the devices (EXPERT_PARALLEL_RULES;
-jtp/moe.py computes either inside shard_map). The `dp` axis is size 1 for now and reserved for data-parallel replicas.
+jtp/moe.py computes either inside shard_map). The `dp` axis is size 1 for now and reserved for
+data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -22,14 +23,21 @@ from jtp.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
+# Routed experts, gate/up [E, H, I] and down [E, I, H]: split I inside every expert (intra-expert
+# TP, the default; down is then row-parallel), or whole experts per device (expert parallelism).
+# jtp/moe.py's shard_map takes these same specs.
+EXPERTS_TP_SPECS = {"gate": P(None, None, "tp"), "up": P(None, None, "tp"), "down": P(None, "tp", None)}
+EXPERTS_EP_SPEC = P("tp", None, None)
+
 # (pattern on the parameter path, spec). First match wins; the path looks like "layers.3.q_proj".
 PARTITION_RULES: list[tuple[str, P]] = [
     (r"^(embed|lm_head)$", P("tp", None)),  # vocab-parallel
     (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)$", P("tp", None)),  # column-parallel
     (r"\.(q_bias|k_bias|v_bias)$", P("tp")),
     (r"\.(o_proj|down_proj)$", P(None, "tp")),  # row-parallel: XLA all-reduces the output
-    (r"\.(experts_gate|experts_up)$", P(None, None, "tp")),  # [E, H, I]: split I
-    (r"\.experts_down$", P(None, "tp", None)),  # [E, I, H]: split I, all-reduce after
+    (r"\.experts_gate$", EXPERTS_TP_SPECS["gate"]),
+    (r"\.experts_up$", EXPERTS_TP_SPECS["up"]),
+    (r"\.experts_down$", EXPERTS_TP_SPECS["down"]),  # all-reduce after
     # Hybrid families. Gated DeltaNet: q/k/v/z/b/a projections and the conv weights of the
     # q/k/v channels are separate parameters, each split contiguously by (key or value) heads,
     # which is the segment-wise split of the fused checkpoint tensors.
@@ -41,7 +49,7 @@ PARTITION_RULES: list[tuple[str, P]] = [
 ]
 
 # --enable-expert-parallel: device d holds experts [d*E/tp, (d+1)*E/tp) whole.
-EXPERT_PARALLEL_RULES: list[tuple[str, P]] = [(r"\.experts_(gate|up|down)$", P("tp", None, None))]
+EXPERT_PARALLEL_RULES: list[tuple[str, P]] = [(r"\.experts_(gate|up|down)$", EXPERTS_EP_SPEC)]
 
 KV_CACHE_SPEC = P(None, None, "tp", None)  # [blocks, block_size, kv_heads, head_dim]: split heads
 CONV_STATE_SPEC = P(None, "tp", None)  # [max_seqs, channels, K-1]: channels split like the conv weights
