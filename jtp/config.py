@@ -261,7 +261,8 @@ def _hybrid_fields(f: "_Fields", num_layers: int) -> dict[str, Any]:
             f"linear_num_key_heads ({linear['linear_num_key_heads']})"
         )
     # Qwen3.5 names it mtp_num_hidden_layers; Qwen3-Next's config (and vLLM) num_nextn_predict_layers.
-    mtp = next((f.int(k) for k in ("mtp_num_hidden_layers", "num_nextn_predict_layers") if f.get(k, None) is not None), 0)
+    mtp_keys = [k for k in ("mtp_num_hidden_layers", "num_nextn_predict_layers") if f.get(k, None) is not None]
+    mtp = f.int(mtp_keys[0]) if mtp_keys else 0
     return dict(qkv_bias=False, o_bias=False, qk_norm=True, layer_types=tuple(layer_types), mtp_layers=mtp, **linear)
 
 

@@ -237,8 +237,8 @@ def _step(
     Results get a leading axis of one step (the decode loop's results have several)."""
     _TRACES.count += 1
     result, cache, sampled = _forward_and_sample(
-        family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots, sampling,
-        penalty_tokens, flags,
+        family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
+        sampling, penalty_tokens, flags,
     )
     if logits_indices.ndim == 1:
         result = jax.tree.map(lambda x: x[None], result)

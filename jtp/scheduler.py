@@ -332,8 +332,8 @@ class Scheduler:
             self._checkpoint(r)
 
     def _drafts(self, r: Request, room: int) -> tuple[int, ...]:
-        """Drafts (n-gram, or the MTP head's) for a generating row whose last token the host knows, at most `room` of
-        them and never past max_tokens (the last token of a request is never drafted). On hybrid
+        """Drafts (n-gram, or the MTP head's) for a generating row whose last token the host knows, at
+        most `room` of them and never past max_tokens (the last token of a request is never drafted). On hybrid
         models the row needs its own state slot (the state before the drafts goes there) and a
         spare one (for the state after them), else it does not draft."""
         spec = self.speculative

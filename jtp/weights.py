@@ -190,8 +190,8 @@ def load_params(
             raise CheckpointError("the MTP head is not kept in Orbax checkpoints (`jtp convert`); serve the safetensors")
         return restore_orbax(model_dir / ORBAX_SUBDIR, cfg, mesh, dtype, expert_parallel)
     ckpt = SafetensorsCheckpoint(model_dir)
-    layout = family_of(cfg).param_layout(cfg, tp, mtp=True) if mtp else family_of(cfg).param_layout(cfg, tp)
-    layout = resolve_layout(layout, ckpt)
+    family = family_of(cfg)  # only the hybrids' layout has an MTP head (checked above: mtp_layers > 0)
+    layout = resolve_layout(family.param_layout(cfg, tp, mtp=True) if mtp else family.param_layout(cfg, tp), ckpt)
     check_checkpoint(ckpt, layout, cfg)
     host_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
     flat = {}

@@ -14,7 +14,6 @@ def flips(E, k, H, n=4000, std=0.02, wscale=1.0):
     ref = x @ W.T
     # bf16: inputs rounded, product accumulated in f32, logits rounded to bf16 (activation dtype)
     lb = (x.astype(bf).astype(np.float32) @ W.astype(bf).astype(np.float32).T).astype(bf).astype(np.float32)
-    # a second bf16 implementation summing in another order: perturb by f32 reassociation ~ tiny, dominated by output rounding
     top_ref = np.argsort(-ref, 1)[:, :k]; top_b = np.argsort(-lb, 1)[:, :k]
     diff = np.array([len(set(a) ^ set(b)) > 0 for a, b in zip(top_ref, top_b)])
     srt = -np.sort(-ref, 1)

@@ -44,10 +44,6 @@ class GroupedMatmulConfig:
     stages: int = 3
 
 
-def _pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
 def _largest_pow2_divisor(n: int, cap: int) -> int:
     d = 1
     while d * 2 <= cap and n % (d * 2) == 0:
@@ -70,8 +66,8 @@ def choose_config(rows: int, k: int, n: int, num_groups: int, num_weights: int =
     """Static tile sizes for P = `rows` sorted rows of a [K] -> [N] projection; JTP_MOE_* override.
 
     Small groups (decode) use 16-row tiles, BN 64 and split K until about two programs per SM of an
-    H200 are in flight even when only one token's experts are used; big groups (prefill) use 128x128 tiles (the best of a sweep on an H200:
-    docs/bench/h200-moe.md).
+    H200 are in flight even when only one token's experts are used; big groups (prefill) use
+    128x128 tiles (the best of a sweep on an H200: docs/bench/h200-moe.md).
     """
     env = lambda name, default: int(os.environ.get(f"JTP_MOE_{name}", default))  # noqa: E731
     bm = tile_rows(rows, num_groups)
