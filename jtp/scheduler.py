@@ -107,9 +107,9 @@ class Buckets:
       a step with a longer row takes the most rows its token bucket can hold (padding rows
       cost almost nothing there, and the step shape then depends on the tokens alone);
     tokens per row: 1 in a pure decode step, else a power of four from 4, at most the tokens;
-    blocks per row: powers of four up to the blocks of max_model_len; just that maximum when
-      attention cost does not depend on the table's width (the GPU kernels walk a row's own
-      pages; only the plain-jnp reference gathers the whole table).
+    blocks per row: powers of four up to the blocks of max_model_len; just that maximum (rounded
+      up to 16) when attention cost does not depend on the table's width (the GPU kernels walk a
+      row's own pages; only the plain-jnp reference gathers the whole table).
     The last two are coarse because they multiply every other dimension (see `shapes`).
     """
 
@@ -125,7 +125,10 @@ class Buckets:
         return cls(
             tokens=_powers(16, max_num_batched_tokens),
             rows=_powers(8, max_num_seqs),
-            blocks=_powers(1, max_blocks_per_seq, base=4) if bucket_blocks else (max_blocks_per_seq,),
+            # The GPU decode kernel reads a row's pages several per iteration, a count that must
+            # divide the table's width (else it falls back to one page per iteration, 4x the
+            # latency): round the width up to a multiple of 16 pages; the extra entries are 0.
+            blocks=_powers(1, max_blocks_per_seq, base=4) if bucket_blocks else (-(-max_blocks_per_seq // 16) * 16,),
             row_lens=(1,) + _powers(4, max_num_batched_tokens, base=4),
         )
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import measure_ceilings  # noqa: E402
 from jtp.kernels.grouped_matmul import GroupedMatmulConfig, choose_config, grouped_matmul  # noqa: E402
-from jtp.moe import RoutedExperts  # noqa: E402
+from jtp.moe import RoutedExperts, choose_experts  # noqa: E402
 
 INTERPRET = jax.default_backend() != "gpu"
 SHAPES = {  # hidden, expert intermediate, experts, top-k
@@ -85,7 +85,9 @@ def main() -> None:
     ap.add_argument("--preset", choices=SHAPES, default="qwen3-30b-a3b")
     ap.add_argument("--tokens", default="1,8,64,2048")
     ap.add_argument("--sweep", action="store_true", help="time a grid of tile configs per shape")
-    ap.add_argument("--layer-splits", default="", help="also time the whole layer at these JTP_MOE_SPLITS values")
+    ap.add_argument("--pad-to", type=int, default=16, help="pad each step to this many tokens (the token bucket)")
+    ap.add_argument("--layer-env", default="",
+                    help="also time the whole layer under these env settings: 'A=1,B=2;A=4' (JTP_MOE_* tile overrides)")
     ap.add_argument("--json")
     args = ap.parse_args()
     H, I, E, k = SHAPES[args.preset]
@@ -144,25 +146,40 @@ def main() -> None:
             print(f"| {T} | {T * k} | {touched} | {op} [{K}->{N}] | {t_k * 1e3:.3f} | {t_r * 1e3:.3f} | "
                   f"{nbytes / t_k / 1e9:.0f} | {100 * nbytes / t_k / bw:.0f}% | {flops / t_k / 1e12:.1f} | "
                   f"{100 * flops / t_k / peak:.0f}% | {best_txt} |")
-        # The whole layer: route-sorted gather, gate, up, down, combine.
-        w_arr, id_arr = jnp.asarray(wts, dtype), jnp.asarray(ids)
-        t_k = device_time(kernel_moe, x, w_arr, id_arr, gate, up, down)
-        t_r = device_time(ragged_moe, x, w_arr, id_arr, gate, up, down)
-        diff = float(jnp.abs(kernel_moe(x, w_arr, id_arr, gate, up, down).astype(jnp.float32)
-                             - ragged_moe(x, w_arr, id_arr, gate, up, down).astype(jnp.float32)).max())
+        # The whole layer: routing prep, gate+up, down, combine; `--pad-to` pads the step with tokens
+        # that route nowhere, as the serving step's token bucket does (B=1 decode: 1 real of 16).
+        rows = max(T, args.pad_to)
+        w_arr = jnp.pad(jnp.asarray(wts, dtype), ((0, rows - T), (0, 0)))
+        id_arr = jnp.pad(jnp.asarray(ids), ((0, rows - T), (0, 0)))
+        xp = jnp.pad(x, ((0, rows - T), (0, 0)))
+        real = jnp.arange(rows) < T
+        layer_args = (xp, w_arr, id_arr, gate, up, down, real)
+        t_k = device_time(kernel_moe, *layer_args)
+        t_r = device_time(ragged_moe, *layer_args)
+        diff = float(jnp.abs(kernel_moe(*layer_args).astype(jnp.float32)
+                             - ragged_moe(*layer_args).astype(jnp.float32)).max())
         nbytes = touched * 3 * H * I * 2
-        for splits in filter(None, args.layer_splits.split(",")):
-            os.environ["JTP_MOE_SPLITS"] = splits  # read when the kernel's config is chosen, at trace time
-            t = device_time(jax.jit(RoutedExperts("kernel")), x, w_arr, id_arr, gate, up, down)
-            del os.environ["JTP_MOE_SPLITS"]
-            results["rows"].append(dict(tokens=T, op="layer", splits=int(splits), kernel_s=t, touched_bytes=nbytes))
-            print(f"| {T} | {T * k} | {touched} | whole MoE layer, splits={splits} | {t * 1e3:.3f} | | "
+        variants = [v for v in args.layer_env.split(";") if v]
+        if rows <= 16:
+            variants.insert(0, "JTP_MOE_FEW_TOKENS=0")  # the sorted path, for comparison
+        for variant in variants:
+            env = dict(kv.split("=") for kv in variant.split(","))
+            saved = {name: os.environ.get(name) for name in env}
+            os.environ.update(env)  # read when the layer is traced
+            t = device_time(jax.jit(choose_experts(impl="kernel")), *layer_args)
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name)
+                else:
+                    os.environ[name] = value
+            results["rows"].append(dict(tokens=T, rows=rows, op="layer", env=env, kernel_s=t, touched_bytes=nbytes))
+            print(f"| {T} | {T * k} | {touched} | whole MoE layer of {rows} rows, {variant} | {t * 1e3:.3f} | | "
                   f"{nbytes / t / 1e9:.0f} | {100 * nbytes / t / bw:.0f}% | | | |")
-        results["rows"].append(dict(tokens=T, op="layer", kernel_s=t_k, ragged_dot_s=t_r, max_abs_err=diff,
+        results["rows"].append(dict(tokens=T, rows=rows, op="layer", kernel_s=t_k, ragged_dot_s=t_r, max_abs_err=diff,
                                     touched_bytes=nbytes, flops=3 * 2 * T * k * H * I))
-        print(f"| {T} | {T * k} | {touched} | whole MoE layer (max diff {diff:.1e}) | {t_k * 1e3:.3f} | {t_r * 1e3:.3f} | "
-              f"{nbytes / t_k / 1e9:.0f} | {100 * nbytes / t_k / bw:.0f}% | {3 * 2 * T * k * H * I / t_k / 1e12:.1f} | "
-              f"{100 * 3 * 2 * T * k * H * I / t_k / peak:.0f}% | |")
+        print(f"| {T} | {T * k} | {touched} | whole MoE layer of {rows} rows (max diff {diff:.1e}) | {t_k * 1e3:.3f} | "
+              f"{t_r * 1e3:.3f} | {nbytes / t_k / 1e9:.0f} | {100 * nbytes / t_k / bw:.0f}% | "
+              f"{3 * 2 * T * k * H * I / t_k / 1e12:.1f} | {100 * 3 * 2 * T * k * H * I / t_k / peak:.0f}% | |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -168,6 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/jtp-profile"))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
+    ap.add_argument("--top", type=int, default=12, help="kernels and host events listed")
     args = ap.parse_args(argv)
 
     import jax
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
             engine.step()
         jax.block_until_ready(engine.runner.sampled)
     try:
-        res["trace"] = summarize_trace(*trace_events(args.out), args.steps)
+        res["trace"] = summarize_trace(*trace_events(args.out), args.steps, args.top)
     except (FileNotFoundError, KeyError, ValueError) as e:
         res["trace_error"] = f"{type(e).__name__}: {e}"
     for r in rids:
