@@ -13,12 +13,6 @@ to XLA's partitioner):
   whole experts [d*E/tp, (d+1)*E/tp) and computes the pairs routed to them. Activations are
   replicated between blocks (attention is tensor-parallel), so dispatch needs no communication:
   the pairs of a device's experts are already a contiguous run of the sorted pairs.
-A step of at most `few_tokens` tokens (decode of up to 16 rows) skips the sort: every chosen
-expert's program multiplies all the step's tokens (one 16-row MMA tile costs what one row does),
-and the down projection is fused with the router-weighted sum (`grouped_matmul.combine_matmul`).
-That is four kernels fewer than sort, counts, tile map and unsort, which dominate a B=1 step's
-MoE time, and each chosen expert is still read once.
-
 Either way each device combines its pairs into a partial [T, H] output (weighting by the router
 and adding the k pairs of a token) and XLA sums the partials over "tp": one all-reduce of [T, H]
 per MoE layer, never one of the k-times larger [T*k, H] pair outputs.
@@ -47,7 +41,6 @@ class RoutedExperts:
     impl: str = "ragged_dot"
     mesh: Mesh | None = None
     expert_parallel: bool = False
-    few_tokens: int = 16  # steps of up to this many tokens (at most 16) take the kernel's sort-free path
 
     def __post_init__(self):
         if self.impl not in IMPLS:
@@ -66,7 +59,7 @@ class RoutedExperts:
         H, I = gate.shape[1:]
         I_local = I if self.expert_parallel else I // tp  # EP keeps experts whole
         use_kernel = self.impl == "kernel" and gmm.supported(H, I_local) and gmm.supported(I_local, H)
-        local = _pairs_to_tokens(use_kernel, self.expert_parallel, gate.shape[0], min(self.few_tokens, 16))
+        local = _pairs_to_tokens(use_kernel, self.expert_parallel, num_experts=gate.shape[0])
         if tp == 1:
             return local(x, weights, experts, gate, up, down)
         # The weights as the loader split them (jtp/sharding.py); activations replicated.
@@ -84,15 +77,14 @@ class RoutedExperts:
 
 
 def choose_experts(mesh: Mesh | None = None, expert_parallel: bool = False, impl: str | None = None) -> RoutedExperts:
-    """The kernel on GPUs, ragged_dot elsewhere; `impl` or JTP_MOE=kernel|ragged_dot|auto forces one.
-    JTP_MOE_FEW_TOKENS sets the largest step of the kernel's sort-free path (0: always sort)."""
+    """The kernel on GPUs, ragged_dot elsewhere; `impl` or JTP_MOE=kernel|ragged_dot|auto forces one."""
     impl = impl or os.environ.get("JTP_MOE", "").strip().lower() or "auto"
     if impl == "auto":
         impl = "kernel" if jax.default_backend() == "gpu" else "ragged_dot"
-    return RoutedExperts(impl, mesh, expert_parallel, int(os.environ.get("JTP_MOE_FEW_TOKENS", 16)))
+    return RoutedExperts(impl, mesh, expert_parallel)
 
 
-def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int, few_tokens: int):
+def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int):
     interpret = jax.default_backend() != "gpu"
 
     def ragged(x, w, sizes, offset):
@@ -105,13 +97,11 @@ def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int, 
         """This device's experts' share of the output, [T, H] (the whole output when not split)."""
         T, k = experts.shape
         P, num_local = T * k, gate.shape[0]
-        first = jax.lax.axis_index("tp") * num_local if expert_parallel else 0  # this device's first expert
-        if use_kernel and T <= few_tokens:
-            return _few_tokens(x, weights, experts, first, gate, up, down, num_experts, interpret)
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
         counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # drops ids >= num_experts
         if expert_parallel:
+            first = jax.lax.axis_index("tp") * num_local
             sizes = jax.lax.dynamic_slice(counts, (first,), (num_local,))
             offset = jnp.sum(jnp.where(jnp.arange(num_experts) < first, counts, 0))
         else:
@@ -134,28 +124,8 @@ def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int, 
         pair = jnp.arange(P)
         ys = jnp.where(((pair >= offset) & (pair < offset + jnp.sum(sizes)))[:, None], ys, 0)
         # Back to (token, k) order and combine: a gather and a k-term sum, no scatter.
-        unsorted = ys[jnp.argsort(order)].reshape(T, k, -1)
+        inverse = jnp.zeros(P, jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))  # a scatter, not a 2nd sort
+        unsorted = ys[inverse].reshape(T, k, -1)
         return jnp.einsum("tkh,tk->th", unsorted, weights.astype(ys.dtype))
 
     return local
-
-
-def _few_tokens(x, weights, experts, first, gate, up, down, num_experts: int, interpret: bool):
-    """This device's share of the routed experts of <= 16 tokens, without sorting. experts [T, k]:
-    global ids, num_experts for a padding token; this device holds [first, first + E_local)."""
-    T, k = experts.shape
-    E, H, I = gate.shape
-    bm = 16
-    onehot = (experts - first)[:, :, None] == jnp.arange(E)  # [T, k, E]
-    chosen = jnp.any(onehot, axis=(0, 1))  # [E]: the experts some token here chose
-    combine = jnp.einsum("tke,tk->et", onehot.astype(jnp.float32), weights.astype(jnp.float32))  # [E, T]
-    combine = jnp.pad(combine, ((0, 0), (0, bm - T)))
-    # Each chosen expert computes every token's row; zero the padding tokens' rows (all k ids out of
-    # range) so a padding row can never be inf/NaN, which 0 * y would keep.
-    xz = jnp.where((experts[:, :1] >= num_experts), 0, x)
-    cfg = gmm.few_tokens_config(H, I, min(E, k), 2)
-    h = gmm.grouped_matmul(
-        xz, (gate, up), None, num_rows=E * bm, tiles=gmm.few_tokens_tiles(chosen, bm), config=cfg,
-        same_rows=True, interpret=interpret,
-    )  # [E*16, I]: silu(x @ gate_e) * (x @ up_e) for the chosen experts e
-    return gmm.combine_matmul(h, down, combine, chosen, interpret=interpret)[:T]

@@ -160,8 +160,6 @@ def main() -> None:
                              - ragged_moe(*layer_args).astype(jnp.float32)).max())
         nbytes = touched * 3 * H * I * 2
         variants = [v for v in args.layer_env.split(";") if v]
-        if rows <= 16:
-            variants.insert(0, "JTP_MOE_FEW_TOKENS=0")  # the sorted path, for comparison
         for variant in variants:
             env = dict(kv.split("=") for kv in variant.split(","))
             saved = {name: os.environ.get(name) for name in env}

@@ -88,11 +88,11 @@ def test_tile_map_touches_only_chosen_experts():
             assert ends[g] - sizes[g] <= s and s + r <= ends[g]
 
 
-@pytest.mark.parametrize("impl,few_tokens", [("kernel", 16), ("kernel", 0), ("ragged_dot", 16)])
-def test_padding_tokens_route_to_no_expert(impl, few_tokens):
+@pytest.mark.parametrize("impl", ["kernel", "ragged_dot"])
+def test_padding_tokens_route_to_no_expert(impl):
     """A step padded from 2 real tokens to 6: the padding tokens' experts are never used (the
-    kernel, sort-free or sorted, is given NaN weights for them and stays finite), real tokens'
-    outputs equal an unpadded run, padding outputs are 0."""
+    kernel is given NaN weights for them and stays finite), real tokens' outputs equal an unpadded
+    run, padding outputs are 0."""
     rng = np.random.default_rng(3)
     E, H, I, k = 8, 32, 16, 2
     x = jnp.asarray(rng.standard_normal((6, H)), jnp.float32)
@@ -101,38 +101,13 @@ def test_padding_tokens_route_to_no_expert(impl, few_tokens):
     gate, up = (jnp.asarray(rng.standard_normal((E, H, I)), jnp.float32) for _ in range(2))
     down = jnp.asarray(rng.standard_normal((E, I, H)), jnp.float32)
     real = jnp.arange(6) < 2
-    routed = RoutedExperts(impl, few_tokens=few_tokens)
+    routed = RoutedExperts(impl)
     expected = routed(x[:2], weights[:2], experts[:2], gate, up, down)
     if impl == "kernel":  # experts 4..7 belong to padding tokens only: poison them
         gate, up, down = (w.at[4:].set(jnp.nan) for w in (gate, up, down))
     out = routed(x, weights, experts, gate, up, down, real)
     np.testing.assert_allclose(np.asarray(out[:2]), np.asarray(expected), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(out[2:]), 0)
-
-
-@pytest.mark.parametrize(
-    "tokens,num_experts,k,dtype",
-    [(1, 16, 4, jnp.float32), (5, 16, 4, jnp.float32), (16, 8, 2, jnp.float32), (16, 16, 4, jnp.bfloat16)],
-)
-def test_sort_free_path_matches_ragged_dot(tokens, num_experts, k, dtype):
-    """Steps of <= 16 tokens: each chosen expert multiplies all the step's rows and the down
-    projection is fused with the router-weighted sum (combine_matmul); the result is ragged_dot's.
-    16 tokens of top-4-of-8 make every expert shared by several tokens."""
-    rng = np.random.default_rng(tokens + num_experts)
-    H, I = 64, 48
-    x = jnp.asarray(rng.standard_normal((tokens, H)), dtype)
-    experts = jnp.asarray(np.stack([rng.choice(num_experts, k, replace=False) for _ in range(tokens)]), jnp.int32)
-    weights = jnp.asarray(rng.random((tokens, k)), dtype)
-    gate, up = (jnp.asarray(rng.standard_normal((num_experts, H, I)) / 8, dtype) for _ in range(2))
-    down = jnp.asarray(rng.standard_normal((num_experts, I, H)) / 8, dtype)
-    real = jnp.arange(tokens) < max(1, tokens - 2)  # the last two are padding (but one token)
-    out = RoutedExperts("kernel")(x, weights, experts, gate, up, down, real)
-    ref = RoutedExperts("ragged_dot")(
-        x.astype(jnp.float32), weights.astype(jnp.float32), experts, gate.astype(jnp.float32),
-        up.astype(jnp.float32), down.astype(jnp.float32), real,
-    )
-    tol = 1e-5 if dtype == jnp.float32 else 0.02 * float(jnp.abs(ref).max())
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=tol, rtol=1e-5)
 
 
 EP_MODEL = dict(
@@ -157,17 +132,14 @@ def test_expert_parallel_matches_tensor_parallel(moe_checkpoint):
         assert_same_outputs(greedy(runner, prompt, 8), base, atol=1e-5, msg=f"EP tp={tp}")
 
 
-@pytest.mark.parametrize("few_tokens", [16, 0])
-def test_kernel_path_matches_ragged_dot_in_the_step(moe_checkpoint, monkeypatch, few_tokens):
-    """The GPU path (JTP_MOE=kernel, interpreted here) through the serving step, TP and EP: the
-    sort-free path of steps up to 16 tokens, and (JTP_MOE_FEW_TOKENS=0) the sorted one."""
+def test_kernel_path_matches_ragged_dot_in_the_step(moe_checkpoint, monkeypatch):
+    """The GPU path (JTP_MOE=kernel, interpreted here) through the serving step, TP and EP."""
     prompt = np.random.default_rng(2).integers(0, 128, 9).tolist()
     base = greedy(ModelRunner(moe_checkpoint, 1, num_blocks=16, block_size=4), prompt, 4)
     monkeypatch.setenv("JTP_MOE", "kernel")
-    monkeypatch.setenv("JTP_MOE_FEW_TOKENS", str(few_tokens))
     for tp, ep in ((1, False), (2, False), (2, True)):
         runner = ModelRunner(moe_checkpoint, tp, num_blocks=16, block_size=4, expert_parallel=ep)
-        assert runner.experts.impl == "kernel" and runner.experts.few_tokens == few_tokens
+        assert runner.experts.impl == "kernel"
         assert_same_outputs(greedy(runner, prompt, 4), base, atol=1e-5, msg=f"kernel tp={tp} ep={ep}")
 
 

@@ -19,11 +19,6 @@ Work decomposition
 * Rows past a tile's group (the next group's, or padding) are loaded but never stored.
 * gate and up run as one pass (w = (gate, up)): x is read once and the SwiGLU activation is the
   epilogue, so an MoE layer is two kernels, sharing one tile map.
-
-Few tokens (decode of up to BM = 16 rows: a step's tokens fit one MMA tile) need no sort at all:
-`same_rows=True` lets every tile (one per expert) multiply the step's first BM rows, so an expert's
-program computes all tokens at the cost of one, and `combine_matmul` runs the down projection of the
-chosen experts and the router-weighted sum over them in one kernel. See jtp/moe.py.
 """
 
 from __future__ import annotations
@@ -95,12 +90,19 @@ def num_tiles(rows: int, num_groups: int, bm: int) -> int:
     return max(1, min(num_groups, rows) + -(-rows // bm))
 
 
+def _cumsum(v: jax.Array) -> jax.Array:
+    """Inclusive cumsum of a short vector (one entry per expert) as one compare-and-sum fusion: XLA's
+    GPU cumsum (a reduce_window) took 7 us for 128 experts, on every decode step's MoE layer."""
+    i = jnp.arange(v.shape[0])
+    return jnp.sum(jnp.where(i[None, :] <= i[:, None], v[None, :], 0), axis=1)
+
+
 def tile_map(group_sizes: jax.Array, row_offset, bm: int, count: int):
     """Dense list of (group, first row, rows) tiles over the groups; unused tiles have 0 rows."""
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    starts = row_offset + jnp.cumsum(sizes) - sizes
+    starts = row_offset + _cumsum(sizes) - sizes
     per_group = (sizes + bm - 1) // bm
-    cum = jnp.cumsum(per_group)  # inclusive
+    cum = _cumsum(per_group)  # inclusive
     t = jnp.arange(count, dtype=jnp.int32)
     group = jnp.sum((cum[None, :] <= t[:, None]).astype(jnp.int32), axis=1)  # first group with cum > t
     used = group < sizes.shape[0]
@@ -111,11 +113,9 @@ def tile_map(group_sizes: jax.Array, row_offset, bm: int, count: int):
     return group.astype(jnp.int32), jnp.where(n > 0, start, 0).astype(jnp.int32), n.astype(jnp.int32)
 
 
-def _kernel(tile_group_ref, tile_start_ref, tile_rows_ref, x_ref, *refs, bm, bk, k_steps, precision, gated,
-            same_rows):
+def _kernel(tile_group_ref, tile_start_ref, tile_rows_ref, x_ref, *refs, bm, bk, k_steps, precision, gated):
     """One (tile, n block, k split): acc = x[tile rows] @ w[group][k range, n block]; with two weights
-    (gate, up) and one split, writes silu(x @ gate) * (x @ up). same_rows: x's rows are x[:BM] for
-    every tile (the output rows are still the tile's own)."""
+    (gate, up) and one split, writes silu(x @ gate) * (x @ up)."""
     w_refs, out_refs = refs[: 1 + gated], refs[1 + gated :]
     t, s = pl.program_id(0), pl.program_id(2)
     group, start, rows = tile_group_ref[t], tile_start_ref[t], tile_rows_ref[t]
@@ -124,7 +124,7 @@ def _kernel(tile_group_ref, tile_start_ref, tile_rows_ref, x_ref, *refs, bm, bk,
     def _():
         def body(i, accs):
             k0 = pl.multiple_of((s * k_steps + i) * bk, bk)
-            x = x_ref[pl.ds(0 if same_rows else start, bm), pl.ds(k0, bk)]  # [BM, BK]
+            x = x_ref[pl.ds(start, bm), pl.ds(k0, bk)]  # [BM, BK]
             return tuple(
                 acc + lax.dot_general(
                     x, w_ref[group, pl.ds(k0, bk), :],  # [BK, BN]
@@ -152,7 +152,6 @@ def grouped_matmul(
     tiles=None,
     config: GroupedMatmulConfig | None = None,
     interpret: bool = False,
-    same_rows: bool = False,
 ) -> jax.Array:
     """x [P', K] (rows sorted by group), w [E, K, N], group_sizes [E] -> [P', N] in x.dtype.
 
@@ -162,8 +161,6 @@ def grouped_matmul(
     unless x already has them (the caller can gather them for free; their values are never used).
     Rows outside every group are left unwritten (unspecified): the caller masks or ignores them.
     `tiles`: `tile_map`'s output for these groups at this config's BM, when the caller shares it.
-    same_rows: every tile reads x[:BM] (x has at most BM rows) and writes its own rows of a
-    [num_rows, N] output; `tiles` is then required (see `few_tokens_tiles`).
     """
     weights = w if isinstance(w, tuple) else (w,)
     gated = len(weights) == 2
@@ -173,27 +170,21 @@ def grouped_matmul(
     cfg = config or choose_config(P, K, N, E, len(weights))
     k_steps = K // (cfg.bk * cfg.splits)
     assert k_steps * cfg.bk * cfg.splits == K and N % cfg.bn == 0, (K, N, cfg)
-    assert tiles is not None or not same_rows, "same_rows: pass few_tokens_tiles"
     if tiles is None:
         tiles = tile_map(group_sizes, jnp.asarray(row_offset, jnp.int32), cfg.bm, num_tiles(P, E, cfg.bm))
     count = tiles[0].shape[0]
     given_rows = x.shape[0]
-    if same_rows:
-        assert given_rows <= cfg.bm, (given_rows, cfg.bm)
-        x = jnp.pad(x, ((0, cfg.bm - given_rows), (0, 0)))
-        rows, given_rows = P, P
-    else:
-        if given_rows < P + cfg.bm:
-            x = jnp.pad(x, ((0, P + cfg.bm - x.shape[0]), (0, 0)))
-        rows = x.shape[0]
+    if given_rows < P + cfg.bm:
+        x = jnp.pad(x, ((0, P + cfg.bm - x.shape[0]), (0, 0)))
+    rows = x.shape[0]
 
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = functools.partial(
-        _kernel, bm=cfg.bm, bk=cfg.bk, k_steps=k_steps, precision=precision, gated=gated, same_rows=same_rows
+        _kernel, bm=cfg.bm, bk=cfg.bk, k_steps=k_steps, precision=precision, gated=gated
     )
     vec = pl.BlockSpec((count,), lambda t, n, s: (0,))
     w_spec = pl.BlockSpec((E, K, cfg.bn), lambda t, n, s: (0, 0, n))
-    in_specs = [vec, vec, vec, pl.BlockSpec(x.shape, lambda t, n, s: (0, 0))] + [w_spec] * len(weights)
+    in_specs = [vec, vec, vec, pl.BlockSpec((rows, K), lambda t, n, s: (0, 0))] + [w_spec] * len(weights)
     if cfg.splits == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, N), x.dtype)]
         out_specs = [pl.BlockSpec((rows, cfg.bn), lambda t, n, s: (0, n))]
@@ -216,91 +207,3 @@ def grouped_matmul(
         sums = [o.sum(axis=0) for o in outs]
         out = (jax.nn.silu(sums[0]) * sums[1] if gated else sums[0]).astype(x.dtype)
     return out[:given_rows]
-
-
-# ----------------------------------------------------------------------------- few tokens (decode)
-
-
-def few_tokens_tiles(chosen: jax.Array, bm: int):
-    """One tile per expert for `same_rows`: expert e writes rows [e*BM, (e+1)*BM), or nothing if unchosen."""
-    e = jnp.arange(chosen.shape[0], dtype=jnp.int32)
-    return e, e * bm, jnp.where(chosen, bm, 0).astype(jnp.int32)
-
-
-def few_tokens_config(k: int, n: int, used_experts: int, num_weights: int) -> GroupedMatmulConfig:
-    """Tiles for the expert-major pass over <= 16 tokens: BN small enough that one token's experts
-    (`used_experts` tiles) give about two programs per SM, no K split (the SwiGLU stays in the
-    epilogue). JTP_MOE_FEW_BN / _BK / _SPLITS override."""
-    env = lambda name, default: int(os.environ.get(f"JTP_MOE_FEW_{name}", default))  # noqa: E731
-    bn = _largest_pow2_divisor(n, 64)
-    while bn > 16 and used_experts * (n // bn) < 264:
-        bn //= 2
-    return GroupedMatmulConfig(
-        16, min(env("BN", bn), _largest_pow2_divisor(n, 256)), min(env("BK", 128), _largest_pow2_divisor(k, 256)),
-        env("SPLITS", 1), 4, 3,
-    )
-
-
-def _combine_kernel(chosen_ref, c_ref, h_ref, w_ref, o_ref, *, bm, bk, k_steps, per_split, precision):
-    """One (n block, expert split): sum over this split's chosen experts e of
-    c[e][:, None] * (h[e*BM : (e+1)*BM] @ w[e][:, n block]), in fp32; unchosen experts read nothing."""
-    s = pl.program_id(1)
-    zeros = jnp.zeros((bm, w_ref.shape[2]), jnp.float32)
-
-    def expert(j, acc):
-        e = s * per_split + j
-
-        def add(acc):
-            def body(i, y):
-                k0 = pl.multiple_of(i * bk, bk)
-                return y + lax.dot_general(
-                    h_ref[pl.ds(e * bm, bm), pl.ds(k0, bk)], w_ref[e, pl.ds(k0, bk), :],
-                    (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision,
-                )
-
-            return acc + lax.fori_loop(0, k_steps, body, zeros) * c_ref[e, :][:, None]
-
-        return lax.cond(chosen_ref[e] > 0, add, lambda acc: acc, acc)
-
-    o_ref[...] = lax.fori_loop(0, per_split, expert, zeros)
-
-
-def combine_matmul(
-    h: jax.Array, w: jax.Array, combine: jax.Array, chosen: jax.Array, *, bn: int | None = None,
-    splits: int | None = None, interpret: bool = False,
-) -> jax.Array:
-    """sum_e combine[e][:, None] * (h[e*BM : (e+1)*BM] @ w[e]) over the chosen experts -> [BM, N] in h.dtype.
-
-    h [E*BM, K] (rows of unchosen experts are never read), w [E, K, N], combine [E, BM] (router
-    weight of expert e for each of the BM tokens; 0 where a token did not choose it), chosen [E].
-    The down projection and the weighted sum over a token's experts of a few-token MoE step in one
-    kernel: experts are split over `splits` programs per n block, whose fp32 partials jnp adds.
-    """
-    E, K, N = w.shape
-    bm = combine.shape[1]
-    env = lambda name, default: int(os.environ.get(f"JTP_MOE_COMBINE_{name}", default))  # noqa: E731
-    bn = min(bn or env("BN", 64), _largest_pow2_divisor(N, 256))
-    splits = splits or env("SPLITS", 8)
-    while E % splits:
-        splits //= 2
-    bk = _largest_pow2_divisor(K, 128)
-    precision = lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
-    kernel = functools.partial(
-        _combine_kernel, bm=bm, bk=bk, k_steps=K // bk, per_split=E // splits, precision=precision
-    )
-    partials = pl.pallas_call(
-        kernel,
-        grid=(N // bn, splits),
-        in_specs=[
-            pl.BlockSpec((E,), lambda n, s: (0,)),
-            pl.BlockSpec((E, bm), lambda n, s: (0, 0)),
-            pl.BlockSpec((E * bm, K), lambda n, s: (0, 0)),
-            pl.BlockSpec((E, K, bn), lambda n, s: (0, 0, n)),
-        ],
-        out_specs=pl.BlockSpec((None, bm, bn), lambda n, s: (s, 0, n)),
-        out_shape=jax.ShapeDtypeStruct((splits, bm, N), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
-        interpret=interpret,
-        name=f"jtp_moe_combine_n{bn}_k{bk}_s{splits}",
-    )(chosen.astype(jnp.int32), combine.astype(jnp.float32), h, w)
-    return partials.sum(axis=0).astype(h.dtype)
