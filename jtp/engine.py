@@ -222,6 +222,7 @@ class Engine:
         num_scheduler_steps: int = 1,
         speculative_config: str | dict | SpeculativeConfig | None = None,
         enable_expert_parallel: bool = False,
+        load_format: str = "auto",
         group=None,
         devices=None,
     ):
@@ -230,7 +231,7 @@ class Engine:
         runner_args = dict(block_size=block_size, max_seqs=max_num_seqs, devices=devices,
                            num_state_slots=resolve_state_slots(max_num_seqs, num_state_slots),
                            num_scheduler_steps=num_scheduler_steps, expert_parallel=enable_expert_parallel,
-                           mtp_drafts=speculative.mtp_drafts if speculative else 0)
+                           mtp_drafts=speculative.mtp_drafts if speculative else 0, load_format=load_format)
         if group is None:
             self.runner = ModelRunner(model_dir, tensor_parallel_size, dtype, **runner_args)
         else:
@@ -318,6 +319,7 @@ class Engine:
                 num_scheduler_steps=args.num_scheduler_steps,
                 speculative_config=args.speculative_config,
                 enable_expert_parallel=args.enable_expert_parallel,
+                load_format=args.load_format,
                 group=group,
                 devices=devices,
             )

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 from jtp.errors import ConfigError
 from jtp.speculative import SpeculativeConfig
 
+LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: read the checkpoint, or random weights (jtp/dummy_weights.py)
+
 if TYPE_CHECKING:
     from jtp.engine import Engine
 
@@ -50,6 +52,7 @@ class EngineArgs:
     max_snapshots: int = 64  # explicit snapshots kept (LRU beyond it)
     num_scheduler_steps: int = 1  # decode steps one dispatch may run on the device (multi-step decode)
     enable_expert_parallel: bool = False  # MoE: whole experts per device instead of a slice of each
+    load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     speculative_config: str | None = None  # JSON, as vLLM spells it: '{"method": "ngram", "num_speculative_tokens": 4}'
     # Multi-process groups (jtp/launcher.py): one JAX process per host or device group.
     num_processes: int = 1
@@ -196,6 +199,9 @@ class EngineArgs:
                        help="MoE models: split the routed experts whole over the tensor-parallel devices (expert "
                             "parallelism) instead of splitting each expert's intermediate dim "
                             "(docs/architecture.md: which wins where)")
+        p.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format,
+                       help="auto: read the checkpoint's weights; dummy: random weights at the model's shapes from "
+                            "config.json alone, drawn on the devices (benchmarks of models not on disk)")
         g = p.add_argument_group("multi-process (one JAX process per host or device group; see the README)")
         g.add_argument("--num-processes", type=int, default=d.num_processes,
                        help="processes in the group; alone, the leader spawns the others on this host")

@@ -77,7 +77,7 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
         block_size=args.block_size, max_seqs=args.max_num_seqs, devices=devices,
         num_state_slots=resolve_state_slots(args.max_num_seqs, args.num_state_slots),
         num_scheduler_steps=args.num_scheduler_steps, expert_parallel=args.enable_expert_parallel,
-        mtp_drafts=speculative.mtp_drafts if speculative else 0,
+        mtp_drafts=speculative.mtp_drafts if speculative else 0, load_format=args.load_format,
     )
     channel.send(Kind.READY, json.dumps(describe_mesh(devices)).encode())
     log.info("follower %d ready: %d devices", spec.process_id, len(devices))

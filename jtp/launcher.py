@@ -164,7 +164,7 @@ def fingerprint(args: "EngineArgs") -> dict:
     return {
         "jtp version": jtp_version(),
         "model config": json.loads(json.dumps(dataclasses.asdict(cfg))),
-        "weights": weights_fingerprint(model_dir),
+        "weights": "dummy" if args.load_format == "dummy" else weights_fingerprint(model_dir),
         "dtype": args.dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         "block_size": args.block_size,

@@ -65,12 +65,15 @@ class ModelRunner:
         num_scheduler_steps: int = 1,
         expert_parallel: bool = False,
         mtp_drafts: int = 0,
+        load_format: str = "auto",
     ):
         self.cfg = ModelConfig.from_dir(model_dir)
         self.mesh = make_mesh(tensor_parallel_size, devices)
         self.dtype = resolve_dtype(self.cfg, dtype)
         # mtp_drafts > 0: load the checkpoint's MTP head; every step then also drafts that many tokens per row.
-        self.params = load_params(model_dir, self.cfg, self.mesh, self.dtype, expert_parallel, mtp_drafts > 0)
+        self.params = load_params(
+            model_dir, self.cfg, self.mesh, self.dtype, expert_parallel, mtp_drafts > 0, load_format
+        )
         self.mtp_drafts = mtp_drafts
         self.block_size = block_size
         self.max_seqs = max_seqs

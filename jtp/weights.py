@@ -25,6 +25,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jtp.config import ModelConfig
+from jtp.engine_args import LOAD_FORMATS
 from jtp.models import family_of
 from jtp.sharding import kv_head_replicas, named_sharding, replicated, tp_size, validate_tp
 from jtp.sources import FirstPresent, Source
@@ -55,7 +56,10 @@ class SafetensorsCheckpoint:
         elif (model_dir / "model.safetensors").is_file():
             files = ["model.safetensors"]
         else:
-            raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+            raise CheckpointError(
+                    f"{model_dir}: no model.safetensors or model.safetensors.index.json (random weights from "
+                    "config.json alone, for benchmarks: --load-format dummy)"
+                )
         self._handles = {}
         self._file_of: dict[str, str] = {}
         for file in files:
@@ -170,13 +174,18 @@ def resolve_dtype(cfg: ModelConfig, dtype: str | None):
 
 
 def load_params(
-    model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False, mtp: bool = False
+    model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False, mtp: bool = False,
+    load_format: str = "auto",
 ) -> dict:
     """Load a model directory (safetensors, or an Orbax checkpoint written by `jtp convert`).
 
     expert_parallel: split the routed experts over the devices whole instead of inside each expert.
     mtp: also load the multi-token-prediction head (params["mtp"]), for MTP speculative decoding.
+    load_format: "auto" reads the weights; "dummy" draws random ones from config.json alone
+    (jtp/dummy_weights.py: for benchmarks).
     """
+    if load_format not in LOAD_FORMATS:
+        raise CheckpointError(f"load format {load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
     model_dir = Path(model_dir)
     tp = tp_size(mesh)
     validate_tp(cfg, tp, expert_parallel)
@@ -185,6 +194,10 @@ def load_params(
             f"speculative method 'mtp' needs a checkpoint with an MTP head; this {cfg.model_type} config declares "
             "none (mtp_num_hidden_layers / num_nextn_predict_layers)"
         )
+    if load_format == "dummy":
+        from jtp.dummy_weights import random_params
+
+        return random_params(cfg, mesh, dtype, expert_parallel, mtp)
     if not any(model_dir.glob("*.safetensors")) and (model_dir / ORBAX_SUBDIR).is_dir():
         if mtp:
             raise CheckpointError("the MTP head is not kept in Orbax checkpoints (`jtp convert`); serve the safetensors")

@@ -41,6 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a plain checkout, without `pip install -e .`
+from jtp.engine_args import LOAD_FORMATS  # noqa: E402
 
 # GPU memory grows on demand, so the peak we report is what jtp used, and a torch subprocess
 # (--hf) can share the device. Must be set before jax is imported.
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode steps per dispatch (the engine's multi-step decode; 1: one per dispatch)")
     ap.add_argument("--speculative-config", default=None,
                     help="speculative decoding, as on `jtp serve` (the decode rows report acceptance)")
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    help="MoE: whole experts per device instead of a slice of each (the engine's flag)")
+    ap.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                    help="dummy: random weights from config.json alone, drawn on the devices (no checkpoint on disk)")
     ap.add_argument("--copy-gib", type=float, default=None, help="copy-bandwidth buffer (default 2 GiB GPU, 1/16 CPU)")
     ap.add_argument("--matmul-n", type=int, default=None, help="matmul size n (default 8192 GPU, 512 CPU)")
     ap.add_argument("--seed", type=int, default=0)
@@ -676,7 +681,9 @@ def markdown(res: dict) -> str:
         f"{m['param_bytes'] / GiB:.2f} GiB ({res['dtype']}); {m['kv_bytes_per_token'] / 1024:.1f} KiB of K/V per token",
         f"- engine: tp={e['tensor_parallel_size']}, max_num_seqs={e['max_num_seqs']}, max_num_batched_tokens="
         f"{e['max_num_batched_tokens']}, KV pool {e['num_blocks']} blocks x {e['block_size']} = {e['kv_pool_tokens']:,} "
-        f"tokens ({e['kv_pool_bytes'] / GiB:.2f} GiB), max_model_len={e['max_model_len']}, load {e['load_s']:.1f} s",
+        f"tokens ({e['kv_pool_bytes'] / GiB:.2f} GiB), max_model_len={e['max_model_len']}, "
+        f"{'expert parallelism, ' if e.get('expert_parallel') else ''}"
+        f"{'random weights drawn on the devices in' if e.get('load_format') == 'dummy' else 'load'} {e['load_s']:.1f} s",
         f"- ceilings measured in this run (device 0): copy {rate(c['copy_bandwidth_Bps'], 'B/s')} "
         f"(read+write, {c['copy_bytes'] / GiB:.2f} GiB buffer; best of "
         + ", ".join(f"{m} {rate(v, 'B/s')}" for m, v in c.get("copy_bandwidth_by_method_Bps", {}).items())
@@ -776,7 +783,8 @@ def main(argv=None) -> int:
         group, devices = start_leader(EngineArgs(
             model=str(args.model), tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
             max_num_seqs=max_b, block_size=bs, num_processes=args.num_processes,
-            num_scheduler_steps=args.num_scheduler_steps, speculative_config=args.speculative_config))
+            num_scheduler_steps=args.num_scheduler_steps, speculative_config=args.speculative_config,
+            enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format))
 
     res: dict = {
         "command": " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], Path.cwd())] + sys.argv[1:])
@@ -832,7 +840,8 @@ def main(argv=None) -> int:
     engine = Engine(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
                     max_num_seqs=max_b, max_num_batched_tokens=chunk, block_size=bs, num_blocks=num_blocks,
                     max_model_len=max_model_len, tokenizer=False, group=group, devices=devices,
-                    num_scheduler_steps=args.num_scheduler_steps, speculative_config=args.speculative_config)
+                    num_scheduler_steps=args.num_scheduler_steps, speculative_config=args.speculative_config,
+                    enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format)
     jax.block_until_ready(engine.runner.params)
     load_s = time.perf_counter() - t
     runner = engine.runner
@@ -848,6 +857,8 @@ def main(argv=None) -> int:
         kv_pool_bytes=num_blocks * runner.bytes_per_block() * runner.tp,
         max_model_len=engine.max_model_len,
         load_s=load_s,
+        load_format=args.load_format,
+        expert_parallel=args.enable_expert_parallel,
     )
     res["model"] = model_figures(runner, jnp.dtype(runner.dtype).itemsize)
     res["memory"] = dict(bytes_in_use_after_load=stats.get("bytes_in_use"), bytes_limit=stats.get("bytes_limit"))

@@ -80,6 +80,11 @@ MOE_PRESETS: dict[str, dict] = {
     # Its first 4 layers (real layer shapes, 3.11 B parameters): fits one GPU in float32 for gpu_check.py.
     "qwen3-30b-a3b-4l": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=4,
                              num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8),
+    # Qwen/Qwen3-235B-A22B (~470 GB in bf16, more than two H200s or a GPU host's disk): serve it with
+    # `--config-only` and the engine's `--load-format dummy`, which draws the weights on the devices.
+    "qwen3-235b-a22b": dict(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                            num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, num_experts=128,
+                            num_experts_per_tok=8),
     # CPU-sized, same structure.
     "qwen3-moe-tiny": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
@@ -418,7 +423,7 @@ def write_placeholder_tokenizer(out: Path, vocab_size: int) -> None:
 
 def write_checkpoint(preset: str, out: Path, dtype: str = "bfloat16", shard_gib: float = 4.0,
                      seed: int = 0, threads: int | None = None, quiet: bool = False,
-                     generator: str = "numpy") -> dict:
+                     generator: str = "numpy", config_only: bool = False) -> dict:
     from safetensors.numpy import save_file
 
     cfg = make_config(preset, dtype)
@@ -433,6 +438,9 @@ def write_checkpoint(preset: str, out: Path, dtype: str = "bfloat16", shard_gib:
 
     specs = tensor_specs(cfg)
     total_bytes = sum(int(np.prod(s)) * dt.itemsize for _, s, _ in specs)
+    params = sum(int(np.prod(s)) for _, s, _ in specs)
+    if config_only:  # the engine draws the weights itself (--load-format dummy)
+        return dict(preset=preset, out=str(out), dtype=dtype, params=params, bytes=total_bytes, files=0)
     shard_bytes = int(shard_gib * 2**30)
     # Group tensors into shards of at most shard_bytes (one shard if everything fits).
     shards: list[list] = [[]]
@@ -464,7 +472,6 @@ def write_checkpoint(preset: str, out: Path, dtype: str = "bfloat16", shard_gib:
         index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     gen.close()
-    params = sum(int(np.prod(s)) for _, s, _ in specs)
     info = dict(preset=preset, out=str(out), dtype=dtype, generator=generator, params=params, bytes=total_bytes,
                 files=len(shards), seconds=round(time.perf_counter() - t0, 2))
     return info
@@ -480,9 +487,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="numpy generator threads (default: all cores)")
     ap.add_argument("--generator", choices=["numpy", "jax"], default="numpy",
                     help="draw with numpy on the host (default) or jax.random on the default device (fast on GPUs)")
+    ap.add_argument("--config-only", action="store_true",
+                    help="write config.json and the tokenizer, no weights: for the engine's --load-format dummy")
     args = ap.parse_args(argv)
     info = write_checkpoint(args.preset, args.out, args.dtype, args.shard_gib, args.seed, args.threads,
-                            generator=args.generator)
+                            generator=args.generator, config_only=args.config_only)
     print(json.dumps(info))
     return 0
 

@@ -268,7 +268,7 @@ def test_vllm_flag_names():
     flags = {s for a in all_parsers()["jtp serve"]._actions for s in a.option_strings}
     assert {"--model", "--tensor-parallel-size", "--dtype", "--max-model-len", "--gpu-memory-utilization",
             "--max-num-seqs", "--max-num-batched-tokens", "--served-model-name", "--seed", "--enable-expert-parallel",
-            "--speculative-config"} <= flags
+            "--speculative-config", "--load-format"} <= flags
     gen = {s for a in all_parsers()["jtp generate"]._actions for s in a.option_strings}
     assert {"--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--stop", "--logprobs", "--seed",
             "--chat", "--json", "--prompt-file"} <= gen

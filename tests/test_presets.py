@@ -33,8 +33,9 @@ def checkpoint_against_layout(mk, preset: str, param_layout):
     return raw, specs, cfg
 
 
-# Published sizes: Qwen3-8B 8.19 B, Qwen3-30B-A3B 30.5 B parameters.
-@pytest.mark.parametrize("preset, billions", [("qwen3-8b", 8.191), ("qwen3-30b-a3b", 30.532), ("qwen3-30b-a3b-4l", 3.1148), ("qwen3-moe-tiny", 0.0011517)])
+# Published sizes: Qwen3-8B 8.19 B, Qwen3-30B-A3B 30.5 B, Qwen3-235B-A22B 235.1 B parameters.
+@pytest.mark.parametrize("preset, billions", [("qwen3-8b", 8.191), ("qwen3-30b-a3b", 30.532), ("qwen3-30b-a3b-4l", 3.1148),
+                                              ("qwen3-235b-a22b", 235.09), ("qwen3-moe-tiny", 0.0011517)])
 def test_presets_have_every_tensor_jtp_expects(mk, preset, billions):
     from jtp.models.qwen3 import param_layout
 
