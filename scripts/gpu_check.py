@@ -2,7 +2,8 @@
 """Correctness on the device, for each model family at real shapes (random weights, nothing
 downloaded), through the engine's real step (continuous batching, multi-step decode):
 
-  1. float32 greedy tokens at tp=N equal tp=1, token for token;
+  1. float32 greedy tokens at tp=N equal tp=1, token for token, and the compiled decode step at
+     tp=N holds the all-reduces tensor parallelism needs and nothing larger (jtp/collectives.py);
   2. float32 top-20 logprobs against Hugging Face transformers (torch, float32, same device kind,
      TF32 off), teacher-forced on jtp's tokens: max |difference| <= --f32-tol;
   3. bfloat16 the same against transformers in bfloat16: max |difference| <= --bf16-tol (both
@@ -11,7 +12,7 @@ downloaded), through the engine's real step (continuous batching, multi-step dec
      jtp's bf16 no further from float32 transformers than transformers' own bf16 (mean |diff|,
      within 25%).
 
-    python3 scripts/gpu_check.py --out DIR [--presets qwen3-0.6b,qwen3-30b-a3b-4l,qwen3.5-0.8b,qwen3.5-35b-a3b-4l,qwen3-next-80b-a3b-4l] [--tp 2]
+    python3 scripts/gpu_check.py --out DIR [--presets qwen3-0.6b,qwen3-30b-a3b-4l,qwen3.5-0.8b,qwen3.5-35b-a3b-4l,qwen3-next-80b-a3b-4l] [--tp 2 | --tp 4,8]
 
 Float32 runs with full-precision dots and without GEMM autotuning (set here before jax loads), so
 tp=1 and tp=N differ only in the order of their reductions. Prints one line per check and writes
@@ -40,8 +41,11 @@ def prompts_for(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
-def run_engine(model_dir: Path, tp: int, dtype: str, prompts, max_tokens: int, block_size: int) -> list[dict]:
-    """Greedy completions with top-20 logprobs, all prompts batched through one engine."""
+def run_engine(model_dir: Path, tp: int, dtype: str, prompts, max_tokens: int, block_size: int,
+               collectives: list | None = None) -> list[dict]:
+    """Greedy completions with top-20 logprobs, all prompts batched through one engine. With a
+    `collectives` list, also count the collectives of the engine's compiled decode step into it."""
+    from jtp.collectives import step_collectives
     from jtp.engine import Engine
     from jtp.sampling import SamplingParams
 
@@ -51,7 +55,12 @@ def run_engine(model_dir: Path, tp: int, dtype: str, prompts, max_tokens: int, b
                     tokenizer=False)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=20)
-        return [dict(tokens=c.token_ids, top=c.top_logprobs) for c in engine.generate(prompts, params)]
+        outs = [dict(tokens=c.token_ids, top=c.top_logprobs) for c in engine.generate(prompts, params)]
+        if collectives is not None:  # a decode step of 8 rows, at the engine's own bucketed shape
+            buckets = engine.scheduler.buckets
+            plan = engine.scheduler.padding_plan(*buckets.step_shape(8, 8, 1), buckets.blocks[-1])
+            collectives.append(step_collectives(engine.runner, plan))
+        return outs
     finally:
         engine.close()
 
@@ -105,14 +114,18 @@ def check_preset(preset: str, args, root: Path) -> list[dict]:
         checks.append(dict(preset=preset, check=name, ok=bool(ok), **detail))
         print(f"{'PASS' if ok else 'FAIL'} {preset}: {name} {json.dumps(detail)}", flush=True)
 
-    t = time.perf_counter()
-    f32 = {tp: run_engine(model_dir, tp, "float32", prompts, args.tokens, args.block_size) for tp in {1, args.tp}}
-    if args.tp > 1:  # with one device there is nothing to compare against
-        same = [a["tokens"] == b["tokens"] for a, b in zip(f32[1], f32[args.tp])]
+    f32 = {1: run_engine(model_dir, 1, "float32", prompts, args.tokens, args.block_size)}
+    for tp in (tp for tp in args.tp if tp > 1):  # with one device there is nothing to compare against
+        t = time.perf_counter()
+        found: list = []
+        f32[tp] = run_engine(model_dir, tp, "float32", prompts, args.tokens, args.block_size, found)
+        same = [a["tokens"] == b["tokens"] for a, b in zip(f32[1], f32[tp])]
         first_diff = [next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
-                      for a, b in zip(f32[1], f32[args.tp])]
-        record(f"float32 greedy tokens, tp={args.tp} == tp=1", all(same), prompts=len(prompts), tokens=args.tokens,
+                      for a, b in zip(f32[1], f32[tp])]
+        record(f"float32 greedy tokens, tp={tp} == tp=1", all(same), prompts=len(prompts), tokens=args.tokens,
                first_difference=first_diff, seconds=round(time.perf_counter() - t, 1))
+        record(f"decode step collectives at tp={tp}: 2 x layers + 1 all-reduces of [T, H], nothing larger",
+               found[0].ok, **found[0].summary())
 
     t = time.perf_counter()
     stats = compare_logprobs(f32[1], hf_logprobs(model_dir, "float32", prompts, f32[1]))
@@ -151,7 +164,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--presets", default="qwen3-0.6b,qwen3-30b-a3b-4l,qwen3.5-0.8b,qwen3.5-35b-a3b-4l,qwen3-next-80b-a3b-4l")
-    ap.add_argument("--tp", type=int, default=2, help="1 skips the tp=N == tp=1 check (one device)")
+    ap.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=[2],
+                    help="tensor-parallel sizes checked against tp=1, e.g. 4,8 (1: no such check, one device)")
     ap.add_argument("--tokens", type=int, default=24, help="greedy tokens per prompt")
     ap.add_argument("--prompt-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[5, 37, 130, 300])
     ap.add_argument("--block-size", type=int, default=16)
@@ -164,8 +178,8 @@ def main(argv=None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     devices = jax.devices()
-    if len(devices) < args.tp:
-        raise SystemExit(f"--tp {args.tp} needs {args.tp} devices; {len(devices)} visible")
+    if len(devices) < max(args.tp):
+        raise SystemExit(f"--tp {max(args.tp)} needs {max(args.tp)} devices; {len(devices)} visible")
     checks = []
     for preset in args.presets.split(","):
         checks += check_preset(preset, args, args.checkpoints)

@@ -13,11 +13,11 @@ compare those logprobs and tokens with HF's logits (`logprob_error`).
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from jtp.collectives import step_collectives
 
 TINY = dict(
     vocab_size=128,
@@ -181,28 +181,14 @@ def assert_same_outputs(a: StepOutput, b: StepOutput, atol: float = 0.0, msg: st
     np.testing.assert_allclose(a.top_logprobs, b.top_logprobs, atol=atol, rtol=0, err_msg=msg)
 
 
-_COLLECTIVE = re.compile(
-    r"= (\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
-)
-
-
 def assert_step_collectives(runner, plan) -> None:
     """The compiled serving step (greedy, no logprobs) of `plan`: exactly 2 * layers + 1 all-reduces
-    of activations (one after each row-parallel projection: o_proj / out_proj, down_proj or the
-    experts' down projection, which XLA may combine with the shared expert's into one; and one for
-    the vocab-parallel embedding lookup), and besides them only sampling's exchanges of a few values
-    per row over the vocab-parallel logits (each shard's best token, the log-softmax max and sum),
-    never the logits. Nothing is hand-written: XLA chose every one. No collective at all at tp 1."""
-    T, B, tp = len(plan.token_ids), len(plan.context_lens), runner.tp
-    activations, others = 0, []
-    for shapes, kind in _COLLECTIVE.findall(runner.compiled_text(plan)):
-        sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\w+\[([\d,]*)\]", shapes)]
-        if kind == "all-reduce" and max(sizes) >= T * runner.cfg.hidden_size:
-            # [T, H] exactly: MoE layers combine a token's top-k pairs before reducing, never [T*k, H].
-            assert max(sizes) == T * runner.cfg.hidden_size, (shapes, T)
-            activations += 1
-        else:
-            others.append((kind, max(sizes)))
-    expected = 2 * runner.cfg.num_layers + 1 if tp > 1 else 0
-    assert activations == expected, (activations, expected, others)
-    assert all(size <= B * tp for _, size in others), others
+    of activations, each exactly [T, H] (MoE layers combine a token's top-k pairs before reducing,
+    never [T*k, H]), and besides them only exchanges of at most B * tp values (sampling over the
+    vocab-parallel logits), never the logits; none at tp 1 (jtp/collectives.py). Nothing is
+    hand-written: XLA chose every one."""
+    found = step_collectives(runner, plan)
+    assert not found.oversized, found.oversized
+    assert found.activation_all_reduces == found.expected_activation_all_reduces, found.summary()
+    assert all(size <= found.rows * found.tp for _, size in found.others), found.others
+    assert found.ok

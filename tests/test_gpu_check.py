@@ -1,5 +1,5 @@
 """scripts/gpu_check.py (the device's correctness run) on the tiny presets, on forced CPU devices:
-tp=2 greedy tokens equal tp=1 and logprobs match transformers, for the dense, MoE and hybrid families.
+tp=2 greedy tokens equal tp=1 (the step's collectives counted) and logprobs match transformers, for the dense, MoE and hybrid families.
 A 37-token prompt takes the hybrid's 64-token chunked DeltaNet path at tp=2 (XLA:CPU's triangular
 solve deadlocked there when both devices ran it)."""
 import json
@@ -29,6 +29,9 @@ def test_gpu_check_passes_on_tiny_presets(tmp_path):
         assert (preset, "float32 greedy tokens, tp=2 == tp=1") in names
         assert (preset, "float32 top-20 logprobs vs transformers") in names
         assert (preset, "bfloat16 top-20 logprobs vs transformers") in names
+        (coll,) = [c for c in report["checks"] if c["preset"] == preset and c["check"].startswith("decode step coll")]
+        layers = json.loads((tmp_path / "ckpt" / preset / "config.json").read_text())["num_hidden_layers"]
+        assert coll["ok"] and coll["activation_all_reduces"] == coll["expected"] == 2 * layers + 1
     f32 = [c for c in report["checks"] if c["check"].startswith("float32 top-20")]
     assert all(c["max_abs_diff"] <= 2e-3 and c["argmax_agreement"] == 1.0 for c in f32)
     # bf16 is also measured against float32 transformers, for jtp and for transformers' own bf16.

@@ -217,17 +217,17 @@ def hybrid_dir(tmp_path_factory):
     return save(build_model("qwen3_5_text_hk4", seed=1), tmp_path_factory.mktemp("hybrid"))
 
 
-def in_process(model: str, tp: int) -> list[list[int]]:
+def in_process(model: str, tp: int, **engine_args) -> list[list[int]]:
     from jtp.engine_args import EngineArgs
 
-    with EngineArgs(model=model, tensor_parallel_size=tp, **ENGINE_ARGS).create_engine() as engine:
+    with EngineArgs(model=model, tensor_parallel_size=tp, **ENGINE_ARGS, **engine_args).create_engine() as engine:
         return run_staggered(engine, engine.cfg.vocab_size)
 
 
-def two_processes(model: str, tp: int = 4, **engine_args) -> list[list[int]]:
-    args = json.dumps({"model": model, "num_processes": 2, "tensor_parallel_size": tp, "digest_interval": 4,
-                       **engine_args})
-    proc = subprocess.run([sys.executable, str(TESTS / "staggered.py"), args], env=cpu_env(tp // 2),
+def two_processes(model: str, tp: int = 4, num_processes: int = 2, **engine_args) -> list[list[int]]:
+    args = json.dumps({"model": model, "num_processes": num_processes, "tensor_parallel_size": tp,
+                       "digest_interval": 4, **engine_args})
+    proc = subprocess.run([sys.executable, str(TESTS / "staggered.py"), args], env=cpu_env(tp // num_processes),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -242,6 +242,17 @@ def test_two_processes_give_the_tokens_of_one_process_at_tp4_and_tp1(kind, reque
     assert [len(t) for t in group] == [s[2] for s in __import__("staggered").SCHEDULE]
     assert group == in_process(model, 4)
     assert group == in_process(model, 1)
+
+
+def test_one_process_per_device_drawing_dummy_weights_gives_the_tokens_of_one_process(tmp_path):
+    """tp=4 as four processes of one device each (one per GPU, as a 4-GPU host runs it), every
+    process drawing the same dummy weights from config.json alone: one process's tokens."""
+    from scripts_loader import load_script
+
+    load_script("make_random_checkpoint").write_checkpoint("qwen3-tiny", tmp_path, "float32", config_only=True)
+    group = two_processes(str(tmp_path), tp=4, num_processes=4, load_format="dummy")
+    assert [len(t) for t in group] == [s[2] for s in __import__("staggered").SCHEDULE]
+    assert group == in_process(str(tmp_path), 1, load_format="dummy")
 
 
 def test_two_processes_drafting_with_the_mtp_head_give_the_tokens_of_one_process(tmp_path):

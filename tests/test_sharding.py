@@ -43,7 +43,7 @@ def test_tp_invariance(checkpoint):
         assert_same_outputs(greedy(runner, prompt, 12), base, atol=1e-5, msg=f"{kind} tp={tp}")
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, 4, 8])
 def test_decode_step_has_two_all_reduces_per_layer(checkpoint, tp):
     _, path = checkpoint
     plan = one_row_plan([1], 5, [0, 1, 2], 4)  # one decode token
