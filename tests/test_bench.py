@@ -157,3 +157,33 @@ def test_speculative_decode_reports_acceptance(tmp_path):
     assert sp["rows"] > 0 and 0 < sp["accepted_tokens"] <= sp["draft_tokens"], sp
     assert d["tokens"] == 2 * 12 + sp["accepted_tokens"]
     assert sp["mean_accepted_length"] == pytest.approx(1 + sp["accepted_tokens"] / sp["rows"])
+
+
+def test_tp_scaling_table_from_bench_runs(tmp_path):
+    """scripts/tp_scaling.py over bench.py runs at tp 1, 2, 4 (dummy weights of a config-only MoE
+    preset, forced CPU devices): each row's value is its run's, speed-ups and efficiency per doubling
+    are the runs' ratios, and issue 15's tp=4 B=1 target is judged."""
+    from scripts_loader import load_script
+
+    load_script("make_random_checkpoint").write_checkpoint("qwen3-moe-tiny", tmp_path / "m", config_only=True)
+    bench, scaling = load_script("bench"), load_script("tp_scaling")
+    runs = {}
+    for tp in (1, 2, 4):
+        out = tmp_path / f"tp{tp}.json"
+        bench.main(["--model", str(tmp_path / "m"), "--load-format", "dummy", "--tp", str(tp), "--batch-sizes", "1,4",
+                    "--context", "16", "--prefill-len", "32", "--decode-steps", "3", "--prefill-runs", "1",
+                    "--prefill-requests", "2", "--json", str(out)])
+        runs[tp] = json.loads(out.read_text())
+    scaling.main([str(tmp_path / f"tp{tp}.json") for tp in (4, 1, 2)] + ["--json", str(tmp_path / "s.json")])
+    records = {(r["measurement"], r["tp"]): r for r in json.loads((tmp_path / "s.json").read_text())}
+    for tp in (1, 2, 4):
+        b1 = next(d["tokens_per_s"] for d in runs[tp]["decode"] if d["batch"] == 1)
+        row = records[("decode B=1", tp)]
+        assert row["value"] == b1
+        assert math.isclose(row["speedup"], b1 / next(d["tokens_per_s"] for d in runs[1]["decode"] if d["batch"] == 1))
+        ttft = records[("TTFT ms", tp)]
+        assert math.isclose(ttft["speedup"], runs[1]["prefill"]["ttft_ms"] / runs[tp]["prefill"]["ttft_ms"])
+    half = records[("decode B=4", 2)]["value"]
+    assert math.isclose(records[("decode B=4", 4)]["per_doubling"], records[("decode B=4", 4)]["value"] / half / 2)
+    assert records[("decode B=1", 4)]["target"] == 2.8
+    assert records[("decode B=1", 4)]["met"] == (records[("decode B=1", 4)]["speedup"] >= 2.8)
