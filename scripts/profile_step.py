@@ -169,6 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
     ap.add_argument("--top", type=int, default=12, help="kernels and host events listed")
+    ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                    help="dummy: random weights drawn on the devices from config.json alone")
     args = ap.parse_args(argv)
 
     import jax
@@ -180,7 +182,8 @@ def main(argv=None) -> int:
     chunk = max(512, 2 * args.batch)
     engine = Engine(args.model, tensor_parallel_size=args.tp, dtype=args.dtype, max_num_seqs=args.batch,
                     max_num_batched_tokens=chunk, num_blocks=args.batch * (-(-(args.context + 3 * args.steps + 64) // 16) + 1),
-                    max_model_len=args.context + 3 * args.steps + 64, tokenizer=False, enable_prefix_caching=False)
+                    max_model_len=args.context + 3 * args.steps + 64, tokenizer=False, enable_prefix_caching=False,
+                    load_format=args.load_format)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=3 * args.steps + 32, temperature=0.0, ignore_eos=True)
     rids = [engine.submit(rng.integers(0, engine.cfg.vocab_size, args.context).tolist(), params)
