@@ -75,6 +75,7 @@ class ModelRunner:
             model_dir, self.cfg, self.mesh, self.dtype, expert_parallel, mtp_drafts > 0, load_format
         )
         self.mtp_drafts = mtp_drafts
+        self.load_format = load_format  # "dummy": no files to fingerprint (snapshots, launcher)
         self.block_size = block_size
         self.max_seqs = max_seqs
         self.num_state_slots = num_state_slots or max_seqs  # recurrent-state slots (hybrid models)

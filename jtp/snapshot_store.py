@@ -142,7 +142,8 @@ def _identity(engine: "Engine", model_dir: Path) -> dict[str, Any]:
         "dtype": np.dtype(runner.dtype).name,
         "block_size": engine.pool.block_size,
         "mesh": _mesh_info(engine),
-        "weights": weights_fingerprint(model_dir),
+        # Dummy weights (--load-format dummy) are a function of the config alone: no files to read.
+        "weights": "dummy" if runner.load_format == "dummy" else weights_fingerprint(model_dir),
     }
 
 

@@ -157,3 +157,23 @@ def test_followers_fingerprint_dummy_weights_by_name(written):
 
     _, bare = written["qwen3-tiny"]
     assert fingerprint(EngineArgs(model=str(bare), load_format="dummy", num_processes=2))["weights"] == "dummy"
+
+
+def test_snapshots_of_a_dummy_engine_save_and_load(written, tmp_path):
+    """Snapshots record the weights they were computed with: dummy weights are named, not hashed
+    (there are no files), and a saved snapshot continues exactly as the live engine does."""
+    from jtp.engine_args import EngineArgs
+    from jtp.sampling import SamplingParams
+
+    _, bare = written["qwen3-tiny"]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    args = EngineArgs(model=str(bare), load_format="dummy", max_num_seqs=2, num_blocks=32, block_size=4, warmup=False)
+    prefix = list(range(1, 14))
+    with args.create_engine() as engine:
+        sid = engine.snapshot(tokens=prefix)
+        engine.save_snapshots(tmp_path / "snap", [sid])
+        live = engine.generate([prefix + [7]], params)[0].token_ids
+    with args.create_engine() as engine:
+        (loaded,) = engine.load_snapshots(tmp_path / "snap")
+        assert engine.generate([prefix + [7]], params)[0].token_ids == live
+        assert engine.scheduler.cache_root is not None and loaded
