@@ -358,3 +358,20 @@ def test_kernel_tiles_fit_shared_memory_in_float32():
             assert (_decode_rows(4) + 2 * stages * ppi * bs) * d * itemsize <= SHARED_MEMORY_BUDGET
     assert choose_config(4096, 2, 4, 16, 4096, 256, 2) == choose_config(4096, 2, 4, 16, 4096)
     assert choose_config(4096, 2, 4, 16, 4096, 256, 4)[1] < choose_config(4096, 2, 4, 16, 4096, 256, 2)[1]
+
+
+def test_kernel_block_tables_keep_several_pages_per_iteration():
+    """The GPU decode kernel reads `pages per iteration` pages at a time, a count that must divide
+    the block table's width (else it falls back to one page per iteration: 1.5x the attention time
+    of Qwen3-8B at B=1 on an H200). The scheduler's kernel-path width is a multiple of 16 pages for
+    any max_model_len, e.g. bench.py's 2049 tokens (129 pages of 16)."""
+    from jtp.kernels.ragged_paged_attention import choose_decode_config
+    from jtp.scheduler import Buckets
+
+    for max_blocks in (1, 7, 64, 129, 2560):
+        (width,) = Buckets.make(2048, 64, max_blocks, bucket_blocks=False).blocks
+        assert width >= max_blocks and width % 16 == 0
+        _, ppi, _, _, _ = choose_decode_config(16, 8, 8, 4, 16, width)
+        assert ppi == 4  # JTP_ATTN_DECODE_KEYS 64 / block_size 16
+    # The reference path (no kernel) buckets the width instead: powers of four up to the maximum.
+    assert Buckets.make(2048, 64, 129).blocks == (1, 4, 16, 64, 129)
