@@ -144,6 +144,8 @@ def _identity(engine: "Engine", model_dir: Path) -> dict[str, Any]:
         "mesh": _mesh_info(engine),
         # Dummy weights (--load-format dummy) are a function of the config alone: no files to read.
         "weights": "dummy" if runner.load_format == "dummy" else weights_fingerprint(model_dir),
+        # The MTP head's own paged K/V (speculative method "mtp") is one more cache layer.
+        "mtp_kv_layers": 1 if runner.mtp_drafts else 0,
     }
 
 
@@ -172,6 +174,10 @@ def _identity_mismatches(saved: dict[str, Any], mine: dict[str, Any]) -> list[st
         out.append(
             f"saved from different weights (fingerprint {saved['weights'][:12]}, this engine's {mine['weights'][:12]})"
         )
+    saved_mtp = saved.get("mtp_kv_layers", 0)  # files from before this field held none
+    if saved_mtp != mine["mtp_kv_layers"]:
+        with_, without = "with the MTP head's K/V (--speculative-config method mtp)", "without it"
+        out.append(f"saved {with_ if saved_mtp else without}, this engine runs {with_ if mine['mtp_kv_layers'] else without}")
     if not out and saved["cache_identity"] != mine["cache_identity"]:
         out.append(f"saved by an engine of identity {saved['cache_identity']!r}, this one is {mine['cache_identity']!r}")
     return out

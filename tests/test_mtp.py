@@ -147,3 +147,24 @@ def test_mtp_needs_a_head(tmp_path):
     path = hh.save(hh.build_model("qwen3_5_text"), tmp_path / "no-mtp")
     with pytest.raises(ValueError, match="needs a checkpoint with an MTP head"):
         Engine(path, **KW, speculative_config=MTP)
+
+
+def test_snapshots_carry_the_heads_kv_and_say_so(checkpoint, tmp_path):
+    """With MTP on, a snapshot holds the head's K/V layer too: it loads into an engine drafting with
+    MTP and continues as the live engine does, and an engine without the head refuses it (and the
+    other way round) with a message that says why, instead of misplacing a cache layer."""
+    kw = {**KW, "enable_prefix_caching": True}
+    prefix = np.random.default_rng(3).integers(0, 128, 13).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    with Engine(checkpoint.path, **kw, speculative_config=MTP) as engine:
+        engine.save_snapshots(tmp_path / "mtp", [engine.snapshot(tokens=prefix)])
+        live = engine.generate([prefix + [5]], params)[0].token_ids
+    with Engine(checkpoint.path, **kw) as plain:
+        plain.save_snapshots(tmp_path / "plain", [plain.snapshot(tokens=prefix)])
+        with pytest.raises(ConfigError, match="saved with the MTP head's K/V .*, this engine runs without it"):
+            plain.load_snapshots(tmp_path / "mtp")
+    with Engine(checkpoint.path, **kw, speculative_config=MTP) as engine:
+        with pytest.raises(ConfigError, match="saved without it, this engine runs with the MTP head's K/V"):
+            engine.load_snapshots(tmp_path / "plain")
+        engine.load_snapshots(tmp_path / "mtp")
+        assert engine.generate([prefix + [5]], params)[0].token_ids == live
