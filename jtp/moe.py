@@ -123,8 +123,9 @@ def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int):
         # kernel, so they are zeroed, not multiplied (their contents are unspecified).
         pair = jnp.arange(P)
         ys = jnp.where(((pair >= offset) & (pair < offset + jnp.sum(sizes)))[:, None], ys, 0)
-        # Back to (token, k) order and combine: a gather and a k-term sum, no scatter.
-        inverse = jnp.zeros(P, jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))  # a scatter, not a 2nd sort
+        # Back to (token, k) order and combine: a gather and a k-term sum. The inverse permutation is
+        # a scatter of P ints (a second argsort cost a sort kernel per layer).
+        inverse = jnp.zeros(P, jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))
         unsorted = ys[inverse].reshape(T, k, -1)
         return jnp.einsum("tkh,tk->th", unsorted, weights.astype(ys.dtype))
 
