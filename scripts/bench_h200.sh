@@ -21,6 +21,6 @@ part2)
   python3 scripts/make_random_checkpoint.py --preset qwen3-0.6b --out /tmp/q06 --generator jax
   python3 scripts/bench.py --model /tmp/q06 --batch-sizes 1,8,64,256 --context 1024 --prefill-len 2048 \
     --hf --hf-timeout 90 --max-seconds 150 --json "$OUT/qwen3-0.6b.json" --markdown "$OUT/qwen3-0.6b.md"
-  python3 scripts/startup_time.py --model /tmp/q06 --dtype bfloat16 > "$OUT/startup-qwen3-0.6b.json"
+  python3 scripts/startup_time.py --model /tmp/q06 --dtype bfloat16 --no-warmup > "$OUT/startup-qwen3-0.6b.json"
   ;;
 esac

@@ -187,3 +187,22 @@ def test_tp_scaling_table_from_bench_runs(tmp_path):
     assert math.isclose(records[("decode B=4", 4)]["per_doubling"], records[("decode B=4", 4)]["value"] / half / 2)
     assert records[("decode B=1", 4)]["target"] == 2.8
     assert records[("decode B=1", 4)]["met"] == (records[("decode B=1", 4)]["speedup"] >= 2.8)
+
+
+def test_startup_time_reports_both_starts(tmp_path):
+    """scripts/startup_time.py: two fresh processes sharing a compilation cache, each ready and
+    answering one 8-token request (here with dummy weights at tp=2, without the full warm-up)."""
+    from scripts_loader import load_script
+
+    load_script("make_random_checkpoint").write_checkpoint("qwen3-tiny", tmp_path / "m", config_only=True)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "scripts/startup_time.py"),
+                           "--model", str(tmp_path / "m"), "--tensor-parallel-size", "2", "--load-format", "dummy",
+                           "--dtype", "float32", "--no-warmup"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["engine_args"]["load_format"] == "dummy"
+    for start in ("first_start", "second_start"):
+        r = runs[start]
+        assert r["tokens"] == 8 and r["warmup_compilations"] == 0 and r["compilations"] >= 1
+        assert 0 < r["load_and_warmup_s"] < r["total_s"] <= r["process_s"]
