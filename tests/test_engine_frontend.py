@@ -9,6 +9,7 @@ jax's list of live arrays, the runner's trace counter.
 from __future__ import annotations
 
 import asyncio
+import gc
 import statistics
 import threading
 import time
@@ -189,6 +190,7 @@ def test_close_frees_device_memory_and_a_second_engine_starts(demo_dir):
     def live_bytes():
         return sum(a.nbytes for a in jax.live_arrays())
 
+    gc.collect()  # earlier tests' unreachable arrays, which a collection mid-test would free
     baseline = live_bytes()
     eng = Engine(demo_dir, **SMALL)
     (first,) = eng.generate([[5, 6, 7]], greedy(6))
