@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jtp.config import HYBRID_MODEL_TYPES, ModelConfig
 from jtp.models import family_of
-from jtp.sharding import kv_head_replicas, named_sharding, replicated, tp_size
+from jtp.sharding import named_sharding, replicated, tp_size
 
 STD = 0.02
 
@@ -50,13 +50,12 @@ def _sampler(shape: tuple[int, ...], dtype, mean: float, sharding):
 def random_params(cfg: ModelConfig, mesh, dtype, expert_parallel: bool = False, mtp: bool = False,
                   seed: int = 0) -> dict:
     """The params pytree `load_params` would return for this config, with random values."""
-    from jtp.weights import unflatten
+    from jtp.weights import repeat_kv_heads, unflatten
 
     family = family_of(cfg)
     tp = tp_size(mesh)
     layout = (lambda t: family.param_layout(cfg, t, mtp=True)) if mtp else (lambda t: family.param_layout(cfg, t))
     canonical, target = layout(1), layout(tp)
-    replicas = kv_head_replicas(cfg, tp)
     base = jax.random.key(seed)
     flat = {}
     for path, source in target.items():
@@ -68,8 +67,6 @@ def random_params(cfg: ModelConfig, mesh, dtype, expert_parallel: bool = False, 
             flat[path] = _sampler(shape, dtype, mean, sharding)(key)
             continue
         # A KV projection with heads replicated over the ranks: every copy of a head is the same head.
-        value = _sampler(shape, dtype, mean, replicated(mesh))(key)
-        value = value.reshape(cfg.num_kv_heads, 1, cfg.head_dim, *shape[1:])
-        value = jnp.broadcast_to(value, (cfg.num_kv_heads, replicas, *value.shape[2:])).reshape(source.shape)
+        value = repeat_kv_heads(_sampler(shape, dtype, mean, replicated(mesh))(key), cfg, tp)
         flat[path] = jax.jit(lambda v: v, out_shardings=sharding)(value)
     return unflatten(flat, cfg.num_layers)

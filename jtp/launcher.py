@@ -157,14 +157,14 @@ def jtp_version() -> str:
 def fingerprint(args: "EngineArgs") -> dict:
     """What must be equal on every process for their jitted steps to be the same program."""
     from jtp.config import ModelConfig
-    from jtp.snapshot_store import weights_fingerprint
+    from jtp.snapshot_store import weights_identity
 
     model_dir = args.model_dir()
     cfg = ModelConfig.from_dir(model_dir)
     return {
         "jtp version": jtp_version(),
         "model config": json.loads(json.dumps(dataclasses.asdict(cfg))),
-        "weights": "dummy" if args.load_format == "dummy" else weights_fingerprint(model_dir),
+        "weights": weights_identity(model_dir, args.load_format),
         "dtype": args.dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         "block_size": args.block_size,

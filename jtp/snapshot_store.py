@@ -118,6 +118,12 @@ def weights_fingerprint(model_dir: str | Path) -> str:
     raise ConfigError(f"{model_dir}: no safetensors or Orbax weights to fingerprint")
 
 
+def weights_identity(model_dir: str | Path, load_format: str) -> str:
+    """What a snapshot or a group compares to know two engines run the same weights: the files'
+    fingerprint, or "dummy" (--load-format dummy draws them from the config alone: no files)."""
+    return "dummy" if load_format == "dummy" else weights_fingerprint(model_dir)
+
+
 def _model_dir(engine: "Engine", model_dir: str | Path | None) -> Path:
     found = model_dir or getattr(engine, "model_dir", None) or getattr(engine.runner, "model_dir", None)
     if found is None:
@@ -142,8 +148,7 @@ def _identity(engine: "Engine", model_dir: Path) -> dict[str, Any]:
         "dtype": np.dtype(runner.dtype).name,
         "block_size": engine.pool.block_size,
         "mesh": _mesh_info(engine),
-        # Dummy weights (--load-format dummy) are a function of the config alone: no files to read.
-        "weights": "dummy" if runner.load_format == "dummy" else weights_fingerprint(model_dir),
+        "weights": weights_identity(model_dir, runner.load_format),
         # The MTP head's own paged K/V (speculative method "mtp") is one more cache layer.
         "mtp_kv_layers": 1 if runner.mtp_drafts else 0,
     }

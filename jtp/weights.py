@@ -57,9 +57,9 @@ class SafetensorsCheckpoint:
             files = ["model.safetensors"]
         else:
             raise CheckpointError(
-                    f"{model_dir}: no model.safetensors or model.safetensors.index.json (random weights from "
-                    "config.json alone, for benchmarks: --load-format dummy)"
-                )
+                f"{model_dir}: no model.safetensors or model.safetensors.index.json (random weights from "
+                "config.json alone, for benchmarks: --load-format dummy)"
+            )
         self._handles = {}
         self._file_of: dict[str, str] = {}
         for file in files:
@@ -241,6 +241,15 @@ def save_orbax(params: dict, cfg: ModelConfig, tp: int, path: str | Path) -> Non
         ckptr.save(path, _canonical(flatten(params), cfg, tp))
 
 
+def repeat_kv_heads(value: jax.Array, cfg: ModelConfig, tp: int) -> jax.Array:
+    """A KV projection [kv_heads * D, ...] with each head stored kv_head_replicas(cfg, tp) times in a
+    row, as the loader lays it out for tp > num_key_value_heads (`RepeatedHeads`)."""
+    replicas = kv_head_replicas(cfg, tp)
+    value = value.reshape(cfg.num_kv_heads, 1, cfg.head_dim, *value.shape[1:])
+    value = jnp.broadcast_to(value, (cfg.num_kv_heads, replicas, *value.shape[2:]))
+    return value.reshape(cfg.num_kv_heads * replicas * cfg.head_dim, *value.shape[3:])
+
+
 def restore_orbax(path: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False) -> dict:
     """Restore into the mesh's sharding: each device reads its own slice from the Orbax files."""
     import orbax.checkpoint as ocp
@@ -257,12 +266,9 @@ def restore_orbax(path: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, e
         abstract[path_] = jax.ShapeDtypeStruct(source.shape, dtype, sharding=sharding)
     with ocp.StandardCheckpointer() as ckptr:
         flat = ckptr.restore(Path(path).absolute(), abstract)
-    replicas = kv_head_replicas(cfg, tp)
     for path_, source in target.items():
         if source.shape != canonical[path_].shape:
-            value = flat[path_].reshape(cfg.num_kv_heads, 1, cfg.head_dim, *source.shape[1:])
-            value = jnp.broadcast_to(value, (cfg.num_kv_heads, replicas, *value.shape[2:])).reshape(source.shape)
-            flat[path_] = jax.device_put(value, named_sharding(mesh, path_, source.shape))
+            flat[path_] = jax.device_put(repeat_kv_heads(flat[path_], cfg, tp), named_sharding(mesh, path_, source.shape))
     return unflatten(dict(flat), cfg.num_layers)
 
 
