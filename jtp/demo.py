@@ -279,7 +279,16 @@ def normalize_word(word: str) -> str:
 
 def build_tokenizer():
     """Train the demo byte-level BPE tokenizer (deterministic for a given corpus)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
 
     tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     # Qwen3's pipeline: NFC, regex split, then bytes -> printable unicode chars.

@@ -15,6 +15,14 @@ class ConfigError(JtpError, ValueError):
     """A model directory, config.json or engine setting jtp cannot serve."""
 
 
+class CheckpointError(JtpError, ValueError):
+    """The checkpoint does not match what the config describes."""
+
+
+class ShardingError(JtpError, ValueError):
+    """The model cannot be split over the requested number of devices."""
+
+
 class RequestError(JtpError, ValueError):
     """A request that can never be served (bad parameters, too long, larger than the pool).
 

@@ -31,8 +31,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jtp.attention import AttentionMetadata, LayerKV, paged_attention_reference  # noqa: E402
-from jtp.kernels.ragged_paged_attention import choose_config, choose_decode_config, ragged_paged_attention  # noqa: E402
+from jtp.kernels.ragged_paged_attention import (  # noqa: E402
+    choose_config,
+    choose_decode_config,
+    ragged_paged_attention,
+)
+from jtp.models.attention import AttentionMetadata, LayerKV, paged_attention_reference  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 DTYPE = jnp.bfloat16
@@ -96,7 +100,9 @@ def reference_fn(q, cache, m):
 
 
 def bundled_fn():
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as bundled
+    from jax.experimental.pallas.ops.gpu.paged_attention import (
+        paged_attention as bundled,
+    )
 
     def f(q, pages_hm, m, nrows):
         k_hm, v_hm = pages_hm

@@ -41,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a plain checkout, without `pip install -e .`
-from jtp.engine_args import LOAD_FORMATS  # noqa: E402
+from jtp.config.engine_args import LOAD_FORMATS  # noqa: E402
 
 # GPU memory grows on demand, so the peak we report is what jtp used, and a torch subprocess
 # (--hf) can share the device. Must be set before jax is imported.
@@ -252,7 +252,7 @@ def model_figures(runner, dtype_bytes: int) -> dict:
     """
     import jax
 
-    from jtp.attention import LayerKV
+    from jtp.models.attention import LayerKV
 
     cfg = runner.cfg
     leaves = jax.tree_util.tree_leaves_with_path(runner.params)
@@ -377,7 +377,7 @@ def decode_fill_steps(batch: int, context: int, chunk: int) -> int:
 
 
 def run_decode(engine, timer, rng, batch: int, args, chunk: int) -> dict:
-    from jtp.sampling import SamplingParams
+    from jtp.core.sampling_params import SamplingParams
 
     cfg = engine.cfg
     max_tokens = (decode_fill_steps(batch, args.context, chunk)
@@ -455,7 +455,7 @@ def attention_probe(runner, batch: int, context: int, shape, iters: int = 20, se
     import jax.numpy as jnp
     import numpy as np
 
-    from jtp.attention import AttentionMetadata, LayerKV
+    from jtp.models.attention import AttentionMetadata, LayerKV
 
     cfg = runner.cfg
     kv = next((c for c in runner.cache if isinstance(c, LayerKV)), None)
@@ -506,7 +506,7 @@ def attention_probe(runner, batch: int, context: int, shape, iters: int = 20, se
 
 
 def run_prefill(engine, rng, args) -> dict:
-    from jtp.sampling import SamplingParams
+    from jtp.core.sampling_params import SamplingParams
 
     cfg, L = engine.cfg, args.prefill_len
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -783,14 +783,14 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from jtp.engine import Engine
+    from jtp.engine.engine import Engine
 
     max_b = max(args.batch_sizes)
     bs = args.block_size
     group = devices = None
     if args.num_processes > 1:  # before anything touches a device: the group joins JAX's runtime first
-        from jtp.engine_args import EngineArgs
-        from jtp.group import start_leader
+        from jtp.config.engine_args import EngineArgs
+        from jtp.distributed.group import start_leader
 
         group, devices = start_leader(EngineArgs(
             model=str(args.model), tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,

@@ -38,7 +38,7 @@ start_server() {  # model dir, served name, on|off, log file
   # (17.7 GiB, out of memory). Concurrency 1 needs few rows; smaller pool leaves headroom.
   local rows=16 mem=0.9
   case "$2" in qwen3.5*) rows=4 mem=0.75 ;; esac
-  python3 -m jtp.cli serve --model "$1" --served-model-name "$2" --dtype bfloat16 $flag \
+  python3 -m jtp.entrypoints.cli serve --model "$1" --served-model-name "$2" --dtype bfloat16 $flag \
     --max-model-len 16384 --max-num-batched-tokens 2048 --max-num-seqs $rows --gpu-memory-utilization $mem \
     --port $PORT --no-warmup \
     > "$4" 2>&1 &

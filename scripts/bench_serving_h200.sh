@@ -13,7 +13,7 @@ PORT=8011
 mkdir -p "$OUT"
 python3 scripts/make_random_checkpoint.py --preset qwen3-8b --out /tmp/q8 --generator jax
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" || true
-python3 -m jtp.cli serve --model /tmp/q8 --served-model-name qwen3-8b-random --dtype bfloat16 \
+python3 -m jtp.entrypoints.cli serve --model /tmp/q8 --served-model-name qwen3-8b-random --dtype bfloat16 \
   --max-num-seqs 64 --max-num-batched-tokens 2048 --max-model-len 2048 --port $PORT --no-warmup \
   > "$OUT/server.log" 2>&1 &
 server=$!

@@ -29,11 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jtp.block_hash import root_key  # noqa: E402
-from jtp.page_pool import PagePool  # noqa: E402
-from jtp.sampling import SamplingParams  # noqa: E402
-from jtp.scheduler import Request, Scheduler  # noqa: E402
-from jtp.state_pool import StatePool  # noqa: E402
+from jtp.core.block_hash import root_key  # noqa: E402
+from jtp.core.page_pool import PagePool  # noqa: E402
+from jtp.core.sampling_params import SamplingParams  # noqa: E402
+from jtp.core.scheduler import Request, Scheduler  # noqa: E402
+from jtp.core.state_pool import StatePool  # noqa: E402
 
 BS = 16
 BUDGET = 2048  # tokens per step
@@ -135,9 +135,9 @@ def slot_bytes() -> dict[str, float]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from make_random_checkpoint import make_config
 
-    from jtp.config import ModelConfig
+    from jtp.config.model_config import ModelConfig
     from jtp.models import qwen3_5
-    from jtp.sharding import make_mesh
+    from jtp.parallel.sharding import make_mesh
 
     mesh = make_mesh(1)
     out = {}

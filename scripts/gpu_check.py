@@ -3,7 +3,7 @@
 downloaded), through the engine's real step (continuous batching, multi-step decode):
 
   1. float32 greedy tokens at tp=N equal tp=1, token for token, and the compiled decode step at
-     tp=N holds the all-reduces tensor parallelism needs and nothing larger (jtp/collectives.py);
+     tp=N holds the all-reduces tensor parallelism needs and nothing larger (jtp/parallel/collectives.py);
   2. float32 top-20 logprobs against Hugging Face transformers (torch, float32, same device kind,
      TF32 off), teacher-forced on jtp's tokens: max |difference| <= --f32-tol;
   3. bfloat16 the same against transformers in bfloat16: max |difference| <= --bf16-tol (both
@@ -45,9 +45,9 @@ def run_engine(model_dir: Path, tp: int, dtype: str, prompts, max_tokens: int, b
                collectives: list | None = None) -> list[dict]:
     """Greedy completions with top-20 logprobs, all prompts batched through one engine. With a
     `collectives` list, also count the collectives of the engine's compiled decode step into it."""
-    from jtp.collectives import step_collectives
-    from jtp.engine import Engine
-    from jtp.sampling import SamplingParams
+    from jtp.core.sampling_params import SamplingParams
+    from jtp.engine.engine import Engine
+    from jtp.parallel.collectives import step_collectives
 
     longest = max(map(len, prompts)) + max_tokens
     engine = Engine(model_dir, tp, dtype, max_num_seqs=8, max_num_batched_tokens=256, block_size=block_size,
@@ -98,9 +98,8 @@ def compare_logprobs(outs, ref: list[np.ndarray]) -> dict:
 
 
 def check_preset(preset: str, args, root: Path) -> list[dict]:
-    from make_random_checkpoint import write_checkpoint
-
     import jax
+    from make_random_checkpoint import write_checkpoint
 
     model_dir = root / preset
     if not (model_dir / "config.json").is_file():

@@ -409,7 +409,7 @@ def _jax_normal(jax):
 def write_placeholder_tokenizer(out: Path, vocab_size: int) -> None:
     """A word-level tokenizer.json naming every id ("t0 t1 ..."), so servers and clients can encode
     and decode random-weight outputs (no real tokenizer can be downloaded); with a ChatML template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))

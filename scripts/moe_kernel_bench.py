@@ -26,8 +26,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import measure_ceilings  # noqa: E402
-from jtp.kernels.grouped_matmul import GroupedMatmulConfig, choose_config, grouped_matmul  # noqa: E402
-from jtp.moe import RoutedExperts, choose_experts  # noqa: E402
+
+from jtp.kernels.grouped_matmul import (  # noqa: E402
+    GroupedMatmulConfig,
+    choose_config,
+    grouped_matmul,
+)
+from jtp.models.moe import RoutedExperts, choose_experts  # noqa: E402
 
 INTERPRET = jax.default_backend() != "gpu"
 SHAPES = {  # hidden, expert intermediate, experts, top-k

@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jtp.block_hash import block_keys, root_key  # noqa: E402
-from jtp.engine import Engine  # noqa: E402
-from jtp.sampling import SamplingParams  # noqa: E402
-from jtp.step_input import StepInput  # noqa: E402
+from jtp.core.block_hash import block_keys, root_key  # noqa: E402
+from jtp.core.sampling_params import SamplingParams  # noqa: E402
+from jtp.core.step_input import StepInput  # noqa: E402
+from jtp.engine.engine import Engine  # noqa: E402
 
 
 def ttft(engine: Engine, prompt: list[int], n: int) -> tuple[float, list[int], int]:
@@ -45,7 +45,7 @@ def step_breakdown(engine: Engine, cached_prompt: list[int], n: int, vocab: int)
     plan dispatched again (device time, steady state), next to a fresh prompt of the tail's length."""
     import jax
 
-    from jtp.sampling import pack_sampling
+    from jtp.core.sampling_params import pack_sampling
 
     out = {}
     for name, prompt in (("cached_follow_up", cached_prompt), ("fresh_short", cached_prompt[-80:])):

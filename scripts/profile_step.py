@@ -176,8 +176,8 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from jtp.engine import Engine
-    from jtp.sampling import SamplingParams
+    from jtp.core.sampling_params import SamplingParams
+    from jtp.engine.engine import Engine
 
     chunk = max(512, 2 * args.batch)
     engine = Engine(args.model, tensor_parallel_size=args.tp, dtype=args.dtype, max_num_seqs=args.batch,

@@ -5,7 +5,9 @@ and transformers both do) against the same in float32. numpy only:
 
     python scripts/router_flips.py
 """
-import numpy as np, ml_dtypes
+import ml_dtypes
+import numpy as np
+
 bf = ml_dtypes.bfloat16
 rng = np.random.default_rng(0)
 def flips(E, k, H, n=4000, std=0.02, wscale=1.0):

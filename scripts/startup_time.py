@@ -1,5 +1,5 @@
 """Time to ready, cold vs warm: the same engine started twice in fresh processes sharing one
-persistent XLA compilation cache (what `jtp` uses by default, see jtp.cli_support.enable_compilation_cache).
+persistent XLA compilation cache (what `jtp` uses by default, see jtp.entrypoints.cli_support.enable_compilation_cache).
 
     python scripts/startup_time.py --model DIR [--tensor-parallel-size N] [--dtype bfloat16]
         [--load-format dummy] [--enable-expert-parallel] [--no-warmup]
@@ -22,12 +22,13 @@ import time
 CHILD = """
 import sys, time, json
 t0 = time.perf_counter()
-from jtp.cli_support import enable_compilation_cache
+from jtp.entrypoints.cli_support import enable_compilation_cache
 enable_compilation_cache()
-from jtp.engine_args import EngineArgs
-from jtp.sampling import SamplingParams
+from jtp.config.engine_args import EngineArgs
+from jtp.engine.engine import Engine
+from jtp.core.sampling_params import SamplingParams
 args = EngineArgs(**json.loads(sys.argv[1]))
-engine = args.create_engine()
+engine = Engine.from_args(args)
 warmed = engine.warmup() if args.warmup else 0  # what `jtp serve` does before it listens
 t1 = time.perf_counter()
 out = engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))

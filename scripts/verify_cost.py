@@ -75,7 +75,7 @@ def max_new_tokens(args) -> int:
 
 def measure(engine, batch: int, draft_counts: list[int], args, rng, forced: dict) -> list[dict]:
     """Prefill `batch` requests, then time steps with k forced drafts per row for each k."""
-    from jtp.sampling import SamplingParams
+    from jtp.core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_new_tokens(args), temperature=0.0, ignore_eos=True)
     forced["k"] = 0
@@ -129,8 +129,8 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    import jtp.scheduler
-    from jtp.engine import Engine
+    import jtp.core.scheduler
+    from jtp.engine.engine import Engine
 
     forced = {"k": 0}
     vocab = {}
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         return [int(t) for t in draft_rng.integers(0, vocab["size"], n)]
 
     draft_rng = np.random.default_rng(args.seed + 1)
-    jtp.scheduler.propose_ngram = forced_drafts
+    jtp.core.scheduler.propose_ngram = forced_drafts
     k_max, b_max = max(args.drafts), max(args.batch_sizes)
     budget = max(512, b_max * (2 + k_max) + 1)
     engine = Engine(

@@ -166,7 +166,7 @@ class Planner:
 
     def plan(self, rows: list[tuple[int, int, list[int]]], num_tokens: int | None = None, num_rows: int | None = None):
         """rows: (sequence id (also its page run), state slot, new tokens). Padded to num_tokens / num_rows."""
-        from jtp.step_input import StepPlan
+        from jtp.core.step_input import StepPlan
 
         T = num_tokens or sum(len(t) for _, _, t in rows)
         B = num_rows or len(rows)

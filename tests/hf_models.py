@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from jtp.collectives import step_collectives
+
+from jtp.parallel.collectives import step_collectives
 
 TINY = dict(
     vocab_size=128,
@@ -135,8 +136,8 @@ def run_step(runner, plan, positions=None) -> StepOutput:
     writes nothing for them) whose logits index is the position, so any positions of a prefill come
     out of one real step.
     """
-    from jtp.sampling import SamplingParams, pack_sampling
-    from jtp.step_input import StepInput
+    from jtp.core.sampling_params import SamplingParams, pack_sampling
+    from jtp.core.step_input import StepInput
 
     rows = len(plan.context_lens)
     if positions is not None:
@@ -185,7 +186,7 @@ def assert_step_collectives(runner, plan) -> None:
     """The compiled serving step (greedy, no logprobs) of `plan`: exactly 2 * layers + 1 all-reduces
     of activations, each exactly [T, H] (MoE layers combine a token's top-k pairs before reducing,
     never [T*k, H]), and besides them only exchanges of at most B * tp values (sampling over the
-    vocab-parallel logits), never the logits; none at tp 1 (jtp/collectives.py). Nothing is
+    vocab-parallel logits), never the logits; none at tp 1 (jtp/parallel/collectives.py). Nothing is
     hand-written: XLA chose every one."""
     found = step_collectives(runner, plan)
     assert not found.oversized, found.oversized

@@ -28,7 +28,7 @@ ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=24, block_size=8, num_
 
 
 def run_staggered(engine, vocab_size: int) -> list[list[int]]:
-    from jtp.sampling import SamplingParams
+    from jtp.core.sampling_params import SamplingParams
 
     pending = sorted(SCHEDULE, key=lambda s: s[0])
     ids, step = [], 0
@@ -45,7 +45,7 @@ def run_staggered(engine, vocab_size: int) -> list[list[int]]:
 def snapshot_roundtrip(engine, directory: str) -> dict:
     """Snapshot a finished request, save it to disk, forget everything, load it back and continue
     from it: the continuation's tokens and how many prompt tokens the loaded pages saved."""
-    from jtp.sampling import SamplingParams
+    from jtp.core.sampling_params import SamplingParams
 
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompt = [t % engine.cfg.vocab_size for t in range(7, 47)]
@@ -61,10 +61,11 @@ def snapshot_roundtrip(engine, directory: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from jtp.engine_args import EngineArgs
+    from jtp.config.engine_args import EngineArgs
+    from jtp.engine.engine import Engine
 
     args = EngineArgs(**{**ENGINE_ARGS, "enable_prefix_caching": len(argv) > 1, **json.loads(argv[0])})
-    with args.create_engine() as engine:
+    with Engine.from_args(args) as engine:
         if len(argv) > 1:  # a directory: the snapshot round trip
             print(json.dumps(snapshot_roundtrip(engine, argv[1])), flush=True)
         else:

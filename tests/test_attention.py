@@ -11,8 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtp.attention import AttentionMetadata, LayerKV, PagedAttention, choose_attention, paged_attention_reference, write_kv
 from jtp.kernels.ragged_paged_attention import ragged_paged_attention
+from jtp.models.attention import (
+    AttentionMetadata,
+    LayerKV,
+    PagedAttention,
+    choose_attention,
+    paged_attention_reference,
+    write_kv,
+)
 
 _ENTROPY = np.random.SeedSequence().entropy  # fresh each run; shown in failure messages
 KERNEL = PagedAttention("kernel")  # unsharded; Pallas' interpreter off-GPU
@@ -316,9 +323,10 @@ def test_lowers_to_triton_for_cuda(case):
 @pytest.mark.parametrize("decode", [False, True])
 def test_kernel_under_tensor_parallelism(decode):
     """tp=2 (conftest forces 8 CPU devices): the kernel runs per head shard inside shard_map."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from jtp.sharding import make_mesh
+    from jtp.parallel.sharding import make_mesh
 
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices")
@@ -347,7 +355,10 @@ def test_kernel_tiles_fit_shared_memory_in_float32():
     320 KiB of shared memory (227 KiB exist); the configs shrink their K/V tiles to fit, and leave
     the bf16 configs as tuned."""
     from jtp.kernels.ragged_paged_attention import (
-        SHARED_MEMORY_BUDGET, _decode_rows, choose_config, choose_decode_config,
+        SHARED_MEMORY_BUDGET,
+        _decode_rows,
+        choose_config,
+        choose_decode_config,
     )
 
     for d, itemsize in [(128, 2), (256, 2), (128, 4), (256, 4)]:
@@ -365,8 +376,8 @@ def test_kernel_block_tables_keep_several_pages_per_iteration():
     the block table's width (else it falls back to one page per iteration: 1.5x the attention time
     of Qwen3-8B at B=1 on an H200). The scheduler's kernel-path width is a multiple of 16 pages for
     any max_model_len, e.g. bench.py's 2049 tokens (129 pages of 16)."""
+    from jtp.core.scheduler import Buckets
     from jtp.kernels.ragged_paged_attention import choose_decode_config
-    from jtp.scheduler import Buckets
 
     for max_blocks in (1, 7, 64, 129, 2560):
         (width,) = Buckets.make(2048, 64, max_blocks, bucket_blocks=False).blocks

@@ -1,4 +1,4 @@
-"""Offline batch generation (jtp/batch.py, scripts/generate_offline.py) on the demo checkpoint.
+"""Offline batch generation (jtp/entrypoints/batch.py, scripts/generate_offline.py) on the demo checkpoint.
 
 The batch results are checked against independent runs: each prompt alone through a fresh
 `engine.generate` call, tokenized by a separately loaded Tokenizer.
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from jtp import batch
+from jtp.core.sampling_params import SamplingParams
 from jtp.demo import ensure_demo_checkpoint
-from jtp.engine import Engine
-from jtp.sampling import SamplingParams
-from jtp.tokenizer import Tokenizer
+from jtp.engine.engine import Engine
+from jtp.engine.tokenizer import Tokenizer
+from jtp.entrypoints import batch
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the sea is wide and deep it sings sailors off to sleep rain in Spain stays mainly on plain".split()
@@ -260,8 +260,7 @@ def test_script_end_to_end(ckpt, engine, tok, tmp_path):
 
 
 def test_cli_has_batch_subcommand(capsys):
-    from jtp import cli
-
+    from jtp.entrypoints import cli
     with pytest.raises(SystemExit) as exc:
         cli.main(["batch", "--help"])
     assert exc.value.code == 0
@@ -310,7 +309,7 @@ def test_interrupt_swallowed_by_a_callback_still_stops_the_run(engine, tmp_path,
     """Ctrl-C landing inside a JAX callback may never reach us as KeyboardInterrupt: the run stops anyway."""
     import signal
 
-    from jtp.cli_support import interrupt_guard
+    from jtp.entrypoints.cli_support import interrupt_guard
 
     lines = [json.dumps({"id": n, "prompt": f"the sea {n}", "max_tokens": 4}) for n in range(40)]
     inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
@@ -342,7 +341,7 @@ def test_ctrl_c_exits_130_and_the_rerun_finishes(ckpt, tmp_path):
 
     lines = [json.dumps({"id": n, "prompt": f"the sea {n}", "max_tokens": 24, "ignore_eos": True}) for n in range(64)]
     inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "jtp.cli", "batch", "--model", str(ckpt), "--input", str(inp), "--output", str(out),
+    cmd = [sys.executable, "-m", "jtp.entrypoints.cli", "batch", "--model", str(ckpt), "--input", str(inp), "--output", str(out),
            "--max-num-seqs", "2", "--num-blocks", "64"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env, text=True)

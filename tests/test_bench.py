@@ -125,7 +125,6 @@ def test_moe_roofline_counts_only_touched_experts():
     """bench's MoE weight bytes per step equal the dense bytes plus the share of routed experts that
     uniformly routed tokens touch, counted here by simulation."""
     import numpy as np
-
     from scripts_loader import load_script
 
     bench = load_script("bench")

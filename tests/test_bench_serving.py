@@ -14,12 +14,11 @@ import time
 import httpx
 import pytest
 import uvicorn
+from scripts_loader import load_script
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
-
-from scripts_loader import load_script
 
 bench = load_script("bench_serving")
 
@@ -240,7 +239,7 @@ def jtp_server(tmp_path_factory):
     model = ensure_demo_checkpoint(tmp_path_factory.mktemp("demo") / "demo-qwen3")
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jtp.cli", "serve", "--model", str(model), "--port", "0", "--no-warmup",
+        [sys.executable, "-m", "jtp.entrypoints.cli", "serve", "--model", str(model), "--port", "0", "--no-warmup",
          "--max-num-seqs", "8", "--num-blocks", "256"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True,
     )

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jtp import cli
-from jtp.cli_support import interrupt_guard, run_command
+from jtp.core.sampling_params import SamplingParams
 from jtp.demo import DEMO_LABEL, ensure_demo_checkpoint
-from jtp.engine import Engine
-from jtp.sampling import SamplingParams
+from jtp.engine.engine import Engine
+from jtp.entrypoints import cli
+from jtp.entrypoints.cli_support import interrupt_guard, run_command
 
 TENSOR = "model.layers.1.mlp.up_proj.weight"
 
@@ -40,7 +40,7 @@ def jtp_env(devices=1, **extra):
 
 def run_jtp(*args, stdin=None, devices=1, **env_extra):
     return subprocess.run(
-        [sys.executable, "-m", "jtp.cli", *args], input=stdin, capture_output=True,
+        [sys.executable, "-m", "jtp.entrypoints.cli", *args], input=stdin, capture_output=True,
         env=jtp_env(devices, **env_extra), timeout=300,
     )
 
@@ -209,7 +209,7 @@ def test_unexpected_errors_exit_1_with_a_hint(capsys):
 
 def test_ctrl_c_exits_130_quietly(demo_dir):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jtp.cli", "generate", "--model", str(demo_dir), "--max-tokens", "2000", "Hello"],
+        [sys.executable, "-m", "jtp.entrypoints.cli", "generate", "--model", str(demo_dir), "--max-tokens", "2000", "Hello"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=jtp_env(),
     )
     for line in proc.stderr:  # interrupt once the engine is up: the first step is compiling now
@@ -236,7 +236,7 @@ def test_ctrl_c_swallowed_inside_a_callback_still_exits_130():
 
 def test_closed_pipe_exits_quietly(demo_dir):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jtp.cli", "generate", "--model", str(demo_dir), "--max-tokens", "8", "Hello"],
+        [sys.executable, "-m", "jtp.entrypoints.cli", "generate", "--model", str(demo_dir), "--max-tokens", "8", "Hello"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=jtp_env(),
     )
     proc.stdout.close()  # like `| head -c0`: the first write finds no reader
@@ -252,7 +252,7 @@ def all_parsers():
     parser = cli.build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     parsers = {"jtp": parser, **{f"jtp {name}": p for name, p in subparsers.choices.items()}}
-    from jtp.server import add_server_args
+    from jtp.entrypoints.server import add_server_args
 
     parsers["jtp serve"] = cli.build_serve_parser(add_server_args)
     return parsers

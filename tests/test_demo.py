@@ -10,10 +10,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from jtp import demo
+from jtp.core.sampling_params import SamplingParams
 from jtp.demo import DEMO_FILES, DEMO_LABEL, ensure_demo_checkpoint
-from jtp.engine import Engine
-from jtp.sampling import SamplingParams
-from jtp.tokenizer import Tokenizer
+from jtp.engine.engine import Engine
+from jtp.engine.tokenizer import Tokenizer
 
 # Prompts in the corpus's world; the greedy continuations must be words from its pages.
 PROMPTS = ["Hello, world", "The quick brown fox", "The sea is", "In the morning", "A computer"]

@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-import jax.numpy as jnp
-
-from jtp.config import ModelConfig
-
-from jtp.models import family_of
-from jtp.runner import ModelRunner
-from jtp.sharding import make_mesh
-from jtp.weights import CheckpointError, flatten, load_params, resolve_layout
 from scripts_loader import load_script
-
 from test_sharding import greedy
+
+from jtp.config.model_config import ModelConfig
+from jtp.errors import CheckpointError
+from jtp.loading.param_tree import flatten
+from jtp.loading.weights import load_params, resolve_layout
+from jtp.models import family_of
+from jtp.parallel.sharding import make_mesh
+from jtp.worker.runner import ModelRunner
 
 PRESETS = ["qwen3-tiny", "qwen3-moe-tiny", "qwen3.5-moe-tiny", "qwen3-next-tiny"]
 
@@ -67,7 +67,7 @@ def test_dummy_params_are_laid_out_as_loaded_ones(written, preset):
 @pytest.mark.parametrize("preset", ["qwen3-tiny", "qwen3.5-moe-tiny", "qwen3-next-tiny"])
 def test_dummy_values_follow_the_random_checkpoint_script(mk, written, preset):
     """Mean 1 where the script writes a 'norm' tensor (weights applied as w, dt_bias), else 0; std 0.02.
-    The script's per-tensor table is the reference, not the rule in jtp/dummy_weights.py."""
+    The script's per-tensor table is the reference, not the rule in jtp/loading/dummy_weights.py."""
     _, bare = written[preset]
     cfg = ModelConfig.from_dir(bare)
     kinds = {name: kind for name, _, kind in mk.tensor_specs(mk.make_config(preset, "float32"))}
@@ -129,12 +129,13 @@ def test_a_directory_without_weights_names_the_dummy_format(written):
 
 def test_engine_args_and_bench_take_the_dummy_format(written, tmp_path):
     """The engine's flag and bench.py's: a config-only directory serves and benchmarks."""
-    from jtp.engine_args import EngineArgs
-    from jtp.sampling import SamplingParams
+    from jtp.config.engine_args import EngineArgs
+    from jtp.core.sampling_params import SamplingParams
+    from jtp.engine.engine import Engine
 
     _, bare = written["qwen3-moe-tiny"]
     args = EngineArgs(model=str(bare), load_format="dummy", max_num_seqs=2, num_blocks=32, warmup=False)
-    with args.create_engine() as engine:
+    with Engine.from_args(args) as engine:
         (out,) = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out.token_ids) == 4
 
@@ -152,8 +153,8 @@ def test_engine_args_and_bench_take_the_dummy_format(written, tmp_path):
 def test_followers_fingerprint_dummy_weights_by_name(written):
     """A group's processes compare fingerprints before serving: with dummy weights there are no files
     to hash, and the format itself is what must match."""
-    from jtp.engine_args import EngineArgs
-    from jtp.launcher import fingerprint
+    from jtp.config.engine_args import EngineArgs
+    from jtp.distributed.launcher import fingerprint
 
     _, bare = written["qwen3-tiny"]
     assert fingerprint(EngineArgs(model=str(bare), load_format="dummy", num_processes=2))["weights"] == "dummy"
@@ -162,18 +163,19 @@ def test_followers_fingerprint_dummy_weights_by_name(written):
 def test_snapshots_of_a_dummy_engine_save_and_load(written, tmp_path):
     """Snapshots record the weights they were computed with: dummy weights are named, not hashed
     (there are no files), and a saved snapshot continues exactly as the live engine does."""
-    from jtp.engine_args import EngineArgs
-    from jtp.sampling import SamplingParams
+    from jtp.config.engine_args import EngineArgs
+    from jtp.core.sampling_params import SamplingParams
+    from jtp.engine.engine import Engine
 
     _, bare = written["qwen3-tiny"]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     args = EngineArgs(model=str(bare), load_format="dummy", max_num_seqs=2, num_blocks=32, block_size=4, warmup=False)
     prefix = list(range(1, 14))
-    with args.create_engine() as engine:
+    with Engine.from_args(args) as engine:
         sid = engine.snapshot(tokens=prefix)
         engine.save_snapshots(tmp_path / "snap", [sid])
         live = engine.generate([prefix + [7]], params)[0].token_ids
-    with args.create_engine() as engine:
+    with Engine.from_args(args) as engine:
         (loaded,) = engine.load_snapshots(tmp_path / "snap")
         assert engine.generate([prefix + [7]], params)[0].token_ids == live
         assert engine.scheduler.cache_root is not None and loaded

@@ -14,13 +14,12 @@ import dataclasses
 import random
 
 import pytest
-
-from jtp.engine import Completion, Engine, RequestError
-from jtp.page_pool import PagePool
-from jtp.sampling import MAX_LOGPROBS, SamplingParams
-from jtp.scheduler import Request, Scheduler, Status
-
 from hf_models import make_hf_checkpoint
+
+from jtp.core.page_pool import PagePool
+from jtp.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from jtp.core.scheduler import Request, Scheduler, Status
+from jtp.engine.engine import Completion, Engine, RequestError
 
 VOCAB = 128
 ENGINE_KW = dict(

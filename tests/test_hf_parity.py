@@ -14,10 +14,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from hf_models import StepOutput, hf_greedy, logprob_error, make_hf_checkpoint, run_step  # noqa: E402
-from jtp.engine import Engine  # noqa: E402
-from jtp.runner import ModelRunner  # noqa: E402
-from jtp.step_input import StepPlan  # noqa: E402
-from jtp.sampling import SamplingParams  # noqa: E402
+
+from jtp.core.sampling_params import SamplingParams  # noqa: E402
+from jtp.core.step_input import StepPlan  # noqa: E402
+from jtp.engine.engine import Engine  # noqa: E402
+from jtp.worker.runner import ModelRunner  # noqa: E402
 
 pytestmark = pytest.mark.hf
 KINDS = ["qwen3", "qwen3_moe", "qwen2"]

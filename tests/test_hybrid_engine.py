@@ -12,13 +12,19 @@ import numpy as np
 import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
-from jtp.block_hash import block_keys, root_key
-from jtp.page_pool import PagePool
-from jtp.sampling import SamplingParams
-from jtp.scheduler import Request, Scheduler, Status
-from jtp.state_pool import StatePool
+from jtp.core.block_hash import block_keys, root_key
+from jtp.core.page_pool import PagePool
+from jtp.core.sampling_params import SamplingParams
+from jtp.core.scheduler import Request, Scheduler, Status
+from jtp.core.state_pool import StatePool
 
 ENGINE_KW = dict(dtype="float32", num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=48, max_model_len=192)
 
@@ -40,8 +46,9 @@ def hybrid(tmp_path_factory):
 
 
 def run_all(path, tp, work):
-    from jtp.engine import Engine
     from test_engine import run_staggered
+
+    from jtp.engine.engine import Engine
 
     engine = Engine(path, tp, **ENGINE_KW, tokenizer=False)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in work]
@@ -85,9 +92,9 @@ def test_snapshot_pin_keeps_state_reservations():
     pinning a shorter prefix, is fine."""
     from types import SimpleNamespace
 
-    from jtp.engine import Engine
+    from jtp.core.snapshots import SnapshotRegistry
+    from jtp.engine.engine import Engine
     from jtp.errors import RequestError
-    from jtp.snapshots import SnapshotRegistry
 
     root = root_key("test")
     pool, states = PagePool(6, BS), StatePool(2)

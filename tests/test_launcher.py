@@ -28,8 +28,14 @@ import httpx
 import openai
 import pytest
 
-from jtp.control import AuthenticationError, ChannelError, Kind, accept_handshake, connect_handshake
-from jtp.launcher import fingerprint_mismatches
+from jtp.distributed.control import (
+    AuthenticationError,
+    ChannelError,
+    Kind,
+    accept_handshake,
+    connect_handshake,
+)
+from jtp.distributed.launcher import fingerprint_mismatches
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
@@ -137,8 +143,8 @@ def test_fingerprint_mismatches_name_each_field():
 
 def bare_group(step_timeout: float = 60.0):
     """A leader-side WorkerGroup with one fake follower (no process, no channel)."""
-    from jtp.group import WorkerGroup, _Follower
-    from jtp.launcher import LaunchSpec
+    from jtp.distributed.group import WorkerGroup, _Follower
+    from jtp.distributed.launcher import LaunchSpec
 
     group = WorkerGroup(LaunchSpec(2, 0, "127.0.0.1:1", "127.0.0.1:2", SECRET), heartbeat_timeout=60,
                         step_timeout=step_timeout, digest_interval=4)
@@ -152,13 +158,13 @@ def bare_group(step_timeout: float = 60.0):
 def sampled(tokens):
     import jax.numpy as jnp
 
-    from jtp.sampling import SampleResult
+    from jtp.worker.sampler import SampleResult
 
     return SampleResult(jnp.asarray(tokens, jnp.int32), jnp.zeros(len(tokens)), None, None)
 
 
 def test_a_follower_whose_sampled_tokens_differ_fails_the_group():
-    from jtp.group import tokens_digest
+    from jtp.distributed.group import tokens_digest
 
     group, follower, reasons = bare_group()
     group.dispatched(0, sampled([5, 6, 7]))
@@ -187,9 +193,9 @@ def test_a_step_that_outlives_the_step_timeout_fails_the_group():
 
 
 def test_a_cluster_environment_supplies_the_coordinator_and_process_id(monkeypatch):
-    from jtp.engine_args import EngineArgs
+    from jtp.config.engine_args import EngineArgs
+    from jtp.distributed.launcher import LaunchSpec, is_follower
     from jtp.errors import ConfigError
-    from jtp.launcher import LaunchSpec
 
     args = EngineArgs(num_processes=2, tensor_parallel_size=2)
     for name, value in dict(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="node7", SLURM_NTASKS="2", SLURM_PROCID="1",
@@ -203,7 +209,7 @@ def test_a_cluster_environment_supplies_the_coordinator_and_process_id(monkeypat
     host, port = spec.coordinator_address.split(":")
     assert (spec.process_id, spec.num_processes, host, spec.secret) == (1, 2, "node7", SECRET)
     assert spec.control_address == f"node7:{int(port) + 1}" and not spec.bind_loopback
-    assert args.is_follower
+    assert is_follower(args)
 
 
 # ----------------------------------------------------------------------------- lockstep parity
@@ -218,9 +224,10 @@ def hybrid_dir(tmp_path_factory):
 
 
 def in_process(model: str, tp: int, **engine_args) -> list[list[int]]:
-    from jtp.engine_args import EngineArgs
+    from jtp.config.engine_args import EngineArgs
+    from jtp.engine.engine import Engine
 
-    with EngineArgs(model=model, tensor_parallel_size=tp, **ENGINE_ARGS, **engine_args).create_engine() as engine:
+    with Engine.from_args(EngineArgs(model=model, tensor_parallel_size=tp, **ENGINE_ARGS, **engine_args)) as engine:
         return run_staggered(engine, engine.cfg.vocab_size)
 
 
@@ -268,8 +275,9 @@ def test_two_processes_drafting_with_the_mtp_head_give_the_tokens_of_one_process
 @pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
 def test_snapshots_saved_and_loaded_by_a_group_continue_like_one_process(kind, request, tmp_path):
     """Orbax save / load through the group: each process writes and reads its own shards."""
+    from jtp.config.engine_args import EngineArgs
     from jtp.demo import ensure_demo_checkpoint
-    from jtp.engine_args import EngineArgs
+    from jtp.engine.engine import Engine
 
     model = str(ensure_demo_checkpoint() if kind == "qwen3" else request.getfixturevalue("hybrid_dir"))
     args = json.dumps({"model": model, "num_processes": 2, "tensor_parallel_size": 4})
@@ -277,7 +285,7 @@ def test_snapshots_saved_and_loaded_by_a_group_continue_like_one_process(kind, r
                           env=cpu_env(2), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     group = json.loads(proc.stdout.strip().splitlines()[-1])
-    with EngineArgs(model=model, **{**ENGINE_ARGS, "enable_prefix_caching": True}).create_engine() as engine:
+    with Engine.from_args(EngineArgs(model=model, **{**ENGINE_ARGS, "enable_prefix_caching": True})) as engine:
         solo = snapshot_roundtrip(engine, str(tmp_path / "solo"))
     assert group == solo and solo["hits"] > 0  # the continuation read the loaded pages
 
@@ -321,7 +329,7 @@ class GroupServer:
 
     def __init__(self, *extra: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jtp.cli", "serve", "--port", "0", "--num-processes", "2", "-tp", "4",
+            [sys.executable, "-m", "jtp.entrypoints.cli", "serve", "--port", "0", "--num-processes", "2", "-tp", "4",
              "--heartbeat-timeout", "2", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
              "--block-size", "32", "--num-blocks", "32", "--max-model-len", "512", *extra],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=cpu_env(2), text=True)
@@ -460,7 +468,7 @@ def free_port_pair() -> int:
 
 def manual(process_id: int, port: int, secret: str, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "jtp.cli", "serve", "--port", "0", "--no-warmup", "--num-processes", "2",
+        [sys.executable, "-m", "jtp.entrypoints.cli", "serve", "--port", "0", "--no-warmup", "--num-processes", "2",
          "--process-id", str(process_id), "--coordinator-address", f"127.0.0.1:{port}", "-tp", "2",
          "--max-num-seqs", "4", "--num-blocks", "32", "--max-model-len", "256", *extra],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jtp.config import ConfigError, ModelConfig
-from jtp.runner import ModelRunner
-from jtp.weights import CheckpointError, convert_to_orbax
+from jtp.config.model_config import ConfigError, ModelConfig
+from jtp.errors import CheckpointError
+from jtp.loading.weights import convert_to_orbax
+from jtp.worker.runner import ModelRunner
 
 pytest.importorskip("torch")
 from hf_models import assert_same_outputs, logprob_error, make_hf_checkpoint  # noqa: E402

@@ -2,15 +2,20 @@
 and expert parallelism against tensor parallelism through the serving step on 8 forced CPU devices
 (same greedy tokens; one [T, H] all-reduce per MoE layer, the k pairs of a token combined first)."""
 
-import numpy as np
-import pytest
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from jtp.kernels.grouped_matmul import GroupedMatmulConfig, grouped_matmul, num_tiles, tile_map
-from jtp.moe import RoutedExperts
-from jtp.runner import ModelRunner
-from jtp.sharding import ShardingError
+from jtp.errors import ShardingError
+from jtp.kernels.grouped_matmul import (
+    GroupedMatmulConfig,
+    grouped_matmul,
+    num_tiles,
+    tile_map,
+)
+from jtp.models.moe import RoutedExperts
+from jtp.worker.runner import ModelRunner
 
 pytest.importorskip("torch")
 from hf_models import assert_same_outputs, assert_step_collectives, make_hf_checkpoint  # noqa: E402

@@ -18,11 +18,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hf_hybrid as hh  # noqa: E402
-from jtp.engine import Engine  # noqa: E402
+
+from jtp.config.speculative import SpeculativeConfig  # noqa: E402
+from jtp.core.sampling_params import SamplingParams  # noqa: E402
+from jtp.core.scheduler import Scheduler  # noqa: E402
+from jtp.engine.engine import Engine  # noqa: E402
 from jtp.errors import ConfigError  # noqa: E402
-from jtp.sampling import SamplingParams  # noqa: E402
-from jtp.scheduler import Scheduler  # noqa: E402
-from jtp.speculative import SpeculativeConfig  # noqa: E402
 
 KW = dict(dtype="float32", tokenizer=False, num_blocks=160, block_size=4, max_num_seqs=8,
           max_num_batched_tokens=64, max_model_len=160, enable_prefix_caching=False)

@@ -9,10 +9,10 @@ import random
 import jax
 import numpy as np
 import pytest
-
-from jtp.engine import Engine
-from jtp.sampling import SamplingParams
 from test_engine import run_staggered
+
+from jtp.core.sampling_params import SamplingParams
+from jtp.engine.engine import Engine
 
 KW = dict(dtype="float32", tokenizer=False, num_blocks=128, block_size=4, max_num_seqs=8,
           max_num_batched_tokens=32, max_model_len=96)

@@ -14,10 +14,16 @@ import numpy as np
 import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
-from jtp.block_hash import block_keys, root_key
-from jtp.page_pool import PagePool, ReservationExceeded
+from jtp.core.block_hash import block_keys, root_key
+from jtp.core.page_pool import PagePool, ReservationExceeded
 
 # ---- unit tests -------------------------------------------------------------
 

@@ -4,7 +4,7 @@ Every check compares the cached engine with the same engine run with prefix cach
 (greedy, float32): outputs must be identical, and the prompt tokens the engine prefilled must
 drop by exactly what the block arithmetic predicts (counted by the scheduler, per row).
 Both families: Qwen3 (attention KV only) and a Qwen3.5 hybrid (KV + recurrent-state
-checkpoints, see jtp/state_pool.py).
+checkpoints, see jtp/core/state_pool.py).
 """
 from __future__ import annotations
 
@@ -13,10 +13,16 @@ import random
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
-from jtp.engine import Engine, RequestError
-from jtp.sampling import SamplingParams
+from jtp.core.sampling_params import SamplingParams
+from jtp.engine.engine import Engine, RequestError
 
 BS = 4  # block size: prompts cross many block boundaries
 ENGINE_KW = dict(

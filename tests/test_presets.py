@@ -3,10 +3,10 @@ expects and nothing else, the published parameter counts, and a tiny MoE preset 
 loads without a missing or unexpected tensor and whose greedy tokens jtp reproduces."""
 from __future__ import annotations
 
-import numpy as np
 from types import SimpleNamespace
-import pytest
 
+import numpy as np
+import pytest
 from hf_models import hf_greedy
 from scripts_loader import load_script
 
@@ -19,8 +19,8 @@ def mk():
 def checkpoint_against_layout(mk, preset: str, param_layout):
     """The preset's config, its tensors {name: shape} and jtp's ModelConfig, once the tensors were
     found to be exactly those jtp's layout expects."""
-    from jtp.config import ModelConfig
-    from jtp.weights import resolve_layout
+    from jtp.config.model_config import ModelConfig
+    from jtp.loading.weights import resolve_layout
 
     raw = mk.make_config(preset, "bfloat16")
     specs = {name: tuple(shape) for name, shape, _ in mk.tensor_specs(raw)}
@@ -49,8 +49,8 @@ def test_tiny_moe_preset_loads_in_hf_and_jtp_greedy_matches(mk, tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from jtp.engine import Engine
-    from jtp.sampling import SamplingParams
+    from jtp.core.sampling_params import SamplingParams
+    from jtp.engine.engine import Engine
 
     path = tmp_path / "qwen3-moe-tiny"
     mk.write_checkpoint("qwen3-moe-tiny", path, dtype="float32", quiet=True)
@@ -81,8 +81,8 @@ def test_tiny_hybrid_moe_presets_load_in_hf_and_jtp_greedy_matches(mk, tmp_path,
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from jtp.engine import Engine
-    from jtp.sampling import SamplingParams
+    from jtp.core.sampling_params import SamplingParams
+    from jtp.engine.engine import Engine
 
     path = tmp_path / preset
     mk.write_checkpoint(preset, path, dtype="float32", quiet=True)

@@ -14,11 +14,16 @@ import logging
 import re
 from pathlib import Path
 
+import hf_hybrid as hh
 import numpy as np
 import pytest
-
-import hf_hybrid as hh
-from hf_models import StepOutput, assert_same_outputs, assert_step_collectives, logprob_error, run_step
+from hf_models import (
+    StepOutput,
+    assert_same_outputs,
+    assert_step_collectives,
+    logprob_error,
+    run_step,
+)
 
 PROMPT_LEN = 150  # > two 64-token chunks, not a multiple of 64
 GEN = 32
@@ -48,7 +53,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def make_runner(path, tp=1, max_seqs=4):
-    from jtp.runner import ModelRunner
+    from jtp.worker.runner import ModelRunner
 
     return ModelRunner(path, tensor_parallel_size=tp, num_blocks=128, block_size=16, max_seqs=max_seqs,
                        num_state_slots=2 * max_seqs)
@@ -227,7 +232,7 @@ def test_unit_lower_inverse_equals_numpy_inverse(C):
 
 
 def test_row_length_follows_query_bound():
-    from jtp.attention import AttentionMetadata
+    from jtp.models.attention import AttentionMetadata
     from jtp.models.qwen3_5 import deltanet_row_length
 
     meta = AttentionMetadata(*(np.zeros(1, np.int32) for _ in range(9)))
@@ -242,10 +247,10 @@ def drive_scheduler(runner, prompts, arrivals, max_tokens, general: bool):
     steps), greedy. `general`: drop the bound (L = T), forcing the chunked path everywhere.
     Returns per-request outputs and, per step, (bound, row lengths, the rows' StepOutput,
     [(request, position, StepOutput row) of each row that sampled])."""
-    from jtp.page_pool import PagePool
-    from jtp.sampling import SamplingParams
-    from jtp.scheduler import Request, Scheduler
-    from jtp.state_pool import StatePool
+    from jtp.core.page_pool import PagePool
+    from jtp.core.sampling_params import SamplingParams
+    from jtp.core.scheduler import Request, Scheduler
+    from jtp.core.state_pool import StatePool
 
     sched = Scheduler(PagePool(runner.num_blocks, runner.block_size), 4, 16, max_model_len=64,
                       states=StatePool(runner.num_state_slots))
@@ -353,9 +358,9 @@ def test_skips_mtp_and_vision_tensors_with_one_log_line(case, tmp_path, caplog):
     import jax.numpy as jnp
     from safetensors.numpy import load_file
 
-    from jtp.config import ModelConfig
-    from jtp.sharding import make_mesh
-    from jtp.weights import load_params
+    from jtp.config.model_config import ModelConfig
+    from jtp.loading.weights import load_params
+    from jtp.parallel.sharding import make_mesh
 
     c = case("qwen3_5")
     fake = {"mtp.fc.weight": np.ones((64, 128), np.float32), "mtp.layers.0.mlp.experts.0.up_proj.weight": np.ones((4, 4), np.float32)}
@@ -363,7 +368,7 @@ def test_skips_mtp_and_vision_tensors_with_one_log_line(case, tmp_path, caplog):
     visual = [n for n in load_file(path / "model.safetensors") if n.startswith("model.visual.")]
     assert visual
     cfg = ModelConfig.from_dir(path)
-    with caplog.at_level(logging.INFO, logger="jtp.weights"):
+    with caplog.at_level(logging.INFO, logger="jtp.loading.weights"):
         params = load_params(path, cfg, make_mesh(1), jnp.float32)
     lines = [m for m in caplog.messages if "skipping" in m]
     assert lines == [f"skipping {len(visual) + len(fake)} checkpoint tensor(s) jtp does not use (mtp.*, model.visual.*)"]
@@ -374,9 +379,10 @@ def test_missing_tensor_is_named(case, tmp_path):
     import jax.numpy as jnp
     from safetensors.numpy import load_file, save_file
 
-    from jtp.config import ModelConfig
-    from jtp.sharding import make_mesh
-    from jtp.weights import CheckpointError, load_params
+    from jtp.config.model_config import ModelConfig
+    from jtp.errors import CheckpointError
+    from jtp.loading.weights import load_params
+    from jtp.parallel.sharding import make_mesh
 
     c = case("qwen3_5")
     path = hh.save(c.model, tmp_path / "missing")
@@ -391,9 +397,9 @@ def test_missing_tensor_is_named(case, tmp_path):
 def test_fused_and_per_expert_checkpoints_load_the_same(case, tmp_path):
     import jax.numpy as jnp
 
-    from jtp.config import ModelConfig
-    from jtp.sharding import make_mesh
-    from jtp.weights import load_params
+    from jtp.config.model_config import ModelConfig
+    from jtp.loading.weights import load_params
+    from jtp.parallel.sharding import make_mesh
 
     c = case("qwen3_5_moe")  # its checkpoint has fused gate_up_proj [E, 2I, H] / down_proj [E, H, I]
     per_expert = hh.save(c.model, tmp_path / "per_expert")
@@ -421,7 +427,7 @@ def test_hybrid_presets_have_every_tensor_jtp_and_hf_expect(tmp_path, preset, bi
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from jtp.config import ModelConfig
+    from jtp.config.model_config import ModelConfig
     from jtp.models.qwen3_5 import param_layout
 
     mk = checkpoint_script()
@@ -468,7 +474,7 @@ def test_tiny_hybrid_preset_loads_in_jtp_and_hf(tmp_path):
 
 
 def test_config_parsing(case):
-    from jtp.config import ModelConfig
+    from jtp.config.model_config import ModelConfig
 
     c = case("qwen3_5")
     cfg = ModelConfig.from_dir(c.path)
@@ -506,7 +512,7 @@ def test_config_parsing(case):
     ],
 )
 def test_config_errors_name_the_field(case, change, field):
-    from jtp.config import ConfigError, ModelConfig
+    from jtp.config.model_config import ConfigError, ModelConfig
 
     raw = hh.config_json(case("qwen3_5").path)
     raw["text_config"] = {k: v for k, v in {**raw["text_config"], **change}.items() if v is not None}
@@ -517,7 +523,7 @@ def test_config_errors_name_the_field(case, change, field):
 
 
 def test_qwen3_still_rejects_partial_rotary():
-    from jtp.config import ConfigError, ModelConfig
+    from jtp.config.model_config import ConfigError, ModelConfig
 
     raw = dict(model_type="qwen3", vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8)
     assert ModelConfig.from_hf(raw).partial_rotary_factor == 1.0

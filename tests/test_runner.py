@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
+from jtp.core.sampling_params import pack_sampling
+from jtp.core.step_input import StepInput, StepPlan
 from jtp.demo import ensure_demo_checkpoint
-from jtp.runner import ModelRunner
-from jtp.step_input import StepInput, StepPlan
-from jtp.sampling import pack_sampling
+from jtp.worker.runner import ModelRunner
 
 
 def live_bytes() -> int:

@@ -1,4 +1,4 @@
-"""jtp.sampling against independent references: a per-row numpy reference of
+"""jtp.worker.sampler against independent references: a per-row numpy reference of
 penalties and truncation, numpy argmax / log_softmax, exact distributions, and
 the host-side jax.random key derivation."""
 from __future__ import annotations
@@ -13,14 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from jtp.sampling import (
-    SamplingParams,
+from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling
+from jtp.worker.sampler import (
     apply_penalties,
     build_penalty_counts,
-    pack_penalty_tokens,
-    pack_sampling,
     process_logits,
     sample,
     sample_jit,

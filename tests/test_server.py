@@ -32,13 +32,17 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from jtp.engine import EngineStats, TokenEvent
-from jtp.engine_args import EngineArgs
-from jtp.sampling import SamplingParams
-from jtp.server import build_app
-from jtp.server.errors import APIError
-from jtp.server.protocol import parse_chat_request, parse_completion_request, sampling_params
-from jtp.server.reasoning import Qwen3ReasoningParser
+from jtp.config.engine_args import EngineArgs
+from jtp.core.sampling_params import SamplingParams
+from jtp.engine.engine import Engine, EngineStats, TokenEvent
+from jtp.entrypoints.server import build_app
+from jtp.entrypoints.server.errors import APIError
+from jtp.entrypoints.server.protocol import (
+    parse_chat_request,
+    parse_completion_request,
+    sampling_params,
+)
+from jtp.entrypoints.server.reasoning import Qwen3ReasoningParser
 
 # Small buckets keep the shapes compiled in a run few (large blocks: few blocks-per-row buckets).
 DENSE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, block_size=32, num_blocks=32,
@@ -165,7 +169,7 @@ def split_reasoning(text: str, prompt: str = "") -> tuple[str, str]:
 
 
 def start_engine(args: EngineArgs):
-    engine = args.create_engine()
+    engine = Engine.from_args(args)
     engine.start()
     return engine
 
@@ -175,7 +179,7 @@ def start_serve(devices: int, *flags: str) -> tuple[subprocess.Popen, str, list[
     devices); returns it, its base URL and its stderr lines (collected on) once /ready answers."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jtp.cli", "serve", "--port", "0", "--no-warmup", *flags,
+        [sys.executable, "-m", "jtp.entrypoints.cli", "serve", "--port", "0", "--no-warmup", *flags,
          *(f"--{k.replace('_', '-')}={v}" for k, v in DENSE_ARGS.items() if k != "warmup")],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
     log: list[str] = []
@@ -232,6 +236,7 @@ def hybrid(tmp_path_factory):
     pytest.importorskip("torch")
     import transformers
     from hf_hybrid import COMMON, ROPE, save
+
     from jtp.demo import ensure_demo_checkpoint
 
     # A tiny Qwen3.5 hybrid speaking the demo's vocabulary, so it can use the demo's tokenizer.

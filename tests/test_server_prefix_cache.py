@@ -30,11 +30,11 @@ import httpx
 import pytest
 from test_server import Served, parse_sse, serving, start_engine
 
+from jtp.config.engine_args import EngineArgs
+from jtp.core.sampling_params import SamplingParams
 from jtp.demo import ensure_demo_checkpoint
-from jtp.engine_args import EngineArgs
-from jtp.sampling import SamplingParams
-from jtp.server import build_app
-from jtp.tokenizer import Tokenizer
+from jtp.engine.tokenizer import Tokenizer
+from jtp.entrypoints.server import build_app
 
 BLOCK = 32
 # Few buckets keep the compiled shapes few (one token bucket; blocks per row 1 or 4), and 256

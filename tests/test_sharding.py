@@ -4,13 +4,20 @@ all-reduces in the compiled serving step (two per layer), each device reading on
 import numpy as np
 import pytest
 
-from jtp.runner import ModelRunner
-from jtp.sharding import ShardingError, kv_head_replicas
-from jtp.config import ModelConfig
-from jtp.weights import SafetensorsCheckpoint
+from jtp.config.model_config import ModelConfig
+from jtp.errors import ShardingError
+from jtp.loading.weights import SafetensorsCheckpoint
+from jtp.parallel.sharding import kv_head_replicas
+from jtp.worker.runner import ModelRunner
 
 pytest.importorskip("torch")
-from hf_models import StepOutput, assert_same_outputs, assert_step_collectives, make_hf_checkpoint, run_step  # noqa: E402
+from hf_models import (  # noqa: E402
+    StepOutput,
+    assert_same_outputs,
+    assert_step_collectives,
+    make_hf_checkpoint,
+    run_step,
+)
 from test_hf_parity import one_row_plan  # noqa: E402
 
 # 8 query heads over 2 KV heads: tp=4 and tp=8 need KV-head replication (x2, x4).

@@ -1,4 +1,4 @@
-"""Snapshots on disk (jtp.snapshot_store): saved by one engine, loaded by a fresh one after a
+"""Snapshots on disk (jtp.engine.snapshot_store): saved by one engine, loaded by a fresh one after a
 "restart", a restore continues with exactly the tokens the uninterrupted run gives and prefills
 only the tail; an engine of another model, weights, dtype, block size or mesh is refused with a
 clear error and left exactly as it was; a failed save leaves nothing behind."""
@@ -9,12 +9,13 @@ import shutil
 import numpy as np
 import pytest
 
+from jtp.core.sampling_params import SamplingParams
 from jtp.demo import ensure_demo_checkpoint
-from jtp.engine import Engine
+from jtp.engine import snapshot_store
+from jtp.engine.engine import Engine
+from jtp.engine.snapshot_store import load_snapshots, read_metadata, save_snapshots
 from jtp.errors import ConfigError, RequestError
-from jtp import snapshot_store
-from jtp.sampling import SamplingParams
-from jtp.snapshot_store import METADATA_FILE, load_snapshots, read_metadata, save_snapshots
+from jtp.worker.kv_cache import METADATA_FILE
 
 KW = dict(dtype="float32", num_blocks=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
           tokenizer=False)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from jtp.engine import Engine
-from jtp.engine_args import EngineArgs
-from jtp.errors import ConfigError
-from jtp.sampling import SamplingParams
-from jtp.speculative import SpeculativeConfig, propose_ngram
 from test_engine import run_staggered
+
+from jtp.config.engine_args import EngineArgs
+from jtp.config.speculative import SpeculativeConfig, propose_ngram
+from jtp.core.sampling_params import SamplingParams
+from jtp.engine.engine import Engine
+from jtp.errors import ConfigError
 
 KW = dict(dtype="float32", tokenizer=False, num_blocks=160, block_size=4, max_num_seqs=8,
           max_num_batched_tokens=64, max_model_len=160)
@@ -166,7 +166,7 @@ def test_speculation_keeps_every_output(request, family, tp):
         # so rows accept all, some or none of their drafts.
         monkeypatch = request.getfixturevalue("monkeypatch")
         full = [p + list(e[0]) for p, e in zip(prompts, expected)]
-        monkeypatch.setattr("jtp.scheduler.propose_ngram", oracle_drafts(full, engine.cfg.vocab_size))
+        monkeypatch.setattr("jtp.core.scheduler.propose_ngram", oracle_drafts(full, engine.cfg.vocab_size))
     pool_sizes = []
     original_step = engine.step
 
@@ -243,7 +243,6 @@ def test_server_speculates_and_reports_it(dense_path):
 
     import httpx
     import openai
-
     from test_server import start_serve
 
     proc, url, log = start_serve(1, "--speculative-config", NGRAM)

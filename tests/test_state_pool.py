@@ -13,9 +13,15 @@ import sys
 import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
-from jtp.state_pool import StatePool
+from jtp.core.state_pool import StatePool
 
 # ---- unit tests -------------------------------------------------------------
 

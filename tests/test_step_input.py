@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jtp.sampling import SamplingParams, pack_penalty_tokens, pack_sampling
-from jtp.step_input import StepInput
+from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling
+from jtp.core.step_input import StepInput
 
 
 def engine_step_input(engine, prompts, params):
@@ -34,7 +34,7 @@ def assert_same(a: StepInput, b: StepInput):
 @pytest.fixture(scope="module")
 def engine():
     from jtp.demo import ensure_demo_checkpoint
-    from jtp.engine import Engine
+    from jtp.engine.engine import Engine
 
     return Engine(ensure_demo_checkpoint(), dtype="float32", num_blocks=64, block_size=4, max_num_seqs=4,
                   max_num_batched_tokens=32, max_model_len=64, tokenizer=False)
@@ -69,5 +69,5 @@ def test_without_penalties_and_bad_messages(engine):
 
 
 def test_imports_numpy_only():
-    code = "import sys, jtp.step_input; sys.exit('jax' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "jtp.step_input imported jax"
+    code = "import sys, jtp.core.step_input; sys.exit('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "jtp.core.step_input imported jax"

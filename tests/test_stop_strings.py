@@ -6,9 +6,9 @@ occurrence of the stop string, is what the stopped request must return and strea
 
 import pytest
 
+from jtp.core.sampling_params import SamplingParams
 from jtp.demo import ensure_demo_checkpoint
-from jtp.engine import Engine
-from jtp.sampling import SamplingParams
+from jtp.engine.engine import Engine
 
 
 @pytest.fixture(scope="module")

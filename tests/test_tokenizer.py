@@ -1,4 +1,4 @@
-"""jtp.tokenizer against independent references: HF transformers on the same files,
+"""jtp.engine.tokenizer against independent references: HF transformers on the same files,
 unicode round trips, and full-sequence decode for the streaming detokenizer."""
 import json
 import shutil
@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jtp.demo import ensure_demo_checkpoint
-from jtp.tokenizer import REPLACEMENT_CHAR, Tokenizer
+from jtp.engine.tokenizer import REPLACEMENT_CHAR, Tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Ragged paged attention as one Pallas (Triton backend) GPU kernel.
 
-Same function as `jtp.attention.paged_attention_reference`: T flat query tokens of B rows
+Same function as `jtp.models.attention.paged_attention_reference`: T flat query tokens of B rows
 (decode tokens and prefill chunks mixed, each row's tokens contiguous), causal GQA over each
 row's pages of a [num_blocks, block_size, kv_heads, head_dim] cache.
 
@@ -36,7 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu  # masked loads/stores, compiler params
+from jax.experimental.pallas import (
+    triton as plgpu,  # masked loads/stores, compiler params
+)
 
 _MASKED = -1e30
 _LOG2E = math.log2(math.e)

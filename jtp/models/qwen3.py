@@ -14,15 +14,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import NamedSharding
 
-from jtp.attention import AttentionMetadata, LayerKV, PagedAttention, write_kv
-from jtp.config import ModelConfig
-from jtp.sharding import KV_CACHE_SPEC, kv_head_replicas
-from jtp.sources import RepeatedHeads, Source, StackedExperts, Tensor
-from jtp.models.layers import apply_rope, linear, rms_norm, rope_cos_sin, route_top_k, swiglu_mlp
-from jtp.moe import RoutedExperts
+from jtp.config.model_config import ModelConfig
+from jtp.loading.sources import RepeatedHeads, Source, StackedExperts, Tensor
+from jtp.models.attention import AttentionMetadata, LayerKV, PagedAttention, write_kv
+from jtp.models.layers import (
+    apply_rope,
+    linear,
+    rms_norm,
+    rope_cos_sin,
+    route_top_k,
+    swiglu_mlp,
+)
+from jtp.models.moe import RoutedExperts
+from jtp.parallel.sharding import KV_CACHE_SPEC, kv_head_replicas
 
 
 def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, attend: PagedAttention):

@@ -17,7 +17,7 @@ per-layer arrays. A step gathers each row's tokens into a padded [B, L] layout, 
 from the state in slot `meta.state_reads[b]` (the zero state when -1: a fresh sequence),
 scatters the outputs back to the flat token order and writes the final state to slot
 `meta.state_writes[b]` (the same slot, or another one when the read slot is a cached
-checkpoint that must stay intact; see jtp/state_pool.py). L is the
+checkpoint that must stay intact; see jtp/core/state_pool.py). L is the
 static bound `meta.query_bound` on tokens per row (T when unknown). L = 1 (a pure decode step)
 takes the single-token recurrence (conv-state update + one delta-rule step, HF's decode path);
 L > 1 the chunked rule, min(64, L) tokens per chunk, rows padded to a multiple of the chunk.
@@ -35,8 +35,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from jtp.attention import AttentionMetadata, LayerKV, PagedAttention, write_kv
-from jtp.config import ModelConfig
+from jtp.config.model_config import ModelConfig
+from jtp.loading.sources import (
+    FirstPresent,
+    FusedExperts,
+    Segment,
+    Source,
+    StridedRows,
+    Tensor,
+)
+from jtp.models import qwen3
+from jtp.models.attention import AttentionMetadata, LayerKV, PagedAttention, write_kv
 from jtp.models.layers import (
     apply_rope,
     gated_rms_norm,
@@ -45,18 +54,9 @@ from jtp.models.layers import (
     rope_cos_sin,
     swiglu_mlp,
 )
-from jtp.models import qwen3
+from jtp.models.moe import RoutedExperts
 from jtp.models.qwen3 import compute_logits, zeroed_layer_kv  # noqa: F401 - compute_logits is part of the family API
-from jtp.moe import RoutedExperts
-from jtp.sharding import CONV_STATE_SPEC, RECURRENT_STATE_SPEC
-from jtp.sources import (
-    FirstPresent,
-    FusedExperts,
-    Segment,
-    Source,
-    StridedRows,
-    Tensor,
-)
+from jtp.parallel.sharding import CONV_STATE_SPEC, RECURRENT_STATE_SPEC
 
 CHUNK = 64  # HF's chunk size for the chunked delta rule
 _HIGHEST = jax.lax.Precision.HIGHEST  # the recurrence is fp32 math; no TF32 shortcuts on GPUs

@@ -1,0 +1,1 @@
+"""Host bookkeeping, numpy only (never jax): requests, the scheduler, the KV page pool, recurrent-state slots, the prefix cache's hash chain, snapshots' registry, sampling parameters and the numpy step input sent to every process."""

@@ -1,0 +1,207 @@
+"""Sampling parameters of a request, checked at submit, and their per-step numpy packing.
+
+`SamplingParams` is what a caller asks for (vLLM's / OpenAI's field names); `pack_sampling` and
+`pack_penalty_tokens` lay a step's rows out as the numpy arrays the device sampler reads
+(`jtp.worker.sampler`). Host only: numpy, never jax.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from jtp.core.step_input import GREEDY_EPS, SamplingBatch, SamplingFlags  # noqa: F401 - numpy-only step inputs
+
+MAX_LOGPROBS = 20
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 => greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 or -1 => disabled
+    min_p: float = 0.0  # [0, 1]
+    repetition_penalty: float = 1.0  # > 0; HF semantics, over prompt + generated tokens
+    presence_penalty: float = 0.0  # [-2, 2]; OpenAI semantics, over generated tokens
+    frequency_penalty: float = 0.0  # [-2, 2]; OpenAI semantics, over generated tokens
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # host-side stop strings
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None => none; n >= 0 => chosen logprob + top-n
+    speculate: bool = True  # False: never draft for this request (when the engine speculates)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the field, its value and the allowed range."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        for name, kinds in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if not _is_type(value, kinds):
+                raise ValueError(f"{name} must be {_type_names(kinds)}, got {value!r}")
+
+        def check(name: str, ok: bool, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        check("max_tokens", self.max_tokens >= 1, ">= 1")
+        check("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
+              "a finite number >= 0")
+        check("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]")
+        if vocab_size is None:
+            check("top_k", self.top_k >= -1, "-1, 0 (disabled) or >= 1")
+        else:
+            check("top_k", -1 <= self.top_k <= vocab_size,
+                  f"-1, 0 (disabled) or in [1, {vocab_size}] (the vocab size)")
+        check("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]")
+        check("repetition_penalty",
+              math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "> 0")
+        check("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]")
+        check("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]")
+        if self.logprobs is not None:
+            check("logprobs", 0 <= self.logprobs <= MAX_LOGPROBS,
+                  f"None or in [0, {MAX_LOGPROBS}]")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must hold strings only, got {s!r}")
+        for t in self.stop_token_ids:
+            if not _is_type(t, (int,)) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                allowed = "ints >= 0" if vocab_size is None else f"ints in [0, {vocab_size})"
+                raise ValueError(f"stop_token_ids must hold {allowed}, got {t!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], vocab_size: int | None = None) -> "SamplingParams":
+        """Build from JSON-like input: unknown keys and wrong types are errors."""
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling params must be an object, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_FIELD_TYPES))
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(map(str, unknown))}; "
+                             f"allowed: {', '.join(_FIELD_TYPES)}")
+        for name, value in d.items():
+            if not _is_type(value, _FIELD_TYPES[name]):
+                raise ValueError(f"{name} must be {_type_names(_FIELD_TYPES[name])}, "
+                                 f"got {value!r}")
+        params = cls(**{k: (list(v) if isinstance(v, list) else v) for k, v in d.items()})
+        params.validate(vocab_size)
+        return params
+
+
+# field -> accepted types; `float` fields also take ints (JSON has one number type)
+_FIELD_TYPES: dict[str, tuple] = {
+    "max_tokens": (int,),
+    "temperature": (float,),
+    "top_p": (float,),
+    "top_k": (int,),
+    "min_p": (float,),
+    "repetition_penalty": (float,),
+    "presence_penalty": (float,),
+    "frequency_penalty": (float,),
+    "seed": (int, type(None)),
+    "stop": (str, list),
+    "stop_token_ids": (list,),
+    "ignore_eos": (bool,),
+    "logprobs": (int, type(None)),
+    "speculate": (bool,),
+}
+assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _is_type(value: Any, kinds: tuple) -> bool:
+    if isinstance(value, bool):  # bool is an int subclass; only accept it where asked
+        return bool in kinds
+    if isinstance(value, (int, np.integer)):
+        return int in kinds or float in kinds
+    if isinstance(value, (float, np.floating)):
+        return float in kinds
+    return isinstance(value, kinds)
+
+
+def _type_names(kinds: tuple) -> str:
+    names = {int: "an int", float: "a number", bool: "a bool", str: "a string",
+             list: "a list", type(None): "null"}
+    return " or ".join(names[k] for k in kinds)
+
+
+def request_seed(params: SamplingParams) -> int:
+    """The seed a request samples with: the user's, else a fresh random one."""
+    return params.seed if params.seed is not None else secrets.randbits(32)
+
+
+def pack_sampling(params: Sequence[SamplingParams | None], num_rows: int,
+                  seeds: Sequence[int], steps: Sequence[int]) -> SamplingBatch:
+    """Pack per-request params into arrays padded to `num_rows` (the row bucket).
+
+    `params[i]` is None for an empty row; rows past len(params) are padding.
+    Both get greedy, penalty-free defaults. `seeds[i]` is the request's seed
+    (see `request_seed`), `steps[i]` how many tokens it has generated so far.
+    """
+    n = len(params)
+    if n > num_rows or len(seeds) != n or len(steps) != n:
+        raise ValueError(f"pack_sampling: {n} params, {len(seeds)} seeds, {len(steps)} steps "
+                         f"for {num_rows} rows")
+
+    def column(get, default, dtype):
+        out = np.full((num_rows,), default, dtype)
+        for i, p in enumerate(params):
+            if p is not None:
+                out[i] = get(p, i)
+        return out
+
+    return SamplingBatch(
+        temperature=column(lambda p, i: p.temperature, 0.0, np.float32),
+        top_p=column(lambda p, i: p.top_p, 1.0, np.float32),
+        top_k=column(lambda p, i: max(p.top_k, 0), 0, np.int32),
+        min_p=column(lambda p, i: p.min_p, 0.0, np.float32),
+        repetition_penalty=column(lambda p, i: p.repetition_penalty, 1.0, np.float32),
+        presence_penalty=column(lambda p, i: p.presence_penalty, 0.0, np.float32),
+        frequency_penalty=column(lambda p, i: p.frequency_penalty, 0.0, np.float32),
+        seed=column(lambda p, i: seeds[i] % 2**32, 0, np.uint32),
+        step=column(lambda p, i: steps[i], 0, np.int32),
+        logprobs=column(lambda p, i: -1 if p.logprobs is None else p.logprobs, -1, np.int32),
+    )
+
+
+def pack_penalty_tokens(prompts: Sequence[Sequence[int] | None],
+                        outputs: Sequence[Sequence[int] | None], num_rows: int,
+                        min_length: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """Token history for penalties: (penalty_ids i32[B, L], penalty_is_output bool[B, L]).
+
+    Row i holds prompts[i] then outputs[i], padded with -1. L is rounded up to
+    a power of two (>= min_length) so the step compiles for few lengths.
+    """
+    rows = [(list(p or ()), list(o or ())) for p, o in zip(prompts, outputs, strict=True)]
+    longest = max((len(p) + len(o) for p, o in rows), default=0)
+    length = max(min_length, 1 << max(0, longest - 1).bit_length())
+    ids = np.full((num_rows, length), -1, np.int32)
+    is_output = np.zeros((num_rows, length), bool)
+    for i, (p, o) in enumerate(rows):
+        ids[i, :len(p) + len(o)] = p + o
+        is_output[i, len(p):len(p) + len(o)] = True
+    return ids, is_output
+
+
+# ----------------------------------------------------------------------------- device side
+
+

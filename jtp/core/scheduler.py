@@ -1,0 +1,579 @@
+"""Continuous-batching scheduler: which tokens of which requests run in the next step.
+
+Each step has a token budget (`max_num_batched_tokens`) and at most `max_num_seqs` rows.
+A row feeds a request's not-yet-computed tokens: one token for a request that is decoding,
+a chunk of the prompt for one that is prefilling. Order of service, every step:
+
+  1. every decoding request gets its one token (decode is never starved by a long prompt);
+  2. requests part-way through their prompt get chunks from what is left of the budget;
+  3. waiting requests are admitted first-come-first-served while their worst case
+     (prompt + max_tokens, in KV blocks) can be reserved and a row is free.
+
+Because the budget exceeds `max_num_seqs`, step 2/3 always get tokens: prompts are never
+starved by decode. Admission reserves the worst case, so an admitted request always runs
+to completion and the queue always drains.
+
+Prefix caching: a request starts from the longest prefix of its prompt whose KV blocks are
+cached (and, on hybrid models, whose recurrent state is: the hit ends at a checkpoint), and
+prefills only the rest. Full blocks are registered in the cache once their tokens are known on
+the host; on hybrid models a row that ends at a checkpoint position freezes its state slot
+(see `Scheduler._checkpoint`). At least one prompt token is always computed: its logits give
+the first output token.
+
+The result is a plain-numpy `StepPlan` padded to bucket sizes (see `Buckets`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections import deque
+
+import numpy as np
+
+from jtp.config.speculative import SpeculativeConfig, propose_ngram
+from jtp.core.block_hash import chain_key
+from jtp.core.page_pool import PagePool
+from jtp.core.sampling_params import SamplingParams
+from jtp.core.state_pool import StatePool
+from jtp.core.step_input import StepPlan
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V (and recurrent state) are in the cache
+    pending: int = 0  # tokens sampled by a dispatched step that the host has not seen yet
+    seq_slot: int = -1  # row of the device's sampled-token buffer while running
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    # Prefix cache
+    cached_tokens: int = 0  # prompt tokens whose KV (and state) came from the cache
+    block_keys: list[bytes] = dataclasses.field(default_factory=list)  # keys of the known full blocks
+    num_registered: int = 0  # leading blocks already offered to the cache
+    kv_hit_end: int = 0  # tokens of the longest cached KV prefix at admission (>= cached_tokens)
+    # Recurrent state (hybrid models): the slot holding the state at num_computed (-1: zero state),
+    # whether a slot is reserved for the next write, and checkpoints waiting for their block's key.
+    state_slot: int = -1
+    state_reserved: bool = False
+    pending_checkpoints: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (block, slot)
+    decode_checkpoint: tuple[int, int] | None = None  # the latest one past the prompt (block, slot)
+    # A verify step in flight: the slot with the state before its drafts (-1: none), which the
+    # request goes back to if a draft is rejected (`Scheduler.accepted`).
+    spec_state_kept: int = -1
+    mtp_drafts: list[int] = dataclasses.field(default_factory=list)  # the MTP head's guesses after the last token
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens that exist, on the host or (pending) on the device."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.pending
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    def token(self, position: int) -> int:
+        """The token at `position`; -1 for the pending one, which the device fills in itself."""
+        n = len(self.prompt_ids)
+        if position < n:
+            return self.prompt_ids[position]
+        return self.output_ids[position - n] if position - n < len(self.output_ids) else -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Static shapes of the jitted step: each dimension is padded up to one of these.
+
+    tokens: powers of two from 16 to max_num_batched_tokens (plus that value itself);
+    rows: powers of two from 8 to max_num_seqs. A pure decode step picks it from its row count;
+      a step with a longer row takes the most rows its token bucket can hold (padding rows
+      cost almost nothing there, and the step shape then depends on the tokens alone);
+    tokens per row: 1 in a pure decode step, else a power of four from 4, at most the tokens;
+    blocks per row: powers of four up to the blocks of max_model_len; just that maximum (rounded
+      up to 16) when attention cost does not depend on the table's width (the GPU kernels walk a
+      row's own pages; only the plain-jnp reference gathers the whole table).
+    The last two are coarse because they multiply every other dimension (see `shapes`).
+    """
+
+    tokens: tuple[int, ...]
+    rows: tuple[int, ...]
+    blocks: tuple[int, ...]
+    row_lens: tuple[int, ...]
+
+    @classmethod
+    def make(
+        cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, bucket_blocks: bool = True
+    ) -> "Buckets":
+        return cls(
+            tokens=_powers(16, max_num_batched_tokens),
+            rows=_powers(8, max_num_seqs),
+            # The GPU decode kernel reads a row's pages several per iteration, a count that must
+            # divide the table's width (else it falls back to one page per iteration, 4x the
+            # latency): round the width up to a multiple of 16 pages; the extra entries are 0.
+            blocks=_powers(1, max_blocks_per_seq, base=4) if bucket_blocks else (-(-max_blocks_per_seq // 16) * 16,),
+            row_lens=(1,) + _powers(4, max_num_batched_tokens, base=4),
+        )
+
+    @staticmethod
+    def pick(buckets: tuple[int, ...], n: int) -> int:
+        return next(b for b in buckets if b >= n)
+
+    def step_shape(self, num_tokens: int, num_rows: int, longest_row: int) -> tuple[int, int, int]:
+        """(tokens, rows, tokens per row) buckets of a step."""
+        T = self.pick(self.tokens, num_tokens)
+        if longest_row == 1:
+            return T, self.pick(self.rows, num_rows), 1
+        return T, self.pick(self.rows, min(T, self.rows[-1])), min(self.pick(self.row_lens, longest_row), T)
+
+    def shapes(self) -> list[tuple[int, int, int, int]]:
+        """Every (tokens, rows, tokens per row, blocks per row) the scheduler can pick, decode first."""
+        decode = {self.step_shape(n, n, 1) for n in range(1, self.rows[-1] + 1)}
+        # A step with a row of m >= 2 tokens has at least m tokens: any token bucket T >= m.
+        mixed = {
+            self.step_shape(T, 1, m)
+            for T in self.tokens
+            for m in {2} | {q for q in self.row_lens if 2 <= q <= T} | {T}
+        }
+        return [(T, B, q, M) for T, B, q in sorted(decode) + sorted(mixed) for M in self.blocks]
+
+
+def _powers(lo: int, hi: int, base: int = 2) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= base
+    return tuple(out) + (hi,)
+
+
+@dataclasses.dataclass
+class ScheduledRow:
+    request: Request
+    start: int  # first position fed this step
+    num_tokens: int
+    samples: bool = dataclasses.field(init=False)  # frozen now: the request grows once dispatched
+    state_read: int = -1  # recurrent-state slots (hybrid models)
+    state_write: int = -1
+    state_keep: int = -1  # a speculating row's state before its drafts (see Scheduler.accepted)
+    steps: int = 1  # tokens the row samples: several in a multi-step decode (one token fed, K sampled)
+    drafts: tuple[int, ...] = ()  # speculative tokens fed after the row's last known token
+
+    def __post_init__(self):
+        # The row reaches the end of the known tokens, so its last logits pick the next one.
+        self.samples = self.start + self.num_tokens - len(self.drafts) == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+        bucket_blocks: bool = True, states: StatePool | None = None, cache_root: bytes | None = None,
+        num_scheduler_steps: int = 1, speculative: SpeculativeConfig | None = None,
+    ):
+        """`states`: the recurrent-state pool of a hybrid model (None: attention only).
+        `cache_root`: the root key of the prefix cache's hash chain (None: prefix caching off).
+        `num_scheduler_steps`: the most decode steps one pure decode step may run on the device.
+        `speculative`: n-gram drafts for decode rows (attention-only models; the engine runs lockstep)."""
+        if max_num_batched_tokens <= max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_num_seqs ({max_num_seqs}) "
+                "so prefill always gets tokens alongside a full batch of decodes"
+            )
+        if states is not None and states.num_slots <= max_num_seqs:
+            raise ValueError(f"{states.num_slots} state slots cannot serve {max_num_seqs} running requests and checkpoints")
+        self.pool = pool
+        self.states = states
+        self.cache_root = cache_root
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_scheduler_steps = num_scheduler_steps
+        self.speculative = speculative
+        max_blocks = -(-max_model_len // pool.block_size)
+        self.buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, max_blocks, bucket_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_seq_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._release_after_dispatch: list[int] = []  # state slots the scheduled step still reads
+        # Counters: prompt tokens looked up / found in the prefix cache, prompt tokens computed.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.prompt_tokens_computed = 0
+        # Speculative decoding: drafted and accepted tokens, rows verified, recurrent states rolled back.
+        self.spec_draft_tokens = self.spec_accepted_tokens = self.spec_verified_rows = 0
+        self.spec_state_rollbacks = 0
+
+    @property
+    def caching(self) -> bool:
+        return self.cache_root is not None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Drop a finished or aborted request: its full blocks go to the prefix cache, the rest of
+        its blocks and its state slots are given back at once."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            if self.caching:
+                self._register(request)
+            self.pool.free(request.id)
+            self.free_seq_slots.append(request.seq_slot)
+            request.seq_slot = -1
+            if self.states is not None:
+                for _, slot in request.pending_checkpoints:  # their keys never became known
+                    self.states.release(slot)
+                request.pending_checkpoints.clear()
+                for slot in (request.state_slot, request.spec_state_kept):
+                    if slot >= 0:
+                        self.states.release(slot)
+                request.state_slot = request.spec_state_kept = -1
+                if request.state_reserved:
+                    self.states.unreserve()
+                    request.state_reserved = False
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
+        request.status = Status.FINISHED
+
+    def schedule(self) -> list[ScheduledRow]:
+        if self.caching:
+            for r in self.running:
+                self._register(r)
+        budget = self.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+        # A request whose last token is already pending has nothing left to run.
+        active = [r for r in self.running if r.num_generated < r.params.max_tokens]
+        decoding = [r for r in active if r.num_tokens - r.num_computed == 1]
+        prefilling = [r for r in active if r.num_tokens - r.num_computed > 1]
+        for r in decoding + prefilling:
+            if budget == 0:
+                break
+            chunk = self._chunk(r, budget)
+            # A row that reaches the last known token may append drafts (a decode row, or one that
+            # recomputes the tokens a hybrid's state rollback took back).
+            drafts = self._drafts(r, budget - chunk) if r.num_computed + chunk == r.num_tokens else ()
+            rows.append(ScheduledRow(r, r.num_computed, chunk + len(drafts), drafts=drafts))
+            budget -= rows[-1].num_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            r = self.waiting[0]
+            if not self._admit(r):
+                break  # FCFS: the head waits for blocks (or a state slot), nobody overtakes it
+            self.waiting.popleft()
+            self.running.append(r)
+            rows.append(ScheduledRow(r, r.num_computed, self._chunk(r, budget)))
+            budget -= rows[-1].num_tokens
+        steps = self._decode_steps(rows)
+        for row in rows:
+            row.steps = steps
+            self.pool.append_slots(row.request.id, row.start + row.num_tokens + steps - 1)
+            if self.states is not None:
+                self._assign_state_slots(row)
+        return rows
+
+    def dispatched(self, rows: list[ScheduledRow]) -> None:
+        """The step of these rows is on the device: advance the requests, make checkpoints."""
+        for row in rows:
+            # A speculating row's drafts count as computed only once accepted (`accepted`).
+            r, end = row.request, row.start + row.num_tokens - len(row.drafts) + row.steps - 1
+            r.num_computed = end
+            r.pending += row.samples * row.steps
+            self.prompt_tokens_computed += max(0, min(end, len(r.prompt_ids)) - row.start)
+            if self.states is not None and self.caching and not row.drafts:  # drafts: once accepted
+                self._checkpoint(r)
+        for slot in self._release_after_dispatch:
+            self.states.release(slot)
+        self._release_after_dispatch.clear()
+
+    def accepted(self, row: ScheduledRow, num_accepted: int) -> None:
+        """The target agreed with the row's first `num_accepted` drafts: their K/V is the sequence's;
+        the rest is discarded (the pool shrinks back to the computed tokens).
+
+        Hybrid models: a recurrent state cannot drop tokens, so a verify row writes two states: the
+        state after all its tokens (`state_write`, a fresh slot) and the state before its drafts
+        (`state_keep`, in place of the one it read). All drafts accepted: the first is the
+        request's. Else the request goes back to the second, and its next row recomputes the
+        accepted drafts (their K/V, already right, is written again with the same values): a
+        rollback costs num_accepted tokens of the next step and no memory beyond the slot in flight."""
+        r = row.request
+        self.spec_draft_tokens += len(row.drafts)
+        self.spec_accepted_tokens += num_accepted
+        self.spec_verified_rows += 1
+        if r.status is not Status.RUNNING:
+            r.num_computed += num_accepted
+            return  # finished or aborted meanwhile: `remove` gave everything back
+        self.pool.truncate(r.id, r.num_computed + num_accepted)
+        if self.states is None:
+            r.num_computed += num_accepted
+            return
+        kept, r.spec_state_kept = r.spec_state_kept, -1
+        if num_accepted == len(row.drafts):
+            r.num_computed += num_accepted
+            self.states.release(kept)
+        else:
+            self.states.release(r.state_slot)  # the state after the rejected drafts
+            r.state_slot = kept
+            self.spec_state_rollbacks += 1
+        if self.caching:
+            self._checkpoint(r)
+
+    def _drafts(self, r: Request, room: int) -> tuple[int, ...]:
+        """Drafts (n-gram, or the MTP head's) for a generating row whose last token the host knows, at
+        most `room` of them and never past max_tokens (the last token of a request is never drafted). On hybrid
+        models the row needs its own state slot (the state before the drafts goes there) and a
+        spare one (for the state after them), else it does not draft."""
+        spec = self.speculative
+        if (spec is None or r.pending or r.num_computed < len(r.prompt_ids) or not r.params.speculate
+                or r.params.has_penalties):
+            return ()
+        k = min(spec.num_speculative_tokens, room, r.params.max_tokens - r.num_generated - 1)
+        if spec.method == "mtp":  # the guesses the MTP head made in the step that produced the last token
+            drafts = tuple(r.mtp_drafts[: max(k, 0)])
+        else:
+            tokens = r.prompt_ids + r.output_ids
+            drafts = tuple(propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min))
+        if drafts and self.states is not None:
+            if r.state_slot < 0 or not self.states.is_exclusive(r.state_slot):
+                return ()
+            if not r.state_reserved:
+                if not self.states.reserve():
+                    return ()
+                r.state_reserved = True
+        return drafts
+
+    def _decode_steps(self, rows: list[ScheduledRow]) -> int:
+        """How many decode steps this step runs on the device: up to num_scheduler_steps when every
+        row decodes (a prompt chunk runs alone), as far as every row may still generate, one when a
+        row needs its exact token history (penalties), and on hybrids with prefix caching no
+        further than the next block boundary (where a row's state checkpoint is taken)."""
+        if self.num_scheduler_steps == 1 or not rows:
+            return 1
+        if any(row.num_tokens != 1 or not row.samples or row.request.params.has_penalties for row in rows):
+            return 1
+        steps = min(self.num_scheduler_steps, *(r.request.params.max_tokens - r.request.num_generated for r in rows))
+        if self.states is not None and self.caching:
+            bs = self.pool.block_size
+            steps = min(steps, *(bs - r.start % bs for r in rows))
+        return max(steps, 1)
+
+    # ------------------------------------------------------------------ admission, chunks
+
+    def _admit(self, r: Request) -> bool:
+        """Reserve the request's worst case, starting from its longest cached prefix; False
+        (nothing changed) when the pool cannot take it now."""
+        prefix, state_slot = [], -1
+        if self.caching:
+            keys = self._keys(r)
+            limit = (len(r.prompt_ids) - 1) // self.pool.block_size  # leave a token to compute
+            prefix = self.pool.lookup(keys[:limit])
+            r.kv_hit_end = len(prefix) * self.pool.block_size
+            prefix, state_slot = self.restorable(prefix, keys)
+        if self.states is not None:
+            if state_slot >= 0:
+                self.states.acquire(state_slot)
+            if not self.states.reserve():
+                if state_slot >= 0:
+                    self.states.release(state_slot)
+                return False
+        if not self.pool.reserve(r.id, r.max_total_tokens, prefix):
+            if self.states is not None:
+                self.states.unreserve()
+                if state_slot >= 0:
+                    self.states.release(state_slot)
+            return False
+        r.status, r.seq_slot = Status.RUNNING, self.free_seq_slots.pop()
+        r.num_computed = r.cached_tokens = len(prefix) * self.pool.block_size
+        r.num_registered = len(prefix)
+        r.state_slot, r.state_reserved = state_slot, self.states is not None
+        if self.caching:
+            self.prefix_queries += len(r.prompt_ids)
+            self.prefix_hits += r.cached_tokens
+        return True
+
+    def restorable(self, blocks: list[int], keys: list[bytes]) -> tuple[list[int], int]:
+        """The leading cached `blocks` (of the blocks keyed `keys`) a sequence can start from, and
+        the state slot it restores (-1: none). Hybrid models: the prefix must end at a state
+        checkpoint, so it is cut back to the last one."""
+        if self.states is None:
+            return blocks, -1
+        blocks = list(blocks)
+        while blocks and self.states.lookup(keys[len(blocks) - 1]) is None:
+            blocks.pop()
+        return blocks, self.states.lookup(keys[len(blocks) - 1]) if blocks else -1
+
+    def _chunk(self, r: Request, budget: int) -> int:
+        """Tokens of the request's next row: what is left, within the budget, ending at the next
+        checkpoint position on hybrid models (a row's end is the only place its state exists)."""
+        start = r.num_computed
+        end = min(r.num_tokens, start + budget)
+        for target in self._checkpoint_targets(r):
+            if start < target < end:
+                end = target
+        return end - start
+
+    def _checkpoint_targets(self, r: Request) -> tuple[int, ...]:
+        """Where a hybrid model's prompt keeps its state (block-aligned positions):
+        * the end of the cached KV prefix found at admission, when its state was not cached: the
+          point where this prompt left a shared one (a document many questions ask about), so
+          the next request with that prefix restores from here instead of from the start;
+        * the prompt's last block boundary (a repeat of the prompt, or a follow-up turn that
+          rewrites the answer, e.g. without its reasoning, continues from here)."""
+        if self.states is None or not self.caching:
+            return ()
+        last = (len(r.prompt_ids) - 1) // self.pool.block_size * self.pool.block_size
+        return (r.kv_hit_end, last)
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _keys(self, r: Request) -> list[bytes]:
+        """The request's block keys, extended over every full block of host-known tokens."""
+        bs, keys = self.pool.block_size, r.block_keys
+        known = len(r.prompt_ids) + len(r.output_ids)
+        while (len(keys) + 1) * bs <= known:
+            start = len(keys) * bs
+            keys.append(chain_key(keys[-1] if keys else self.cache_root, [r.token(p) for p in range(start, start + bs)]))
+        return keys
+
+    def _register(self, r: Request) -> None:
+        """Offer the request's computed full blocks (and frozen state checkpoints) to the cache,
+        as far as their tokens are known on the host (a pending token's block waits a step)."""
+        keys = self._keys(r)
+        full = min(len(keys), r.num_computed // self.pool.block_size)
+        for i in range(r.num_registered, full):
+            self.pool.cache_block(r.id, i, keys[i])
+        r.num_registered = max(r.num_registered, full)
+        waiting = []
+        for block, slot in r.pending_checkpoints:
+            if block < len(keys):
+                self.states.cache(slot, keys[block])  # False: an equal checkpoint exists; this one goes
+                self.states.release(slot)
+            else:
+                waiting.append((block, slot))
+        r.pending_checkpoints = waiting
+
+    def _checkpoint(self, r: Request) -> None:
+        """After a row: keep the request's state as a checkpoint if the row ended at a checkpoint
+        position (`_checkpoint_targets`, or a block boundary past the prompt: the latest such one
+        serves a follow-up turn that resends this conversation; earlier ones are dropped). The
+        slot is frozen (an extra hold), so the request's next row writes a fresh slot instead."""
+        bs, end = self.pool.block_size, r.num_computed
+        if end == 0 or end % bs or r.state_slot < 0:
+            return
+        in_prompt = end < len(r.prompt_ids)
+        if in_prompt and end not in self._checkpoint_targets(r):
+            return
+        if not r.state_reserved and not self.states.reserve():
+            return  # no spare slot for the request's next write: skip this checkpoint
+        r.state_reserved = True  # (a request holding no exclusive slot always has one reserved)
+        self.states.acquire(r.state_slot)
+        checkpoint = (end // bs - 1, r.state_slot)
+        r.pending_checkpoints.append(checkpoint)
+        if not in_prompt:
+            if r.decode_checkpoint is not None:
+                self._drop_checkpoint(r, r.decode_checkpoint)
+            r.decode_checkpoint = checkpoint
+
+    def _drop_checkpoint(self, r: Request, checkpoint: tuple[int, int]) -> None:
+        if checkpoint in r.pending_checkpoints:
+            r.pending_checkpoints.remove(checkpoint)
+            self.states.release(checkpoint[1])
+            return
+        block, slot = checkpoint
+        # Only if the slot still is that checkpoint and nobody holds it (a restore, a snapshot).
+        if block < len(r.block_keys) and self.states.lookup(r.block_keys[block]) == slot and not self.states.refs(slot):
+            self.states.uncache(slot)
+
+    def _assign_state_slots(self, row: ScheduledRow) -> None:
+        """The row reads the request's state slot and writes it in place, or writes a fresh slot
+        when the current one must stay intact (a checkpoint, a restored prefix, the zero state,
+        a speculating row's state before its drafts)."""
+        r = row.request
+        row.state_read = r.state_slot
+        if not row.drafts and r.state_slot >= 0 and self.states.is_exclusive(r.state_slot):
+            row.state_write = r.state_slot
+            if r.state_reserved:  # its checkpoint was a duplicate and went back: the slot is its own again
+                self.states.unreserve()
+                r.state_reserved = False
+            return
+        row.state_write = self.states.allocate()  # against the request's reservation
+        r.state_reserved = False
+        if row.drafts:  # the state before the drafts goes in place, kept until they are verified
+            row.state_keep = r.spec_state_kept = r.state_slot
+        elif r.state_slot >= 0:
+            self._release_after_dispatch.append(r.state_slot)
+        r.state_slot = row.state_write
+
+    def build_plan(self, rows: list[ScheduledRow]) -> StepPlan:
+        total = sum(r.num_tokens for r in rows)
+        longest = max(r.num_tokens for r in rows)
+        T, B, max_row_len = self.buckets.step_shape(total, len(rows), longest)
+        tables = [self.pool.block_table(r.request.id) for r in rows]
+        M = Buckets.pick(self.buckets.blocks, max(len(t) for t in tables))
+
+        token_ids = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        slot_mapping = np.full(T, -1, np.int32)
+        token_rows = np.zeros(T, np.int32)
+        block_tables = np.zeros((B, M), np.int32)
+        context_lens = np.zeros(B, np.int32)
+        row_starts = np.full(B, total, np.int32)
+        row_lens = np.zeros(B, np.int32)
+        seq_slots = np.full(B, -1, np.int32)
+        state_reads = np.full(B, -1, np.int32)
+        state_writes = np.full(B, -1, np.int32)
+        state_keeps = np.full(B, -1, np.int32)
+        # A verify step samples each row at 1 + k positions ([1 + k, B]): a speculating row's last
+        # known token and each draft; every other row repeats its one position.
+        verify = any(r.drafts for r in rows)
+        logits_indices = np.zeros((self.speculative.verify_positions, B) if verify else B, np.int32)
+        cursor = 0
+        for b, (row, table) in enumerate(zip(rows, tables)):
+            req, end = row.request, row.start + row.num_tokens
+            span = slice(cursor, cursor + row.num_tokens)
+            token_ids[span] = [req.token(p) for p in range(row.start, end - len(row.drafts))] + list(row.drafts)
+            positions[span] = np.arange(row.start, end)
+            slot_mapping[span] = self.pool.slot_mapping(req.id, row.start, end)
+            token_rows[span] = b
+            block_tables[b, : len(table)] = table
+            context_lens[b] = end
+            row_starts[b], row_lens[b], seq_slots[b] = cursor, row.num_tokens, req.seq_slot
+            state_reads[b], state_writes[b], state_keeps[b] = row.state_read, row.state_write, row.state_keep
+            if verify:
+                last = cursor + row.num_tokens - 1 - len(row.drafts)
+                logits_indices[:, b] = np.minimum(last + np.arange(len(logits_indices)), cursor + row.num_tokens - 1)
+            else:
+                logits_indices[b] = cursor + row.num_tokens - 1
+            cursor += row.num_tokens
+        return StepPlan(
+            token_ids, positions, slot_mapping, token_rows, block_tables, context_lens,
+            row_starts, row_lens, seq_slots, state_reads, state_writes, state_keeps, logits_indices,
+            max_row_len=max_row_len, num_steps=rows[0].steps,
+        )
+
+    def padding_plan(self, T: int, B: int, max_row_len: int, M: int, verify: bool = False) -> StepPlan:
+        """A step of the given shape with nothing in it: no K/V or state is written (warm-up).
+        `verify`: sample like a speculative verify step ([1 + k, B] logits indices)."""
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        logits_indices = zeros(self.speculative.verify_positions, B) if verify else zeros(B)
+        return StepPlan(
+            zeros(T), zeros(T), np.full(T, -1, np.int32), zeros(T), zeros(B, M), zeros(B),
+            zeros(B), zeros(B), *(np.full(B, -1, np.int32) for _ in range(4)), logits_indices,
+            max_row_len=max_row_len,
+        )

@@ -1,0 +1,168 @@
+"""A follower process: joins the leader's group, then runs exactly the operations the leader
+sends, in order, on its own devices. It schedules nothing and samples nothing of its own: each
+step arrives as a `StepInput` and goes through the same `ModelRunner.dispatch` as the leader's.
+
+    python -m jtp.entrypoints.follower     spawned by a local leader (reads $JTP_LAUNCH)
+    jtp serve ... --process-id 1 ...       one host of a launch across machines
+
+A reader thread takes the leader's messages; when the channel closes (the leader exited or was
+killed) the follower exits at once, even with its main thread stuck in a collective. A heartbeat
+thread tells the leader it is alive; every `digest_interval` steps it reports a digest of the
+sampled tokens so the leader can detect divergence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+
+from jtp.config.engine_args import EngineArgs, resolve_state_slots
+from jtp.distributed.control import Channel, ChannelError, Kind, connect_handshake
+from jtp.distributed.launcher import (
+    LaunchSpec,
+    describe_mesh,
+    fingerprint,
+    join_group,
+    split_address,
+)
+from jtp.errors import ConfigError
+
+log = logging.getLogger("jtp.distributed.follower")
+
+EXIT_LEADER_GONE = 75  # EX_TEMPFAIL: the group ended under us; a supervisor may start us again
+
+
+def connect(spec: LaunchSpec, timeout: float) -> Channel:
+    """Connect to the leader's control channel, retrying until it listens (or `timeout`)."""
+    host, port = split_address(spec.control_address)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=5)
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"no leader at {spec.control_address} within {timeout:.0f} s: {e}") from None
+            time.sleep(0.2)
+    return connect_handshake(sock, spec.secret)
+
+
+def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0) -> int:
+    channel = connect(spec, init_timeout)
+    channel.send(Kind.HELLO, json.dumps({"process_id": spec.process_id, "pid": os.getpid(),
+                                         "fingerprint": fingerprint(args)}).encode())
+    kind, payload = channel.recv()
+    welcome = json.loads(payload) if kind is Kind.WELCOME else {"refused": f"unexpected {kind.name}"}
+    if "refused" in welcome:
+        raise ConfigError(f"the leader refused process {spec.process_id}: {welcome['refused']}")
+
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_read, args=(channel, inbox), name="jtp-control-reader", daemon=True).start()
+    threading.Thread(target=_heartbeat, args=(channel, args.heartbeat_timeout / 4), name="jtp-heartbeat",
+                     daemon=True).start()
+
+    devices = join_group(spec, args.tensor_parallel_size // spec.num_processes, args.heartbeat_timeout)
+
+    from jtp.config.speculative import SpeculativeConfig
+    from jtp.core.step_input import StepInput
+    from jtp.distributed.group import tokens_digest
+    from jtp.worker.runner import ModelRunner
+
+    speculative = SpeculativeConfig.parse(args.speculative_config)  # the leader's: MTP changes the step
+
+    runner = ModelRunner(
+        args.model_dir(), args.tensor_parallel_size, None if args.dtype == "auto" else args.dtype,
+        block_size=args.block_size, max_seqs=args.max_num_seqs, devices=devices,
+        num_state_slots=resolve_state_slots(args.max_num_seqs, args.num_state_slots),
+        num_scheduler_steps=args.num_scheduler_steps, expert_parallel=args.enable_expert_parallel,
+        mtp_drafts=speculative.mtp_drafts if speculative else 0, load_format=args.load_format,
+    )
+    channel.send(Kind.READY, json.dumps(describe_mesh(devices)).encode())
+    log.info("follower %d ready: %d devices", spec.process_id, len(devices))
+    step = 0
+    pages: dict = {}  # this process's shards of snapshot pages between two PAGES operations
+    try:
+        while True:
+            kind, payload = inbox.get()
+            if kind is Kind.STEP:
+                result = runner.dispatch(StepInput.decode(payload))
+                if args.digest_interval and step % args.digest_interval == 0:
+                    threading.Thread(target=_send_digest, args=(channel, step, result, tokens_digest),
+                                     daemon=True).start()
+                step += 1
+            elif kind is Kind.ALLOCATE:
+                runner.allocate_cache(json.loads(payload)["num_blocks"])
+            elif kind is Kind.PAGES:
+                pages = _pages(runner, json.loads(payload), pages)
+            elif kind is Kind.SHUTDOWN:
+                log.info("follower %d: shutdown", spec.process_id)
+                runner.close()
+                import jax
+
+                jax.distributed.shutdown()  # leave JAX's runtime while the leader still hosts it
+                return 0
+            else:
+                raise RuntimeError(f"unexpected control message {kind.name}")
+    except Exception as e:
+        try:
+            channel.send(Kind.FAILED, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        except ChannelError:
+            pass
+        raise
+
+
+def _pages(runner, msg: dict, pages: dict) -> dict:
+    """Run one snapshot-pages operation as the leader runs it; returns the pages kept for the next."""
+    import numpy as np
+
+    ids = {k: np.asarray(msg[k], np.int32) for k in ("block_ids", "slot_ids", "block_rows", "slot_rows") if k in msg}
+    op = msg["op"]
+    if op == "gather":
+        return runner.gather_pages(ids["block_ids"], ids["slot_ids"])
+    if op == "write":
+        runner.write_pages(msg["path"], pages, msg["metadata"], msg["overwrite"])
+        return {}
+    if op == "read":
+        return runner.read_pages(msg["path"], msg["meta"])
+    if op == "scatter":
+        runner.scatter_pages(ids["block_ids"], ids["block_rows"], ids["slot_ids"], ids["slot_rows"], pages)
+        return {}
+    raise RuntimeError(f"unknown snapshot-pages operation {op!r}")
+
+
+def _read(channel: Channel, inbox: queue.Queue) -> None:
+    """Hand messages to the main thread; exit the process the moment the leader is gone."""
+    while True:
+        try:
+            kind, payload = channel.recv()
+            inbox.put((kind, payload))
+            if kind is Kind.SHUTDOWN:  # the leader closes the channel next: that is not a loss
+                return
+        except ChannelError as e:
+            print(f"jtp follower: the leader is gone ({e}); exiting", file=sys.stderr, flush=True)
+            os._exit(EXIT_LEADER_GONE)
+
+
+def _heartbeat(channel: Channel, interval: float) -> None:
+    while True:
+        time.sleep(interval)
+        try:
+            channel.send(Kind.HEARTBEAT)
+        except ChannelError:
+            return
+
+
+def _send_digest(channel: Channel, step: int, result, digest) -> None:
+    import jax
+
+    try:
+        tokens = jax.device_get(result.tokens)
+        channel.send(Kind.DIGEST, json.dumps({"step": step, "digest": digest(tokens)}).encode())
+    except Exception:  # noqa: BLE001 - a failed step is reported by the main loop
+        pass

@@ -1,0 +1,1 @@
+"""What users run: the `jtp` command line, the offline batch script and the HTTP server."""

@@ -1,0 +1,270 @@
+"""The `jtp` command line.
+
+    jtp serve    [engine flags] [server flags]          OpenAI-compatible HTTP API
+    jtp generate [engine flags] [sampling flags] PROMPT  complete one prompt ('-' reads stdin)
+    jtp batch    [engine flags] --input IN --output OUT  offline JSONL batch (jtp/entrypoints/batch.py)
+    jtp convert  --model DIR --output DIR                HF safetensors -> Orbax
+    jtp bench    [scripts/bench.py flags]                engine benchmark against rooflines
+
+With no --model the embedded demo checkpoint is used (built under checkpoints/ on first use).
+Engine flags are EngineArgs' (jtp/config/engine_args.py), named like vLLM's. Errors are one line on
+stderr with exit status 2 (usage, configuration, input) or 1; `--debug` or JTP_DEBUG=1 adds
+the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from jtp.config.engine_args import DTYPES, EngineArgs
+from jtp.distributed.launcher import is_follower
+from jtp.entrypoints.cli_support import (
+    EXIT_INTERRUPTED,
+    add_common_args,
+    interrupt_guard,
+    open_engine,
+    run_command,
+    run_follower,
+    setup_logging,
+)
+from jtp.errors import ConfigError, RequestError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text: the argument, stdin for '-', or --prompt-file; exactly as given, UTF-8 only."""
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise ConfigError("give exactly one prompt: an argument, '-' for stdin, or --prompt-file FILE")
+    if args.prompt_file is not None:
+        data, source = Path(args.prompt_file).read_bytes(), args.prompt_file
+    elif args.prompt == "-":
+        data, source = sys.stdin.buffer.read(), "the prompt on stdin"
+    else:
+        try:
+            args.prompt.encode("utf-8")
+            return _checked(args.prompt)
+        except UnicodeEncodeError:  # undecodable argv bytes arrive as lone surrogates
+            data, source = os.fsencode(args.prompt), "the prompt argument"
+    try:
+        return _checked(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise RequestError(f"{source} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
+def _checked(text: str) -> str:
+    if not text:
+        raise RequestError("the prompt is empty")
+    return text
+
+
+def sampling_params(args: argparse.Namespace):
+    from jtp.core.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, stop=args.stop or [], seed=args.seed, logprobs=args.logprobs,
+    )
+    try:
+        params.validate()
+    except ValueError as e:  # "top_p must be in (0, 1], got 2.0": name the flag instead of the field
+        field, _, why = str(e).partition(" ")
+        raise RequestError(f"--{field.replace('_', '-')} {why}") from None
+    return params
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.warmup = False  # one request compiles only the shapes it needs
+    engine_args.validate()  # bad flags and prompts fail before anything loads
+    if is_follower(engine_args):
+        return run_follower(engine_args)
+    text = read_prompt(args)
+    params = sampling_params(args)
+    with open_engine(engine_args) as engine:  # closed on every way out, Ctrl-C included
+        return _generate(engine, engine_args, args, text, params)
+
+
+def _generate(engine, engine_args: EngineArgs, args: argparse.Namespace, text: str, params) -> int:
+    tok = engine.tokenizer
+    if tok is None:
+        raise ConfigError(f"{engine_args.model_dir()}: no tokenizer.json, so text prompts cannot be encoded")
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    prompt_ids = tok.encode(text)
+    rid = engine.submit(prompt_ids, params)
+    if args.json:
+        print(json.dumps(_json_record(engine_args, engine.result(rid), prompt_ids), ensure_ascii=False))
+        return 0
+    for event in engine.stream(rid):
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0
+
+
+def _json_record(engine_args: EngineArgs, done, prompt_ids: list[int]) -> dict:
+    record = {
+        "model": engine_args.model_name(),
+        "text": done.text,
+        "token_ids": done.token_ids,
+        "prompt_token_ids": prompt_ids,
+        "finish_reason": done.finish_reason,
+        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(done.token_ids)},
+    }
+    if done.logprobs is not None:
+        record["logprobs"] = done.logprobs
+    if done.top_logprobs is not None:
+        record["top_logprobs"] = [{str(t): lp for t, lp in top.items()} for top in done.top_logprobs]
+    if engine_args.is_demo:
+        from jtp.demo import DEMO_LABEL
+
+        record["note"] = DEMO_LABEL
+    return record
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", help="the prompt text; '-' reads it from stdin (exactly, final newline included)")
+    p.add_argument("--prompt-file", help="read the prompt from this file (exactly, final newline included)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template as a user turn")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token_ids, prompt_token_ids, finish_reason, usage) "
+                        "instead of streaming text")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1, off)")
+    s.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (default: 0)")
+    s.add_argument("--stop", action="append", metavar="TEXT", help="stop before this text; repeat for several")
+    s.add_argument("--logprobs", type=int, metavar="N", default=None,
+                   help="with --json: each token's logprob and the N most likely alternatives")
+
+
+# ----------------------------------------------------------------------------- the other commands
+
+
+def cmd_serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
+    """Parse serve's flags here, so the server (and its imports) load only for `jtp serve`."""
+    try:
+        from jtp.entrypoints.server import add_server_args, run_server
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("jtp.entrypoints.server"):
+            raise ConfigError("this jtp has no HTTP server (jtp.entrypoints.server is missing)") from None
+        raise
+    vars(args).update(vars(build_serve_parser(add_server_args).parse_args(serve_argv)))  # --debug reaches run_command
+    setup_logging(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.validate()  # bad flags fail before the port is bound
+    return run_server(engine_args, args)  # opens the engine with the compilation cache (open_engine)
+
+
+def build_serve_parser(add_server_args) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jtp serve", description="Serve the OpenAI completions and chat "
+                                     "completions API (Starlette on uvicorn).")
+    add_common_args(parser)
+    EngineArgs.add_cli_args(parser)
+    add_server_args(parser)
+    return parser
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from jtp.entrypoints.batch import run_args
+
+    return run_args(args)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from jtp.loading.weights import convert_to_orbax
+
+    if not Path(args.model).is_dir():
+        raise ConfigError(f"--model {args.model}: no such directory")
+    out = convert_to_orbax(args.model, args.output, None if args.dtype == "auto" else args.dtype)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, bench_argv: list[str]) -> int:
+    """scripts/bench.py's main, so `jtp bench` and the script are the same program."""
+    import runpy
+
+    script = REPO_ROOT / "scripts" / "bench.py"
+    if not script.is_file():
+        raise ConfigError(f"jtp bench runs {script} from a source checkout, and it is not there")
+    return runpy.run_path(str(script), run_name="jtp_bench")["main"](bench_argv)
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def _version() -> str:
+    try:
+        return version("jtp")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jtp", description="JAX/XLA inference for the Qwen3 family")
+    parser.add_argument("--version", action="version", version=f"jtp {_version()}")
+    common = argparse.ArgumentParser(add_help=False)
+    add_common_args(common)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to run")
+
+    # serve and bench parse their own flags (everything after the command word): see cmd_serve.
+    serve = sub.add_parser("serve", add_help=False, help="OpenAI-compatible HTTP API (--help lists its flags)")
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", parents=[common], help="complete one prompt",
+                         description="Complete one prompt; the text streams to stdout.")
+    EngineArgs.add_cli_args(gen, serving=False)
+    add_generate_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    from jtp.entrypoints.batch import add_arguments as add_batch_args
+
+    batch = sub.add_parser("batch", parents=[common], help="offline batch: JSONL prompts in, JSONL completions out",
+                           description="Offline batch generation (greedy unless a line sets temperature); "
+                                       "resumable: rerun with the same --output.")
+    EngineArgs.add_cli_args(batch, serving=False)
+    add_batch_args(batch)
+    batch.set_defaults(func=cmd_batch)
+
+    conv = sub.add_parser("convert", parents=[common], help="HF safetensors -> Orbax checkpoint directory",
+                          description="Write a model directory whose weights are an Orbax checkpoint.")
+    conv.add_argument("--model", required=True, help="Hugging Face model directory to read")
+    conv.add_argument("--output", required=True, help="model directory to write (created if missing)")
+    conv.add_argument("--dtype", choices=DTYPES, default="auto", help="dtype to store (auto: the checkpoint's)")
+    conv.set_defaults(func=cmd_convert)
+
+    bench = sub.add_parser("bench", add_help=False, help="engine benchmark (scripts/bench.py; --help lists its flags)")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    with interrupt_guard():
+        try:
+            parser = build_parser()
+            args, rest = parser.parse_known_args(argv)
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+        if args.command in ("serve", "bench"):  # every flag after the command word is theirs
+            return run_command(lambda a: a.func(a, rest), args)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        setup_logging(args)
+        return run_command(args.func, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

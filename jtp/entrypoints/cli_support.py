@@ -1,0 +1,205 @@
+"""What every jtp command-line entry point shares (`jtp ...`, scripts/generate_offline.py).
+
+- `run_command`: a failure is one `error: ...` line on stderr and a non-zero exit (2 for
+  usage, configuration and input errors, 1 for anything else); the traceback only with
+  `--debug` or JTP_DEBUG=1. Ctrl-C exits 130 and a closed stdout pipe 141, both quietly.
+- `interrupt_guard()`: Ctrl-C is recorded as well as raised, because a KeyboardInterrupt
+  raised inside a JAX callback can come out as another exception, or as an "Exception ignored"
+  report and not at all. Long loops call `raise_if_interrupted()` between steps, and
+  `run_command` exits 130 whatever came out.
+- `open_engine`: build the engine from EngineArgs and report the devices, the mesh and the
+  KV pool on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from jtp.errors import JtpError
+
+if TYPE_CHECKING:
+    from jtp.config.engine_args import EngineArgs
+    from jtp.engine.engine import Engine
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2  # usage, configuration or input errors: the user can fix them
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what `cmd | head` reports for a C program
+
+_interrupted = False
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true",
+                   help="print the full traceback of an error (also JTP_DEBUG=1)")
+    p.add_argument("--log-level", default="WARNING", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging threshold (default: WARNING)")
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+
+
+def debug_enabled(args: argparse.Namespace | None = None) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("JTP_DEBUG", "") not in ("", "0")
+
+
+# ----------------------------------------------------------------------------- interrupts
+
+
+def interrupted() -> bool:
+    """True once Ctrl-C was pressed under `interrupt_guard`."""
+    return _interrupted
+
+
+def raise_if_interrupted() -> None:
+    if _interrupted:
+        raise KeyboardInterrupt
+
+
+def _on_sigint(signum, frame) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupt_guard():
+    """Record Ctrl-C (see the module docstring) from here on; entry points wrap all their work in it."""
+    global _interrupted
+    _interrupted = False
+    default_hook = sys.unraisablehook
+
+    def unraisable(info) -> None:  # a Ctrl-C that landed where it cannot propagate: recorded already
+        if not issubclass(info.exc_type, KeyboardInterrupt):
+            default_hook(info)
+
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    sys.unraisablehook = unraisable
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = default_hook
+        _interrupted = False
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _is_user_error(e: BaseException) -> bool:
+    return isinstance(e, (JtpError, OSError))
+
+
+def one_line(e: BaseException) -> str:
+    """The error as one line: multi-line messages (a list of checkpoint problems) joined by '; '."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        text = f"{e.filename}: {e.strerror}"
+    else:
+        text = str(e) or type(e).__name__
+    if not _is_user_error(e):
+        text = f"{type(e).__name__}: {text}"
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip()).replace(":; ", ": ")
+
+
+def _quiet_stdout() -> None:
+    # Later writes (and the interpreter's final flush) would raise again: send them nowhere.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a parsed command (under `interrupt_guard`); turn every way it can end into an exit status."""
+    try:
+        status = command(args)
+    except KeyboardInterrupt:
+        status = EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _quiet_stdout()
+        status = EXIT_BROKEN_PIPE
+    except Exception as e:  # noqa: BLE001 - the one place that turns errors into exit statuses
+        if _interrupted:  # what Ctrl-C became inside a callback: still an interrupt
+            status = EXIT_INTERRUPTED
+        else:
+            if debug_enabled(args):
+                traceback.print_exc()
+            user = _is_user_error(e)
+            hint = "" if user or debug_enabled(args) else " (--debug or JTP_DEBUG=1 shows the traceback)"
+            print(f"error: {one_line(e)}{hint}", file=sys.stderr)
+            status = EXIT_USAGE if user else EXIT_ERROR
+    return EXIT_INTERRUPTED if _interrupted else status
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+def enable_compilation_cache() -> None:
+    """Persist compiled steps across runs, so the second start of a model skips XLA compilation.
+
+    JTP_COMPILATION_CACHE sets the directory ("" turns it off); default ~/.cache/jtp/xla.
+    """
+    import jax
+
+    path = os.environ.get("JTP_COMPILATION_CACHE", str(Path.home() / ".cache" / "jtp" / "xla"))
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def note(message: str) -> None:
+    """A start-up / progress line for the user, on stderr so stdout stays the output."""
+    print(f"jtp: {message}", file=sys.stderr, flush=True)
+
+
+def open_engine(engine_args: EngineArgs) -> Engine:
+    """Validate, load and report: devices, mesh, KV pool, and whether the pool caps the context."""
+    engine_args.validate()
+    if engine_args.is_demo:
+        from jtp.demo import DEMO_LABEL
+
+        note(DEMO_LABEL)
+    enable_compilation_cache()
+    from jtp.engine.engine import Engine
+
+    engine = Engine.from_args(engine_args)
+    for line in describe_engine(engine):
+        note(line)
+    return engine
+
+
+def run_follower(engine_args: EngineArgs) -> int:
+    """This process is a follower of a launch across machines (--process-id >= 1): whatever the
+    command, it runs the leader's steps until told to stop."""
+    from jtp.distributed.follower import run_follower as follow
+    from jtp.distributed.launcher import LaunchSpec
+
+    return follow(engine_args, LaunchSpec.resolve(engine_args))
+
+
+def describe_engine(engine: Engine) -> list[str]:
+    mesh = engine.runner.mesh
+    devices = list(mesh.devices.flat)
+    kinds = ", ".join(sorted({d.device_kind for d in devices}))
+    platform = devices[0].platform
+    pool_tokens = engine.pool.total_blocks * engine.pool.block_size
+    per_device = engine.pool.total_blocks * engine.runner.bytes_per_block() / 2**20
+    lines = [
+        f"devices: {len(devices)} x {kinds}" + ("" if kinds == platform else f" ({platform})"),
+        "mesh: " + " x ".join(f"{name}={size}" for name, size in mesh.shape.items()),
+        f"KV pool: {engine.pool.total_blocks:,} blocks x {engine.pool.block_size} = {pool_tokens:,} tokens "
+        f"({per_device:,.1f} MiB per device); max_model_len {engine.max_model_len:,}",
+    ]
+    if pool_tokens < engine.max_model_len:
+        lines.append(
+            f"KV pool holds {pool_tokens:,} tokens < max_model_len {engine.max_model_len:,}: longer requests are "
+            "refused (raise --num-blocks / --gpu-memory-utilization or lower --max-model-len)"
+        )
+    return lines

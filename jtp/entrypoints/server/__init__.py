@@ -1,0 +1,19 @@
+"""The OpenAI-compatible HTTP API (`jtp serve`): Starlette on uvicorn.
+
+    protocol.py    request bodies checked and turned into jtp's terms
+    serving.py     the completions and chat endpoints: prompt -> engine requests -> response / SSE
+    generation.py  the n engine requests behind one API request, merged; aborts on disconnect
+    choices.py     one response choice built from engine events (streamed and whole alike)
+    logprobs.py    logprobs in the completions and chat shapes
+    reasoning.py   Qwen3 <think>...</think> split into reasoning_content, streaming-safe
+    metrics.py     Prometheus metrics under vLLM's names (jtp: prefix)
+    errors.py      the OpenAI error body; jtp's RequestErrors mapped to statuses
+    sse.py         server-sent events
+    app.py         routes, API key, build_app(engine, ...)
+    launch.py      add_server_args / run_server for `jtp serve`
+"""
+
+from jtp.entrypoints.server.app import build_app
+from jtp.entrypoints.server.launch import ServerArgs, add_server_args, run_server
+
+__all__ = ["build_app", "ServerArgs", "add_server_args", "run_server"]

@@ -1,0 +1,136 @@
+"""The Starlette app: routes, API-key check, and errors in the OpenAI shape.
+
+    POST /v1/completions, /v1/chat/completions    generation (JSON or SSE)
+    GET  /v1/models                               the served model
+    GET  /health  (alive)  /ready  (warmed up)  /metrics  (Prometheus)   never need a key
+
+No request can take the server down: whatever a handler raises becomes an error response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from typing import Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jtp.entrypoints.server.errors import RETRY_AFTER_SECONDS, APIError
+from jtp.entrypoints.server.metrics import ServerMetrics
+from jtp.entrypoints.server.serving import OpenAIServing
+from jtp.errors import RequestError
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def build_app(engine, model_name: str, api_key: str | None = None, reasoning_parser: str | None = None) -> Starlette:
+    """The OpenAI-compatible app over a started engine (the caller warms it up and closes it)."""
+    metrics = ServerMetrics(engine, model_name)
+    serving = OpenAIServing(engine, model_name, metrics, reasoning_parser)
+    created = int(time.time())
+
+    def api(handler: Handler, generates: bool = False) -> Handler:
+        """An /v1 route: key checked, errors answered in the OpenAI shape, never raised."""
+
+        async def route(request: Request) -> Response:
+            try:
+                _check_api_key(request, api_key)
+                if generates and not engine.ready.is_set():
+                    raise APIError("the model is still warming up; retry shortly", 503, code="not_ready",
+                                   headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+                return await handler(request)
+            except APIError as e:
+                return e.response()
+            except RequestError as e:
+                return APIError.from_request_error(e).response()
+            except Exception as e:  # noqa: BLE001 - a bad request must never take the server down
+                log.exception("%s %s failed", request.method, request.url.path)
+                return APIError(f"internal error: {type(e).__name__}: {e}", 500).response()
+
+        return route
+
+    async def completions(request: Request) -> Response:
+        body = await _json_body(request)
+        return await _cancel_on_disconnect(request, serving.completions(body))
+
+    async def chat(request: Request) -> Response:
+        body = await _json_body(request)
+        return await _cancel_on_disconnect(request, serving.chat(body))
+
+    async def models(request: Request) -> Response:
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "jtp",
+                "max_model_len": engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        if engine.ready.is_set():
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "warming up"}, 503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return APIError(exc.detail, exc.status_code, headers=exc.headers).response()
+
+    routes = [
+        Route("/v1/completions", api(completions, generates=True), methods=["POST"]),
+        Route("/v1/chat/completions", api(chat, generates=True), methods=["POST"]),
+        Route("/v1/models", api(models), methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app.state.metrics = metrics
+    return app
+
+
+def _check_api_key(request: Request, api_key: str | None) -> None:
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError("missing or wrong API key: send 'Authorization: Bearer <key>'", 401,
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _json_body(request: Request):
+    try:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(f"the request body is not valid JSON: {e}") from e
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run `work`, cancelling it if the client disconnects first (its engine requests are then
+    aborted). A streamed response returns at once; the stream watches for disconnects itself."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+        raise
+    finally:
+        watcher.cancel()

@@ -1,0 +1,209 @@
+"""`jtp serve`: build the engine, listen at once, warm up in the background, serve until stopped.
+
+/health answers as soon as the weights are loaded; /ready (and generation) wait for the
+warm-up to compile the step shapes. Ctrl-C ends every open stream with finish_reason "abort"
+before uvicorn waits for connections to close, then the engine is closed. SIGTERM drains:
+no new requests (503), the running ones get `--drain-timeout` seconds to finish, then the rest
+are aborted and the engine (and its follower processes) shut down.
+
+Multi-process groups: when a follower dies, hangs or diverges, the engine ends every request
+with a retryable error (HTTP 503, Retry-After), the server stops, the followers are reaped, and
+this process restarts its own image (JAX's runtime initialises once per process) keeping the
+listening socket, so clients that connect meanwhile wait in its backlog and are then served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+
+from jtp.config.engine_args import EngineArgs
+from jtp.distributed.launcher import is_follower
+from jtp.entrypoints.cli_support import note, open_engine, run_follower
+from jtp.entrypoints.server.app import build_app
+from jtp.entrypoints.server.reasoning import REASONING_PARSERS
+from jtp.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "JTP_API_KEY"
+
+
+@dataclasses.dataclass
+class ServerArgs:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    reasoning_parser: str | None = None
+    drain_timeout: float = 30.0
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port}: must be in [0, 65535] (0 picks a free port)")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"--reasoning-parser {self.reasoning_parser!r}: known parsers are "
+                              f"{', '.join(REASONING_PARSERS)}")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    d = ServerArgs()
+    p.add_argument("--host", default=d.host, help=f"address to listen on (default: {d.host}, this machine only)")
+    p.add_argument("--port", type=int, default=d.port, help=f"port to listen on (default: {d.port})")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help="on SIGTERM, seconds the running requests get to finish before they are aborted")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="return <think>...</think> as reasoning_content in chat responses")
+
+
+def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Namespace) -> int:
+    if isinstance(server_args, argparse.Namespace):
+        server_args = ServerArgs.from_cli_args(server_args)
+    server_args.validate()
+    if is_follower(engine_args):  # one host of a launch across machines: follow the leader
+        return run_follower(engine_args)
+    sock = _listen(server_args.host, server_args.port)  # before loading: a busy port fails fast
+    # A group restart re-executes this process; a duplicate of the socket keeps it listening.
+    keep_fd = os.dup(sock.fileno()) if engine_args.is_multiprocess else None
+    try:
+        engine = open_engine(engine_args)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        engine.start()
+        app = build_app(engine, engine_args.model_name(), server_args.api_key, server_args.reasoning_parser)
+        server = _Server(engine, uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10),
+                         server_args.drain_timeout)
+        warmup = _WarmUp(engine, engine_args.warmup, server)
+        warmup.start()
+        threading.Thread(target=_stop_on_failure, args=(engine, server), name="jtp-failure-watch", daemon=True).start()
+        host, port = sock.getsockname()[:2]
+        key = " (API key required)" if server_args.api_key else ""
+        note(f"serving {engine_args.model_name()!r} on http://{_url_host(host)}:{port}/v1{key}; "
+             f"/ready answers 200 after warm-up")
+        server.run(sockets=[sock])
+        status = 1 if warmup.failed and engine.failure is None else 0
+    finally:
+        engine.close()
+    if engine.failure is not None and keep_fd is not None:
+        _restart(keep_fd, engine.failure)
+    return status
+
+
+def _stop_on_failure(engine, server: uvicorn.Server) -> None:
+    engine.failed.wait()
+    note("the worker group failed; stopping the server to restart it")
+    server.should_exit = True
+
+
+RESTARTS_ENV = "JTP_RESTARTS"  # "count,first restart time" of recent group restarts
+LISTEN_FD_ENV = "JTP_LISTEN_FD"
+
+
+def _restart(listen_fd: int, reason: str) -> None:
+    """Re-execute this process (same interpreter and arguments) keeping the listening socket.
+    Restarts back off (1, 2, 4 ... 30 s) while they keep coming within ten minutes."""
+    count, first = (float(x) for x in os.environ.get(RESTARTS_ENV, "0,0").split(","))
+    now = time.time()
+    if now - first > 600:
+        count, first = 0, now
+    delay = 0.0 if count == 0 else min(30.0, 2 ** (count - 1))
+    note(f"restarting the worker group (restart {int(count) + 1}; in {delay:.0f} s): {reason}")
+    time.sleep(delay)
+    os.environ[RESTARTS_ENV] = f"{int(count) + 1},{first}"
+    os.environ[LISTEN_FD_ENV] = str(listen_fd)
+    os.set_inheritable(listen_fd, True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, sys.orig_argv)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn waits for open connections before it shuts down: end the engine's streams first."""
+
+    def __init__(self, engine, config: uvicorn.Config, drain_timeout: float = 0.0):
+        super().__init__(config)
+        self.engine, self.drain_timeout = engine, drain_timeout
+        self.drain = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM:  # drain, then exit 0 once the followers are reaped (uvicorn would
+            self.drain = True  # re-raise SIGTERM after serving and skip that)
+            self.should_exit = True
+            return
+        super().handle_exit(sig, frame)  # Ctrl-C aborts at once
+
+    async def shutdown(self, sockets=None) -> None:
+        for server in self.servers:
+            server.close()  # no new connections while the open streams end
+        if self.drain:
+            await asyncio.to_thread(self.engine.drain, self.drain_timeout)
+        await asyncio.to_thread(self.engine.stop)  # every unfinished request gets its "abort" event
+        await super().shutdown(sockets)
+
+
+class _WarmUp(threading.Thread):
+    """Compiles the step shapes while /health already answers; a failure stops the server."""
+
+    def __init__(self, engine, enabled: bool, server: uvicorn.Server):
+        super().__init__(name="jtp-warmup", daemon=True)
+        self.engine, self.enabled, self.server = engine, enabled, server
+        self.failed = False
+
+    def run(self) -> None:
+        try:
+            if self.enabled:
+                self.engine.warmup(progress=True)
+            self.engine.ready.set()
+            if not self.server.should_exit:
+                note("ready")
+        except Exception:  # noqa: BLE001 - reported, then the server exits non-zero
+            if self.engine.failure is not None:  # a group failure: the server restarts instead
+                return
+            log.exception("warm-up failed; stopping the server")
+            self.failed = True
+            self.server.should_exit = True
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    inherited = os.environ.pop(LISTEN_FD_ENV, None)
+    if inherited is not None:  # restarted after a worker-group failure: the socket never closed
+        sock = socket.socket(fileno=int(inherited))
+        os.set_inheritable(sock.fileno(), False)
+        return sock
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ConfigError(f"--host {host}: {e.strerror or e}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    # Listen now, not when uvicorn starts: once the address is announced, a client that connects
+    # waits in the backlog instead of being refused while the app is still being set up.
+    sock.listen(2048)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

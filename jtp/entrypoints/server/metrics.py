@@ -1,0 +1,118 @@
+"""Prometheus metrics under vLLM's names with a `jtp:` prefix, so vLLM dashboards carry over.
+
+Each app gets its own CollectorRegistry (tests build several apps in one process). Latency
+histograms and token counters are fed by the request handlers as events arrive; the running /
+waiting / KV-usage gauges and the prefix cache's counters and gauges are read from
+`engine.stats()` when Prometheus scrapes.
+Counts are per engine request: a request with n choices counts n times.
+
+Prefix cache (vLLM v1's `prefix_cache_queries` / `prefix_cache_hits`, in tokens, plus the older
+hit-rate gauge): queries are the prompt tokens of admitted requests, hits those of them whose KV
+came from the cache (a request's `usage.prompt_tokens_details.cached_tokens`). Both stay 0 with
+prefix caching off.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# Bucket edges in seconds, spanning a warm GPU decode step to a long generation on a CPU.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineStats(Collector):
+    """Gauges and counters sampled from the engine at scrape time."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def describe(self):
+        return []  # nothing to check at registration, and the engine is not asked until a scrape
+
+    def collect(self):
+        stats = self.engine.stats()
+        usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+        for name, doc, value in (
+            ("jtp:num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("jtp:num_requests_waiting", "Requests waiting to be admitted.", stats.num_waiting),
+            ("jtp:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", usage),
+            ("jtp:prefix_cache_hit_rate", "Fraction of queried prompt tokens served from the prefix cache.",
+             stats.prefix_cache_hit_rate),
+            ("jtp:prefix_cache_blocks", "KV cache blocks registered in the prefix cache.",
+             stats.prefix_cache_blocks),
+            ("jtp:num_snapshots", "Snapshots pinned in the prefix cache.", stats.num_snapshots),
+            ("jtp:spec_decode_acceptance_rate", "Fraction of drafted tokens the target model accepted.",
+             stats.spec_decode_acceptance_rate),
+            ("jtp:spec_decode_mean_accepted_length", "Tokens a verified speculating row emits on average.",
+             stats.spec_decode_mean_accepted_length),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], value)
+            yield gauge
+        for name, doc, value in (  # exposed with a _total suffix
+            ("jtp:prefix_cache_queries", "Prompt tokens of admitted requests looked up in the prefix cache.",
+             stats.prefix_cache_queries),
+            ("jtp:prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits),
+            ("jtp:spec_decode_num_drafts", "Speculating rows verified.", stats.spec_decode_num_drafts),
+            ("jtp:spec_decode_num_draft_tokens", "Tokens drafted.", stats.spec_decode_num_draft_tokens),
+            ("jtp:spec_decode_num_accepted_tokens", "Drafted tokens accepted.", stats.spec_decode_num_accepted_tokens),
+            ("jtp:spec_decode_num_state_rollbacks", "Hybrid rows whose recurrent state was rolled back "
+             "before a rejected draft.", stats.spec_decode_num_state_rollbacks),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], value)
+            yield counter
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine, model_name: str):
+        self.registry = CollectorRegistry()
+        label = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, label, buckets=buckets, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, label, registry=self.registry).labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "jtp:time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS)
+        self.time_per_output_token = histogram(
+            "jtp:time_per_output_token_seconds",
+            "Mean time between output tokens after the first, one observation per request.", TPOT_BUCKETS)
+        self.e2e_latency = histogram(
+            "jtp:e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
+        self.prompt_tokens = counter("jtp:prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("jtp:generation_tokens", "Tokens generated.")
+        self._success = Counter("jtp:request_success", "Requests finished, by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self._model_name = model_name
+        self.registry.register(_EngineStats(engine, model_name))
+
+    def first_token(self, prompt_tokens: int, seconds: float) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.time_to_first_token.observe(seconds)
+
+    def finished(self, reason: str, num_tokens: int, seconds: float, first_token_seconds: float | None) -> None:
+        self._success.labels(self._model_name, reason).inc()
+        self.e2e_latency.observe(seconds)
+        if first_token_seconds is not None and num_tokens > 1:
+            self.time_per_output_token.observe((seconds - first_token_seconds) / (num_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,231 @@
+"""Request bodies of the OpenAI API, checked and turned into jtp's terms.
+
+Known fields are type-checked (a wrong type is a 400 naming the field); fields this server
+does not know, such as `user` or `metadata`, are ignored as OpenAI clients expect. Fields
+that would change the result but are not implemented (`logit_bias`, `echo`, ...) are refused
+rather than silently ignored. `null` means "not given" for every optional field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jtp.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from jtp.entrypoints.server.errors import APIError
+
+MAX_N = 128  # choices per request; each is a separate engine request
+
+# field -> accepted JSON types; a `float` field also takes an int, an `int` field never a bool
+_SAMPLING_FIELDS: dict[str, tuple] = {
+    "temperature": (float,),
+    "top_p": (float,),
+    "top_k": (int,),
+    "min_p": (float,),
+    "presence_penalty": (float,),
+    "frequency_penalty": (float,),
+    "repetition_penalty": (float,),
+    "stop": (str, list),
+    "stop_token_ids": (list,),
+    "ignore_eos": (bool,),
+    "speculate": (bool,),  # jtp: false opts this request out of speculative decoding
+}
+_COMMON_FIELDS: dict[str, tuple] = {
+    **_SAMPLING_FIELDS,
+    "model": (str,),
+    "n": (int,),
+    "stream": (bool,),
+    "stream_options": (dict,),
+    "max_tokens": (int,),
+    "seed": (int,),
+    "logit_bias": (dict,),
+}
+_COMPLETION_FIELDS: dict[str, tuple] = {
+    **_COMMON_FIELDS,
+    "prompt": (str, list),
+    "logprobs": (int,),
+    "echo": (bool,),
+    "suffix": (str,),
+    "best_of": (int,),
+}
+_CHAT_FIELDS: dict[str, tuple] = {
+    **_COMMON_FIELDS,
+    "messages": (list,),
+    "logprobs": (bool,),
+    "top_logprobs": (int,),
+    "max_completion_tokens": (int,),
+    "chat_template_kwargs": (dict,),
+    "tools": (list,),
+    "response_format": (dict,),
+}
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """What both endpoints share: how many choices, how to sample, how to stream."""
+
+    model: str | None
+    n: int
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None  # None: the endpoint's default
+    seed: int | None
+    num_logprobs: int | None  # None: no logprobs; k: the sampled token's plus the top k
+    sampling: dict[str, Any]  # the remaining SamplingParams fields that were given
+
+
+@dataclasses.dataclass
+class CompletionRequest(GenerationRequest):
+    prompts: list[str | list[int]]  # one or more; each gets n choices
+
+
+@dataclasses.dataclass
+class ChatRequest(GenerationRequest):
+    messages: list[dict]
+    tools: list[dict] | None
+    template_kwargs: dict[str, Any]
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    fields = _checked(body, _COMPLETION_FIELDS)
+    _refuse_unsupported(fields)
+    if fields.get("echo"):
+        raise APIError("echo is not supported", param="echo")
+    if fields.get("suffix"):
+        raise APIError("suffix is not supported", param="suffix")
+    n = _n(fields)
+    if fields.get("best_of", n) != n:
+        raise APIError("best_of other than n is not supported", param="best_of")
+    logprobs = fields.get("logprobs")
+    _check_range("logprobs", logprobs, 0, MAX_LOGPROBS)
+    return CompletionRequest(
+        **_common(fields, n, fields.get("max_tokens")),
+        num_logprobs=logprobs,
+        prompts=_prompts(fields.get("prompt")),
+    )
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    fields = _checked(body, _CHAT_FIELDS)
+    _refuse_unsupported(fields)
+    response_format = fields.get("response_format") or {"type": "text"}
+    if response_format.get("type") != "text":
+        raise APIError("only response_format {\"type\": \"text\"} is supported", param="response_format")
+    top = fields.get("top_logprobs")
+    _check_range("top_logprobs", top, 0, MAX_LOGPROBS)
+    if top is not None and not fields.get("logprobs"):
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+    max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
+    return ChatRequest(
+        **_common(fields, _n(fields), max_tokens),
+        num_logprobs=(top or 0) if fields.get("logprobs") else None,
+        messages=_messages(fields.get("messages")),
+        tools=fields.get("tools"),
+        template_kwargs=fields.get("chat_template_kwargs") or {},
+    )
+
+
+def sampling_params(req: GenerationRequest, max_tokens: int, choice: int) -> SamplingParams:
+    """The engine parameters of one choice. With a seed, choice j samples with seed + j:
+    reproducible, yet the n choices differ. Values are checked by the engine at submit."""
+    seed = None if req.seed is None else req.seed + choice
+    return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=req.num_logprobs, **req.sampling)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _checked(body: Any, known: dict[str, tuple]) -> dict[str, Any]:
+    """The known, non-null fields of the body, each of an accepted type."""
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    fields = {k: v for k, v in body.items() if k in known and v is not None}
+    for name, value in fields.items():
+        if not _is_type(value, known[name]):
+            raise APIError(f"{name} must be {_type_names(known[name])}, got {value!r}", param=name)
+    return fields
+
+
+def _is_type(value: Any, kinds: tuple) -> bool:
+    if isinstance(value, bool):  # bool is an int subclass in Python, not in JSON
+        return bool in kinds
+    if isinstance(value, int):
+        return int in kinds or float in kinds
+    return isinstance(value, kinds)
+
+
+def _type_names(kinds: tuple) -> str:
+    names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "an array",
+             dict: "an object"}
+    return " or ".join(names[k] for k in kinds)
+
+
+def _check_range(name: str, value: int | None, low: int, high: int) -> None:
+    if value is not None and not low <= value <= high:
+        raise APIError(f"{name} must be in [{low}, {high}], got {value}", param=name)
+
+
+def _refuse_unsupported(fields: dict[str, Any]) -> None:
+    if fields.get("logit_bias"):
+        raise APIError("logit_bias is not supported", param="logit_bias")
+
+
+def _n(fields: dict[str, Any]) -> int:
+    n = fields.get("n", 1)
+    _check_range("n", n, 1, MAX_N)
+    return n
+
+
+def _common(fields: dict[str, Any], n: int, max_tokens: int | None) -> dict[str, Any]:
+    options = fields.get("stream_options") or {}
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise APIError(f"stream_options.include_usage must be a boolean, got {include_usage!r}",
+                       param="stream_options")
+    return dict(
+        model=fields.get("model"),
+        n=n,
+        stream=fields.get("stream", False),
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        seed=fields.get("seed"),
+        sampling={k: v for k, v in fields.items() if k in _SAMPLING_FIELDS},
+    )
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A string, a token id list, or a list of either (a batch)."""
+    if prompt is None:
+        raise APIError("prompt is required", param="prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(_is_type(t, (int,)) for t in prompt):
+        return [prompt]
+    if prompt and all(isinstance(p, str) or (isinstance(p, list) and p and all(_is_type(t, (int,)) for t in p))
+                      for p in prompt):
+        return list(prompt)
+    raise APIError("prompt must be a string, a non-empty array of token ids, or an array of those",
+                   param="prompt")
+
+
+def _messages(messages: Any) -> list[dict]:
+    if not messages:
+        raise APIError("messages must be a non-empty array", param="messages")
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def _message(message: Any, i: int) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise APIError(f"{where} must be an object with a string role", param="messages")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: only text can reach a text model
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise APIError(f"{where}: only text content parts are supported", param="messages")
+            texts.append(part["text"])
+        message = {**message, "content": "\n".join(texts)}
+    elif content is not None and not isinstance(content, str):
+        raise APIError(f"{where}.content must be a string, an array of text parts or null", param="messages")
+    return message

@@ -1,0 +1,1 @@
+"""Weights onto the mesh: tensor sources, safetensors and Orbax loaders, dummy weights."""

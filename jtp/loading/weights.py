@@ -1,0 +1,251 @@
+"""Checkpoint loading: Hugging Face safetensors (single file or sharded) -> sharded jax.Arrays.
+
+Each parameter is described by a `Source` (jtp/loading/sources.py) that knows its global shape and how
+to read any rectangular slice of it from the checkpoint. `jax.make_array_from_callback` asks for exactly
+the slice each local device owns, and safetensors reads only those bytes, so no process
+materialises a whole tensor-parallel weight matrix on the host.
+
+The same parameter tree can be saved to / restored from Orbax (`jtp convert`), restoring
+straight into the target sharding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+from jtp.config.engine_args import LOAD_FORMATS
+from jtp.config.model_config import ModelConfig
+from jtp.errors import CheckpointError
+from jtp.loading.dummy_weights import random_params
+from jtp.loading.param_tree import flatten, repeat_kv_heads, unflatten
+from jtp.loading.sources import FirstPresent, Source
+from jtp.models import family_of
+from jtp.parallel.sharding import (
+    kv_head_replicas,
+    named_sharding,
+    replicated,
+    tp_size,
+    validate_tp,
+)
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ORBAX_SUBDIR = "orbax"
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+class SafetensorsCheckpoint:
+    """All tensors of a model directory, by name, whichever file holds them."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (model_dir / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise CheckpointError(
+                f"{model_dir}: no model.safetensors or model.safetensors.index.json (random weights from "
+                "config.json alone, for benchmarks: --load-format dummy)"
+            )
+        self._handles = {}
+        self._file_of: dict[str, str] = {}
+        for file in files:
+            path = model_dir / file
+            if not path.is_file():
+                raise CheckpointError(f"{index}: lists {file}, which does not exist")
+            try:
+                handle = safe_open(str(path), framework="numpy")
+            except Exception as e:  # safetensors' own error type names no file: name it here
+                raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
+            self._handles[file] = handle
+            for name in handle.keys():
+                self._file_of[name] = file
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """Only the bytes of `index` are read from disk."""
+        sl = self._slice(name)
+        return np.asarray(sl[index] if index else sl[:])
+
+    def _slice(self, name: str):
+        if name not in self._file_of:
+            raise CheckpointError(f"checkpoint has no tensor {name!r}")
+        return self._handles[self._file_of[name]].get_slice(name)
+
+
+# ----------------------------------------------------------------------------- checking a layout
+
+# Checkpoint tensors that carry no parameter of ours.
+IGNORED_TENSORS = [r"\.rotary_emb\.inv_freq$"]
+# Whole parts of a checkpoint that jtp does not run (multi-token-prediction head, vision tower):
+# skipped with one log line, never an error.
+SKIPPED_TENSORS = [r"^mtp\.", r"^model\.visual\."]
+
+
+def resolve_layout(layout: dict[str, Source], ckpt: SafetensorsCheckpoint) -> dict[str, Source]:
+    names = ckpt.names
+    return {k: (s.resolve(names) if isinstance(s, FirstPresent) else s) for k, s in layout.items()}
+
+
+def check_checkpoint(ckpt: SafetensorsCheckpoint, layout: dict[str, Source], cfg: ModelConfig) -> None:
+    """Every expected tensor present with its shape, nothing unexplained left over."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for source in layout.values():
+        expected.update(source.expected())
+    problems = []
+    for name, shape in expected.items():
+        if name not in ckpt.names:
+            problems.append(f"missing tensor {name!r} (expected shape {list(shape)})")
+        elif ckpt.shape(name) != shape:
+            problems.append(
+                f"tensor {name!r} has shape {list(ckpt.shape(name))} in the checkpoint, "
+                f"but the config implies {list(shape)}"
+            )
+    ignored = list(IGNORED_TENSORS)
+    if cfg.tie_word_embeddings:
+        ignored.append(r"^lm_head\.weight$")  # tied: HF ignores a stored copy too
+    leftover = ckpt.names - expected.keys()
+    skipped = {n for n in leftover if any(re.search(p, n) for p in SKIPPED_TENSORS)}
+    if skipped:
+        log.info("skipping %d checkpoint tensor(s) jtp does not use (mtp.*, model.visual.*)", len(skipped))
+    unexpected = sorted(n for n in leftover - skipped if not any(re.search(p, n) for p in ignored))
+    if unexpected:
+        shown = ", ".join(repr(n) for n in unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
+        problems.append(f"{len(unexpected)} unexpected tensor(s) for {cfg.model_type}: {shown}")
+    if problems:
+        raise CheckpointError("checkpoint does not match config.json:\n  " + "\n  ".join(problems))
+
+
+def resolve_dtype(cfg: ModelConfig, dtype: str | None):
+    name = cfg.dtype if dtype in (None, "auto") else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_params(
+    model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False, mtp: bool = False,
+    load_format: str = "auto",
+) -> dict:
+    """Load a model directory (safetensors, or an Orbax checkpoint written by `jtp convert`).
+
+    expert_parallel: split the routed experts over the devices whole instead of inside each expert.
+    mtp: also load the multi-token-prediction head (params["mtp"]), for MTP speculative decoding.
+    load_format: "auto" reads the weights; "dummy" draws random ones from config.json alone
+    (jtp/loading/dummy_weights.py: for benchmarks).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise CheckpointError(f"load format {load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
+    model_dir = Path(model_dir)
+    tp = tp_size(mesh)
+    validate_tp(cfg, tp, expert_parallel)
+    if mtp and not cfg.mtp_layers:
+        raise CheckpointError(
+            f"speculative method 'mtp' needs a checkpoint with an MTP head; this {cfg.model_type} config declares "
+            "none (mtp_num_hidden_layers / num_nextn_predict_layers)"
+        )
+    if load_format == "dummy":
+        return random_params(cfg, mesh, dtype, expert_parallel, mtp)
+    if not any(model_dir.glob("*.safetensors")) and (model_dir / ORBAX_SUBDIR).is_dir():
+        if mtp:
+            raise CheckpointError("the MTP head is not kept in Orbax checkpoints (`jtp convert`); serve the safetensors")
+        return restore_orbax(model_dir / ORBAX_SUBDIR, cfg, mesh, dtype, expert_parallel)
+    ckpt = SafetensorsCheckpoint(model_dir)
+    family = family_of(cfg)  # only the hybrids' layout has an MTP head (checked above: mtp_layers > 0)
+    layout = resolve_layout(family.param_layout(cfg, tp, mtp=True) if mtp else family.param_layout(cfg, tp), ckpt)
+    check_checkpoint(ckpt, layout, cfg)
+    host_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
+    flat = {}
+    for path, source in layout.items():
+        read: Callable = lambda index, s=source: s.read(ckpt, index).astype(host_dtype, copy=False)
+        sharding = named_sharding(mesh, path, source.shape, expert_parallel)
+        flat[path] = jax.make_array_from_callback(source.shape, sharding, read)
+    return unflatten(flat, cfg.num_layers)
+
+
+# ----------------------------------------------------------------------------- orbax
+
+
+def _canonical(flat: dict[str, jax.Array], cfg: ModelConfig, tp: int) -> dict[str, jax.Array]:
+    """Undo KV-head replication, so an Orbax checkpoint does not depend on the tp it was saved with."""
+    replicas = kv_head_replicas(cfg, tp)
+    if replicas == 1:
+        return flat
+    out = dict(flat)
+    for path, value in flat.items():
+        if re.search(r"\.(k|v)_(proj|bias)$", path):
+            heads = value.reshape(cfg.num_kv_heads, replicas, cfg.head_dim, *value.shape[1:])
+            out[path] = heads[:, 0].reshape(cfg.kv_size, *value.shape[1:])
+    return out
+
+
+def save_orbax(params: dict, cfg: ModelConfig, tp: int, path: str | Path) -> None:
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    if path.exists():
+        shutil.rmtree(path)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, _canonical(flatten(params), cfg, tp))
+
+
+def restore_orbax(path: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False) -> dict:
+    """Restore into the mesh's sharding: each device reads its own slice from the Orbax files."""
+    import orbax.checkpoint as ocp
+
+    tp = tp_size(mesh)
+    family = family_of(cfg)
+    canonical = family.param_layout(cfg, 1)
+    target = family.param_layout(cfg, tp)
+    abstract = {}
+    for path_, source in canonical.items():
+        needs_repeat = target[path_].shape != source.shape
+        # Replicated KV heads are restored whole (they are small) and repeated on device below.
+        sharding = replicated(mesh) if needs_repeat else named_sharding(mesh, path_, source.shape, expert_parallel)
+        abstract[path_] = jax.ShapeDtypeStruct(source.shape, dtype, sharding=sharding)
+    with ocp.StandardCheckpointer() as ckptr:
+        flat = ckptr.restore(Path(path).absolute(), abstract)
+    for path_, source in target.items():
+        if source.shape != canonical[path_].shape:
+            flat[path_] = jax.device_put(repeat_kv_heads(flat[path_], cfg, tp), named_sharding(mesh, path_, source.shape))
+    return unflatten(dict(flat), cfg.num_layers)
+
+
+def convert_to_orbax(model_dir: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """`jtp convert`: HF safetensors directory -> model directory with an Orbax checkpoint."""
+    from jtp.parallel.sharding import make_mesh
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    mesh = make_mesh(1)
+    params = load_params(model_dir, cfg, mesh, resolve_dtype(cfg, dtype))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_orbax(params, cfg, 1, out_dir / ORBAX_SUBDIR)
+    # Everything but the weights travels along, so the result is a complete model directory.
+    for f in model_dir.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out_dir / f.name)
+    return out_dir

@@ -1,0 +1,170 @@
+"""Paged attention: where K/V live and how a ragged batch of query tokens reads them.
+
+The KV cache of one layer is a pair of page arrays [num_blocks, block_size, kv_heads, head_dim].
+A step processes T flattened query tokens that belong to B batch rows (decode tokens and
+prefill chunks mixed); `AttentionMetadata` says, for each token, where its K/V goes and which
+row it belongs to, and for each row, which pages hold its context.
+
+The model only calls `write_kv` and the `PagedAttention` it is given; a fast GPU kernel replaces
+the reference implementation behind it without touching the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jtp.kernels import ragged_paged_attention, supported
+
+# Masked scores use a large finite value, not -inf: a padding token whose row has no context
+# then yields a harmless uniform softmax instead of NaN.
+_MASKED = -1e30
+
+
+class AttentionMetadata(NamedTuple):
+    positions: jax.Array  # i32[T] absolute position of each query token (also drives RoPE)
+    slot_mapping: jax.Array  # i32[T] flat cache slot (block * block_size + offset); -1 = padding, not written
+    token_rows: jax.Array  # i32[T] batch row of each token
+    block_tables: jax.Array  # i32[B, max_blocks] pages of each row, in order
+    context_lens: jax.Array  # i32[B] tokens in each row's cache once this step's K/V are written
+    # Per-row views of the ragged batch, for layers that scan a row's tokens in order (DeltaNet):
+    row_starts: jax.Array  # i32[B] index in T of each row's first query token
+    row_lens: jax.Array  # i32[B] query tokens of each row in this step (0 = padding row)
+    # Recurrent-state slots (hybrid models): each row restores its state from state_reads (-1: the
+    # zero state of a fresh sequence) and writes its final state to state_writes (-1: padding row).
+    state_reads: jax.Array
+    state_writes: jax.Array
+    # i32[L] = arange(L): only its static length matters, a bucketed bound on row_lens (L = 1 in a
+    # pure decode step), so per-row layouts can be [B, L] instead of [B, T]. None: no bound known.
+    query_bound: jax.Array | None = None
+    # Verify steps (speculative decoding) on hybrid models: each row also writes its state after its
+    # first keep_lens[b] tokens (those before its drafts) to slot state_keeps[b] (-1: none). None otherwise.
+    state_keeps: jax.Array | None = None
+    keep_lens: jax.Array | None = None
+
+
+class LayerKV(NamedTuple):
+    k: jax.Array  # [num_blocks, block_size, kv_heads, head_dim]
+    v: jax.Array
+
+
+def write_kv(cache: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:
+    """Scatter this step's k/v [T, kv_heads, head_dim] into their slots; padding (-1) is dropped."""
+    num_blocks, block_size = cache.k.shape[:2]
+    num_slots = num_blocks * block_size
+    # Out-of-range indices are dropped by mode="drop"; -1 would wrap around, so send it past the end.
+    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
+
+    def scatter(pages, new):
+        flat = pages.reshape(num_slots, *pages.shape[2:])
+        flat = flat.at[slots].set(new.astype(pages.dtype), mode="drop")
+        return flat.reshape(pages.shape)
+
+    return LayerKV(scatter(cache.k, k), scatter(cache.v, v))
+
+
+def paged_attention_reference(q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float) -> jax.Array:
+    """Causal GQA attention of q [T, q_heads, D] over each token's row context, in plain jnp.
+
+    Gathers every token's context pages (T x max_blocks x block_size keys): simple and exact,
+    meant for CPUs, tests and as the yardstick of the GPU kernels.
+    """
+    T, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = cache.k.shape
+    group = num_q_heads // num_kv_heads
+
+    tables = meta.block_tables[meta.token_rows]  # [T, max_blocks]
+    slots = (tables[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, -1)  # [T, S]
+    flat_k = cache.k.reshape(-1, num_kv_heads, head_dim)
+    flat_v = cache.v.reshape(-1, num_kv_heads, head_dim)
+    keys, values = flat_k[slots], flat_v[slots]  # [T, S, kv_heads, D]
+
+    qg = q.reshape(T, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, preferred_element_type=jnp.float32) * scale
+    key_pos = jnp.arange(slots.shape[1])
+    visible = (key_pos[None, :] <= meta.positions[:, None]) & (
+        key_pos[None, :] < meta.context_lens[meta.token_rows][:, None]
+    )
+    scores = jnp.where(visible[:, None, None, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("tkgs,tskd->tkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    return out.reshape(T, num_q_heads, head_dim).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+IMPLS = ("kernel", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    """The attention a model calls, with its implementation and mesh fixed up front.
+
+    ModelRunner builds one (`choose_attention`) and closes the jitted step over it, so a trace is
+    a function of its inputs alone: no globals, no environment read while tracing.
+
+    impl "kernel": the Pallas kernel (jtp/kernels; Pallas' interpreter off-GPU: slow, for tests),
+    where the shapes suit it; "reference": `paged_attention_reference`. A pallas_call is opaque to
+    XLA's SPMD partitioner, so with a mesh whose "tp" axis is > 1 the kernel runs inside shard_map
+    over it (heads split, metadata replicated); attention is head-local, so no collective is needed.
+    """
+
+    impl: str = "reference"
+    mesh: Mesh | None = None
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"attention {self.impl!r}: expected kernel or reference (JTP_ATTENTION also takes auto)")
+
+    def __call__(self, q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float) -> jax.Array:
+        tp = self.mesh.shape["tp"] if self.mesh is not None else 1
+        if (
+            self.impl == "kernel"
+            and supported(q.shape, cache.k.shape)
+            and q.shape[1] % tp == 0
+            and cache.k.shape[2] % tp == 0
+        ):
+            return paged_attention_kernel(q, cache, meta, scale, self.mesh if tp > 1 else None)
+        return paged_attention_reference(q, cache, meta, scale)
+
+
+def choose_attention(mesh: Mesh | None = None, impl: str | None = None) -> PagedAttention:
+    """The kernel on GPUs, the reference elsewhere; `impl` or JTP_ATTENTION=reference|kernel|auto
+    (read here, once) forces one."""
+    impl = impl or os.environ.get("JTP_ATTENTION", "").strip().lower() or "auto"
+    if impl == "auto":
+        impl = "kernel" if jax.default_backend() == "gpu" else "reference"
+    return PagedAttention(impl, mesh)
+
+
+def paged_attention_kernel(
+    q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float, mesh: Mesh | None = None
+) -> jax.Array:
+    """The Pallas kernel, sharded over mesh's "tp" axis when given; interpreted off-GPU."""
+    interpret = jax.default_backend() != "gpu"
+    # Static bound on tokens per row: 1 in a pure decode step, which then runs the decode kernel.
+    max_row_len = meta.query_bound.shape[0] if meta.query_bound is not None else None
+
+    def local(q, k, v, positions, token_rows, block_tables, context_lens, row_starts, row_lens):
+        return ragged_paged_attention(
+            q, k, v, positions, block_tables, context_lens, row_starts, row_lens, scale=scale, interpret=interpret,
+            max_row_len=max_row_len, token_rows=token_rows,
+        )
+
+    args = (
+        q, cache.k, cache.v, meta.positions, meta.token_rows, meta.block_tables, meta.context_lens,
+        meta.row_starts, meta.row_lens,
+    )
+    if mesh is None:
+        return local(*args)
+    head, kv, rep = P(None, "tp", None), P(None, None, "tp", None), P()
+    in_specs = (head, kv, kv, rep, rep, rep, rep, rep, rep)
+    # check_vma=False: the pallas_call has no varying-manual-axes rule to check against.
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=head, check_vma=False)(*args)

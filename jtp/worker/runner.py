@@ -1,0 +1,417 @@
+"""ModelRunner: the device side of the engine. It owns the sharded weights, the paged KV
+cache and the one jitted step; it consumes plain-numpy `StepPlan`s and returns the sampled results.
+
+Everything about *which* tokens run is decided on the host (scheduler); the runner only
+executes. Followers in a multi-process deployment run the very same calls on their devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtp.config.model_config import ModelConfig
+from jtp.core.sampling_params import MAX_LOGPROBS, pack_sampling
+from jtp.core.step_input import SamplingBatch, StepInput, StepPlan, pack_stop_ids
+from jtp.loading.weights import load_params, resolve_dtype
+from jtp.models import family_of
+from jtp.models.attention import AttentionMetadata, choose_attention
+from jtp.models.moe import choose_experts
+from jtp.models.qwen3 import zeroed_layer_kv
+from jtp.parallel.sharding import make_mesh, replicated, tp_size
+from jtp.worker import kv_cache
+from jtp.worker.sampler import SampleResult, sample
+
+
+def plan_metadata(plan: StepPlan) -> AttentionMetadata:
+    """The plan's arrays the model and attention read (the kernels' view of the batch)."""
+    verify = plan.logits_indices.ndim == 2  # a row's first sampled position is its last known token
+    return AttentionMetadata(
+        positions=plan.positions,
+        slot_mapping=plan.slot_mapping,
+        token_rows=plan.token_rows,
+        block_tables=plan.block_tables,
+        context_lens=plan.context_lens,
+        row_starts=plan.row_starts,
+        row_lens=plan.row_lens,
+        state_reads=plan.state_reads,
+        state_writes=plan.state_writes,
+        query_bound=np.arange(plan.max_row_len or len(plan.token_ids), dtype=np.int32),
+        state_keeps=plan.state_keeps if verify else None,
+        keep_lens=(plan.logits_indices[0] - plan.row_starts + 1).astype(np.int32) if verify else None,
+    )
+
+
+def is_ready(result) -> bool:
+    """Whether a dispatched step's results are on the host's reach (the device finished it)."""
+    return all(x.is_ready() for x in jax.tree.leaves(result))
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        tensor_parallel_size: int = 1,
+        dtype: str | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_seqs: int = 64,
+        devices=None,
+        num_state_slots: int | None = None,
+        num_scheduler_steps: int = 1,
+        expert_parallel: bool = False,
+        mtp_drafts: int = 0,
+        load_format: str = "auto",
+    ):
+        self.cfg = ModelConfig.from_dir(model_dir)
+        self.mesh = make_mesh(tensor_parallel_size, devices)
+        self.dtype = resolve_dtype(self.cfg, dtype)
+        # mtp_drafts > 0: load the checkpoint's MTP head; every step then also drafts that many tokens per row.
+        self.params = load_params(
+            model_dir, self.cfg, self.mesh, self.dtype, expert_parallel, mtp_drafts > 0, load_format
+        )
+        self.mtp_drafts = mtp_drafts
+        self.load_format = load_format  # "dummy": no files to fingerprint (snapshots, launcher)
+        self.block_size = block_size
+        self.max_seqs = max_seqs
+        self.num_state_slots = num_state_slots or max_seqs  # recurrent-state slots (hybrid models)
+        self.family = family_of(self.cfg)
+        self.num_blocks = 0
+        self.cache = None
+        if num_blocks is not None:
+            self.allocate_cache(num_blocks)
+        # Chosen once here, so tracing the step reads no globals or environment.
+        self.attention = choose_attention(self.mesh)
+        self.experts = choose_experts(self.mesh, expert_parallel)
+        self._step_fn = jax.jit(
+            functools.partial(_step, self.family, self.cfg, self.attention, self.experts, self.mtp_drafts),
+            donate_argnums=(1, 2),
+            static_argnames=("flags",),
+        )
+        # Pure decode steps loop on the device: up to num_scheduler_steps tokens per row per dispatch,
+        # so the host's cost of a call (launch, arguments, Python) is paid once for several tokens.
+        self.num_scheduler_steps = num_scheduler_steps
+        self._decode_fn = jax.jit(
+            functools.partial(
+                _decode_steps, self.family, self.cfg, self.attention, self.experts, self.mtp_drafts, block_size,
+                num_scheduler_steps,
+            ),
+            donate_argnums=(1, 2),
+            static_argnames=("flags",),
+        )
+        self.compilations = 0  # traces of the step function: bounded by the bucket sets
+        # The last token sampled for each state slot, kept on device: a plan can name it (token id -1)
+        # before the host has seen it, so step N+1 is dispatched while step N still runs.
+        self.sampled = jax.device_put(np.zeros(max_seqs, np.int32), replicated(self.mesh))
+
+    @property
+    def tp(self) -> int:
+        return tp_size(self.mesh)
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        self.cache = None  # drop the old buffers before allocating the new ones
+        self.num_blocks = num_blocks
+        self.cache = self._init_cache(num_blocks, self.num_state_slots)
+
+    def _init_cache(self, num_blocks: int, num_state_slots: int) -> list:
+        """The family's cache; with the MTP head, its attention layer's K/V last (same pages and slots)."""
+        cache = self.family.init_cache(self.cfg, self.mesh, num_blocks, self.block_size, num_state_slots, self.dtype)
+        if self.mtp_drafts:
+            cache.append(zeroed_layer_kv(self.cfg, self.mesh, num_blocks, self.block_size, self.dtype))
+        return cache
+
+    def _cache_bytes(self, num_blocks: int, num_state_slots: int) -> int:
+        shapes = jax.eval_shape(lambda: self._init_cache(num_blocks, num_state_slots))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+    def bytes_per_block(self) -> int:
+        """Device memory one more KV block costs on each device (shapes only, nothing allocated)."""
+        return (self._cache_bytes(2, 1) - self._cache_bytes(1, 1)) // self.tp
+
+    def bytes_per_state_slot(self) -> int:
+        """Device memory one more recurrent-state slot costs on each device (0 without DeltaNet layers)."""
+        return (self._cache_bytes(1, 2) - self._cache_bytes(1, 1)) // self.tp
+
+    def memory_stats(self) -> dict | None:
+        """The first device's allocator stats (None on CPU, which keeps none)."""
+        try:
+            return self.mesh.devices.flat[0].memory_stats()
+        except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+            return None
+
+    def dispatch(self, step: StepInput) -> SampleResult:
+        """Enqueue one step (forward + sampling) and return at once with device-side results.
+
+        Token id -1 in the plan means "the token last sampled for this row's state slot".
+        Every result field has a leading axis of decode steps: [1, B] for a plain step,
+        [num_scheduler_steps, B] for a pure decode step, whose rows sample `plan.num_steps`
+        tokens each (fewer if every row sampled a stop token; later entries are then zero).
+        `jax.device_get` on the result waits for the device; only sampled results come back.
+        """
+        args, flags = self._step_args(step)
+        with _count_traces(self):
+            if self._loops(step.plan):
+                result, self.cache, self.sampled = self._decode_fn(*args, *self._loop_args(step), flags=flags)
+            else:
+                if step.plan.num_steps != 1:
+                    raise ValueError(f"a step with prompt rows runs one step, not {step.plan.num_steps}")
+                result, self.cache, self.sampled = self._step_fn(*args, flags=flags)
+        return result
+
+    def _loops(self, plan: StepPlan) -> bool:
+        """Whether this plan runs through the decode loop (every pure decode step, when enabled)."""
+        return self.num_scheduler_steps > 1 and plan.max_row_len == 1
+
+    def _loop_args(self, step: StepInput):
+        n = step.plan.num_steps
+        if not 1 <= n <= self.num_scheduler_steps:
+            raise ValueError(f"num_steps {n} is outside 1..{self.num_scheduler_steps} (--num-scheduler-steps)")
+        if n > 1 and step.penalty_tokens is not None:
+            raise ValueError("penalties need the token history of every step: they run one step per dispatch")
+        B = len(step.plan.context_lens)
+        stop_ids = step.stop_ids if step.stop_ids is not None else pack_stop_ids([], B)
+        return np.asarray(stop_ids, np.int32), np.int32(n)
+
+    def compiled_text(self, plan: StepPlan, sampling: SamplingBatch | None = None, penalty_tokens=None) -> str:
+        """The optimized HLO of the serving step (what `dispatch` runs) for this plan's shapes, to
+        inspect its collectives. Sampling defaults to greedy rows without logprobs."""
+        if sampling is None:
+            sampling = pack_sampling([], len(plan.context_lens), [], [])
+        args, flags = self._step_args(StepInput(plan, sampling, penalty_tokens))
+        return self._step_fn.lower(*args, flags=flags).compile().as_text()
+
+    # Snapshot pages (jtp/engine/snapshot_store.py): device work every process of a group runs in step order.
+
+    def gather_pages(self, block_ids: np.ndarray, slot_ids: np.ndarray) -> dict:
+        """Copies of KV blocks `block_ids` and state slots `slot_ids`, sharded like the cache."""
+        return kv_cache.gather_pages(*kv_cache.cache_views(self.cache), block_ids, slot_ids)
+
+    def write_pages(self, path: Path, arrays: dict, metadata: dict, overwrite: bool) -> None:
+        """Write gathered pages with Orbax (each process its own shards; process 0 the metadata)."""
+        kv_cache.write_pages(Path(path), arrays, metadata, overwrite)
+
+    def read_pages(self, path: Path, meta: dict) -> dict:
+        return kv_cache.read_pages(self.cache, Path(path), meta)
+
+    def scatter_pages(self, block_ids, block_rows, slot_ids, slot_rows, arrays: dict) -> None:
+        """Write pages[block_rows] into blocks `block_ids` and states[slot_rows] into slots `slot_ids`."""
+        self.cache = kv_cache.scatter_pages(self.cache, block_ids, block_rows, arrays.get("kv", {}) if len(block_ids) else {},
+                              slot_ids, slot_rows, arrays.get("state", {}) if len(slot_ids) else {})
+
+    def close(self) -> None:
+        """Free this runner's device memory (weights, KV cache, sampled tokens) now rather than
+        whenever Python collects it, so another runner in the process gets it. Unusable afterwards."""
+        for leaf in jax.tree.leaves((self.params, self.cache, self.sampled)):
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                leaf.delete()
+        self.params = self.cache = self.sampled = None
+
+    def _step_args(self, step: StepInput):
+        """The step's positional arguments and static sampling flags.
+
+        The plan goes as int32 numpy arrays: the jitted call's C++ path transfers them (replicated)
+        far faster than one `jax.device_put` per array (~0.2 ms each)."""
+        plan, sampling, penalty_tokens = step.plan, step.sampling, step.penalty_tokens
+        tokens, meta, idx, seq_slots = jax.tree.map(
+            lambda a: np.asarray(a, np.int32), (plan.token_ids, plan_metadata(plan), plan.logits_indices, plan.seq_slots)
+        )
+        flags = sampling.static_flags()
+        # Any top-n request computes the maximum n: one compiled variant instead of twenty.
+        flags = flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
+        return (self.params, self.cache, self.sampled, tokens, meta, idx, seq_slots, sampling, penalty_tokens), flags
+
+
+def _step(
+    family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
+    sampling, penalty_tokens, flags,
+):
+    """The serving step: forward over the ragged batch, logits at each row's index, sampling.
+    Results get a leading axis of one step (the decode loop's results have several)."""
+    _TRACES.count += 1
+    result, cache, sampled = _forward_and_sample(
+        family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
+        sampling, penalty_tokens, flags,
+    )
+    if logits_indices.ndim == 1:
+        result = jax.tree.map(lambda x: x[None], result)
+    return result, cache, sampled
+
+
+def _decode_steps(
+    family, cfg, attention, experts, mtp_drafts, block_size, max_steps, params, cache, sampled, tokens, meta,
+    logits_indices, seq_slots, sampling, penalty_tokens, stop_ids, num_steps, flags,
+):
+    """Up to `num_steps` decode steps of a pure decode batch (one token per row) in one call.
+
+    Step i feeds each row the token step i-1 sampled, one position further (its K/V slot found in
+    the row's block table, which the scheduler extended for every step), samples with the row's
+    key for generation step `step + i` (what i separate steps would use), and writes the state
+    slot it wrote before. The loop ends early once every row has sampled one of its stop ids.
+    """
+    _TRACES.count += 1
+    real_token = meta.slot_mapping >= 0
+    real_row = seq_slots >= 0
+    B, n = seq_slots.shape[0], flags.num_logprobs
+    zeros = lambda dtype, *shape: jnp.zeros((max_steps, B, *shape), dtype)  # noqa: E731
+    results = SampleResult(zeros(jnp.int32), zeros(jnp.float32), zeros(jnp.int32, n) if n else None,
+                           zeros(jnp.float32, n) if n else None, zeros(jnp.int32, mtp_drafts) if mtp_drafts else None)
+
+    def advance(meta):
+        positions = meta.positions + real_token
+        table_row = meta.block_tables[meta.token_rows]
+        page = jnp.take_along_axis(table_row, (positions // block_size)[:, None], axis=1)[:, 0]
+        return meta._replace(
+            positions=positions,
+            slot_mapping=jnp.where(real_token, page * block_size + positions % block_size, -1),
+            context_lens=meta.context_lens + real_row,
+            state_reads=jnp.where(meta.state_writes >= 0, meta.state_writes, meta.state_reads),
+        )
+
+    def body(carry):
+        i, cache, sampled, tokens, meta, results, done = carry
+        step_sampling = sampling._replace(step=sampling.step + i)
+        result, cache, sampled = _forward_and_sample(
+            family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
+            step_sampling, penalty_tokens, flags,
+        )
+        results = jax.tree.map(lambda acc, r: acc.at[i].set(r), results, result)
+        done = done | jnp.any(result.tokens[:, None] == stop_ids, axis=1)
+        tokens = jnp.where(real_token, -1, tokens)  # from now on: what the row sampled last
+        return i + 1, cache, sampled, tokens, advance(meta), results, done
+
+    def more(carry):
+        i, *_, done = carry
+        return (i < num_steps) & ~jnp.all(done)
+
+    carry = (jnp.int32(0), cache, sampled, tokens, meta, results, ~real_row)
+    _, cache, sampled, _, _, results, _ = jax.lax.while_loop(more, body, carry)
+    return results, cache, sampled
+
+
+def _forward_and_sample(
+    family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
+    sampling, penalty_tokens, flags,
+):
+    slot_of_token = seq_slots[meta.token_rows]
+    tokens = jnp.where(tokens >= 0, tokens, sampled[jnp.maximum(slot_of_token, 0)])
+    mtp_kv = cache[-1] if "mtp" in params else None
+    hidden, cache = family.forward(
+        params, cfg, tokens, cache[:-1] if mtp_kv is not None else cache, meta, attention, experts
+    )
+    penalty_ids, penalty_is_output = penalty_tokens if penalty_tokens is not None else (None, None)
+
+    def sample_at(indices, sampling):
+        return sample(
+            family.compute_logits(params, hidden[indices]),
+            sampling,
+            needs_top_k_p_min_p=flags.needs_top_k_p_min_p,
+            needs_penalties=flags.needs_penalties,
+            num_logprobs=flags.num_logprobs,
+            penalty_ids=penalty_ids,
+            penalty_is_output=penalty_is_output,
+        )
+
+    if logits_indices.ndim == 2:
+        # A verify step: position j of a speculating row samples generation step `step + j`, with
+        # the key a step-by-step decode would use there. Results [1 + k, B]; the host accepts. The
+        # sampled-token buffer gets position 0 (speculating engines run lockstep and never read it).
+        per_position = [sample_at(idx, sampling._replace(step=sampling.step + j)) for j, idx in enumerate(logits_indices)]
+        result = jax.tree.map(lambda *xs: jnp.stack(xs), *per_position)
+        first = per_position[0]
+    else:
+        result = first = sample_at(logits_indices, sampling)
+        per_position = [first]
+    if mtp_kv is not None:
+        drafts, mtp_kv = _mtp_drafts(
+            family, cfg, attention, experts, mtp_drafts, params, hidden, tokens, meta, logits_indices, seq_slots,
+            per_position, mtp_kv,
+        )
+        # [B, num_drafts] per step; a verify step's results are per position, each carries the same drafts.
+        result = result._replace(draft=jnp.broadcast_to(drafts, (len(per_position), *drafts.shape))
+                                 if logits_indices.ndim == 2 else drafts)
+        cache = [*cache, mtp_kv]
+    # Rows without a slot (padding) point past the end and are dropped.
+    slots = jnp.where(seq_slots >= 0, seq_slots, sampled.shape[0])
+    return result, cache, sampled.at[slots].set(first.tokens, mode="drop")
+
+
+def _mtp_drafts(
+    family, cfg, attention, experts, num_drafts, params, hidden, tokens, meta, logits_indices, seq_slots, per_position,
+    kv,
+):
+    """Drafts for every row's next step from the MTP head, [B, num_drafts] (-1: no draft there).
+
+    The head runs over every token of the step: at position t it takes the target's hidden state
+    and token t+1 (the row's next token in this step, or at a sampled position the token sampled
+    there) and guesses token t+2; this writes its K/V for the step's positions. Each row's first
+    draft is the guess at its last accepted position, counted here as the host counts it (drafts
+    accepted while the target sampled them). Causal attention makes that guess independent of the
+    rejected positions after it. Further drafts chain the head on its own output hidden state and
+    last guess, one position on, writing its K/V into the row's pages as far as they are allocated
+    (a chain stops at the end of the row's last page; the next step rewrites those positions)."""
+    T = tokens.shape[0]
+    B = seq_slots.shape[0]
+    indices = logits_indices if logits_indices.ndim == 2 else logits_indices[None]
+    real_row = seq_slots >= 0
+    samples = jnp.stack([r.tokens for r in per_position])  # [P, B]
+    # A row with fewer positions repeats its last one: only a new index is a draft position.
+    fresh = jnp.concatenate([real_row[None], indices[1:] != indices[:-1]], axis=0)  # [P, B]
+    following = jnp.concatenate([tokens[1:], tokens[:1]])
+    for j in range(indices.shape[0]):
+        following = following.at[jnp.where(fresh[j] & real_row, indices[j], T)].set(samples[j], mode="drop")
+    mtp_hidden, kv = family.mtp_forward(params, cfg, hidden, following, kv, meta, attention, experts)
+
+    # The last accepted position of each row: drafts (the tokens at positions 1..) matched in a row.
+    matched = (samples[:-1] == tokens[indices[1:]]) & fresh[1:]
+    accepted = jnp.sum(jnp.cumprod(matched.astype(jnp.int32), axis=0), axis=0)  # [B]
+    last = indices[accepted, jnp.arange(B)]
+    h = mtp_hidden[last]
+    guess = jnp.argmax(family.compute_logits(params, h), axis=-1).astype(jnp.int32)
+    drafts = [jnp.where(real_row, guess, -1)]
+
+    block_size = kv.k.shape[1]
+    pos = meta.positions[last]
+    allocated = -(-meta.context_lens // block_size) * block_size  # the row's pages end here
+    alive = real_row
+    rows = jnp.arange(B, dtype=jnp.int32)
+    for _ in range(num_drafts - 1):
+        pos = pos + 1
+        alive = alive & (pos < allocated)
+        page = jnp.take_along_axis(meta.block_tables, (pos // block_size)[:, None], axis=1)[:, 0]
+        chain_meta = meta._replace(
+            positions=pos,
+            slot_mapping=jnp.where(alive, page * block_size + pos % block_size, -1),
+            token_rows=rows,
+            context_lens=jnp.where(alive, pos + 1, 0),
+            row_starts=rows,
+            row_lens=alive.astype(jnp.int32),
+            query_bound=jnp.arange(1, dtype=jnp.int32),
+            state_keeps=None,
+            keep_lens=None,
+        )
+        h, kv = family.mtp_forward(params, cfg, h, jnp.maximum(drafts[-1], 0), kv, chain_meta, attention, experts)
+        guess = jnp.argmax(family.compute_logits(params, h), axis=-1).astype(jnp.int32)
+        drafts.append(jnp.where(alive, guess, -1))
+    return jnp.stack(drafts, axis=1), kv
+
+
+class _TraceCounter(threading.local):
+    count = 0
+
+
+_TRACES = _TraceCounter()
+
+
+@contextlib.contextmanager
+def _count_traces(runner: ModelRunner):
+    before = _TRACES.count
+    try:
+        yield
+    finally:
+        runner.compilations += _TRACES.count - before
