@@ -11,7 +11,6 @@ import pytest
 
 from jtp.core.sampling_params import SamplingParams
 from jtp.demo import ensure_demo_checkpoint
-from jtp.engine import snapshot_store
 from jtp.engine.engine import Engine
 from jtp.engine.snapshot_store import load_snapshots, read_metadata, save_snapshots
 from jtp.errors import ConfigError, RequestError
@@ -188,7 +187,7 @@ def test_load_refused_when_it_cannot_fit(demo, saved, tmp_path, monkeypatch):
     def failing(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(snapshot_store, "_scatter", failing)
+    monkeypatch.setattr(engine.runner, "scatter_pages", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         load_snapshots(engine, saved["path"])
     assert state(engine) == before
@@ -381,7 +380,7 @@ def test_prefix_cache_load_takes_only_what_is_free(demo, warm, monkeypatch):
     def failing(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(snapshot_store, "_scatter", failing)
+    monkeypatch.setattr(engine.runner, "scatter_pages", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         load_snapshots(b, warm["path"])
     assert state(b) == before and b.pool.num_cached_blocks == 0
