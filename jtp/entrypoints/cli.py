@@ -6,7 +6,8 @@
     jtp convert  --model DIR --output DIR                HF safetensors -> Orbax
     jtp bench    [scripts/bench.py flags]                engine benchmark against rooflines
 
-With no --model the embedded demo checkpoint is used (built under checkpoints/ on first use).
+With no --model the embedded demo checkpoint is used (built on first use: under checkpoints/ in a
+source checkout, else in ~/.cache/jtp/demo-qwen3).
 Engine flags are EngineArgs' (jtp/config/engine_args.py), named like vLLM's. Errors are one line on
 stderr with exit status 2 (usage, configuration, input) or 1; `--debug` or JTP_DEBUG=1 adds
 the traceback.
