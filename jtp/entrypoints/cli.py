@@ -185,13 +185,28 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from jtp.config.hub import resolve_model
+
+    model = resolve_model(args.model, args.revision)
+    check_convert_output(Path(model), Path(args.output))  # before anything is written
     from jtp.loading.weights import convert_to_orbax
 
-    if not Path(args.model).is_dir():
-        raise ConfigError(f"--model {args.model}: no such directory")
-    out = convert_to_orbax(args.model, args.output, None if args.dtype == "auto" else args.dtype)
+    out = convert_to_orbax(model, args.output, None if args.dtype == "auto" else args.dtype)
     print(f"wrote {out}")
     return 0
+
+
+def check_convert_output(model: Path, output: Path) -> None:
+    """The output must be a new (or empty) directory outside the model's: never overwrite the input."""
+    model, target = model.resolve(), output.resolve()
+    if target == model:
+        raise ConfigError(f"--output {output}: is the --model directory; write the converted model to a new one")
+    if target.is_relative_to(model):
+        raise ConfigError(f"--output {output}: lies inside the --model directory {model}; pick one outside it")
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"--output {output}: exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()):
+        raise ConfigError(f"--output {output}: exists and is not empty; pick a new directory or empty it")
 
 
 def cmd_bench(args: argparse.Namespace, bench_argv: list[str]) -> int:
@@ -242,8 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     conv = sub.add_parser("convert", parents=[common], help="HF safetensors -> Orbax checkpoint directory",
                           description="Write a model directory whose weights are an Orbax checkpoint.")
-    conv.add_argument("--model", required=True, help="Hugging Face model directory to read")
-    conv.add_argument("--output", required=True, help="model directory to write (created if missing)")
+    conv.add_argument("--model", required=True, help="Hugging Face model directory (or repo id) to read")
+    conv.add_argument("--revision", default=None, help="with a repo id: its branch, tag or commit (default: main)")
+    conv.add_argument("--output", required=True, help="model directory to write: new or empty, outside --model")
     conv.add_argument("--dtype", choices=DTYPES, default="auto", help="dtype to store (auto: the checkpoint's)")
     conv.set_defaults(func=cmd_convert)
 

@@ -62,9 +62,12 @@ def make_mesh(tensor_parallel: int, devices=None) -> Mesh:
     """A (dp=1, tp) mesh over the first `tensor_parallel` devices, with compiler-chosen collectives."""
     devices = list(jax.devices() if devices is None else devices)
     if tensor_parallel < 1 or tensor_parallel > len(devices):
+        platform = devices[0].platform if devices else "none"
+        # On CPU, XLA shows one device unless told to split the host (tests and trials of tp do this).
+        hint = (f"; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={tensor_parallel} makes that many"
+                if platform == "cpu" and tensor_parallel > 1 else "")
         raise ShardingError(
-            f"tensor_parallel_size={tensor_parallel} but {len(devices)} device(s) are visible "
-            f"({devices[0].platform if devices else 'none'})"
+            f"tensor_parallel_size={tensor_parallel} but {len(devices)} device(s) are visible ({platform}){hint}"
         )
     grid = np.array(devices[:tensor_parallel]).reshape(1, tensor_parallel)
     # Auto axes: XLA picks the collectives (jax.make_mesh would default to Explicit axes).
