@@ -215,7 +215,8 @@ def cmd_bench(args: argparse.Namespace, bench_argv: list[str]) -> int:
 
     script = REPO_ROOT / "scripts" / "bench.py"
     if not script.is_file():
-        raise ConfigError(f"jtp bench runs {script} from a source checkout, and it is not there")
+        raise ConfigError(f"jtp bench runs scripts/bench.py of a source checkout, and {script} is not there "
+                          "(an installed jtp does not ship scripts/): run it from a clone of the repository")
     return runpy.run_path(str(script), run_name="jtp_bench")["main"](bench_argv)
 
 
