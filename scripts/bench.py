@@ -777,7 +777,7 @@ def markdown(res: dict) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from jtp.engine_args import EngineArgs
+    from jtp.config.engine_args import EngineArgs
 
     args.model = Path(EngineArgs(model=args.model).model_dir())  # the demo when None, a repo id's snapshot
     if args.hf_worker:

@@ -219,7 +219,7 @@ def test_jtp_bench_defaults_to_the_demo(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", JTP_DEMO_DIR=str(demo))
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     proc = subprocess.run(
-        [sys.executable, "-m", "jtp.cli", "bench", "--batch-sizes", "1", "--context", "8", "--prefill-len", "16",
+        [sys.executable, "-m", "jtp.entrypoints.cli", "bench", "--batch-sizes", "1", "--context", "8", "--prefill-len", "16",
          "--decode-steps", "2", "--warmup-steps", "1", "--prefill-runs", "1", "--prefill-requests", "1",
          "--json", str(out_json)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
@@ -230,7 +230,7 @@ def test_jtp_bench_defaults_to_the_demo(tmp_path):
 
 
 def test_jtp_bench_outside_a_checkout_says_so(tmp_path, monkeypatch, capsys):
-    from jtp import cli
+    from jtp.entrypoints import cli
 
     monkeypatch.setattr(cli, "REPO_ROOT", tmp_path)  # an installed jtp: no scripts/ beside the package
     assert cli.main(["bench"]) == 2

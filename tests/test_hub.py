@@ -42,7 +42,7 @@ def run_jtp(tmp_path, *args, offline=True, **env_extra):
         env.pop(key, None)
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
-    return subprocess.run([sys.executable, "-m", "jtp.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "jtp.entrypoints.cli", *args], capture_output=True, text=True, env=env,
                           timeout=300)
 
 
