@@ -37,7 +37,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parents[1]  # the source checkout, when jtp runs from one
 DEMO_DIR_ENV = "JTP_DEMO_DIR"
 CACHE_ENV = "JTP_DEMO_CACHE"  # where finished builds are kept; empty disables the cache
-BUILD_SOURCES = ("corpus.py", "build.py")  # what decides the build's bytes, with BUILD_LIBRARIES
+# What decides the build's bytes, with BUILD_LIBRARIES: the builder and the model layers it trains with.
+BUILD_SOURCES = (PACKAGE_DIR / "corpus.py", PACKAGE_DIR / "build.py", PACKAGE_DIR.parent / "models" / "layers.py")
 BUILD_LIBRARIES = ("jax", "jaxlib", "optax", "numpy", "tokenizers", "safetensors")
 TRAINING_MODULES = ("optax",)  # what the build needs beyond jtp's own dependencies
 
@@ -78,8 +79,8 @@ def cache_dir() -> Path | None:
 def recipe() -> str:
     """What determines the build's bytes: the build's source files and the libraries that compute it."""
     digest = hashlib.sha256()
-    for name in BUILD_SOURCES:
-        digest.update((PACKAGE_DIR / name).read_bytes())
+    for path in BUILD_SOURCES:
+        digest.update(path.read_bytes())
     for dist in BUILD_LIBRARIES:
         try:
             digest.update(f"{dist}=={metadata.version(dist)};".encode())

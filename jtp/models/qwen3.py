@@ -58,7 +58,7 @@ def forward(
 ):
     """tokens [T] -> final hidden states [T, H] and the updated KV cache."""
     x = params["embed"][tokens]
-    cos, sin = rope_cos_sin(meta.positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+    cos, sin = rope_cos_sin(meta.positions, cfg.head_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
     real_tokens = meta.slot_mapping >= 0  # padding tokens (-1) route to no expert
     new_cache = []
     for i, p in enumerate(params["layers"]):

@@ -343,7 +343,7 @@ def forward(
     """tokens [T] -> final hidden states [T, H] and the updated cache (K/V pages and slot states)."""
     T = tokens.shape[0]
     x = params["embed"][tokens]
-    cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+    cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
     length, chunk = deltanet_row_length(meta, T)
     real_tokens = meta.slot_mapping >= 0  # padding tokens (-1) route to no expert
     rows = None
@@ -377,7 +377,7 @@ def mtp_forward(
     m, eps = params["mtp"], cfg.rms_norm_eps
     embedded = rms_norm_zero_centered(params["embed"][next_tokens], m["pre_fc_norm_embedding"], eps)
     x = linear(jnp.concatenate([embedded, rms_norm_zero_centered(hidden, m["pre_fc_norm_hidden"], eps)], -1), m["fc"])
-    cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+    cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
     p = m["layer"]
     a, kv = gated_attention(p, cfg, rms_norm_zero_centered(x, p["input_norm"], eps), cos, sin, kv, meta, attend)
     h = x + a
