@@ -108,12 +108,6 @@ def initial_weights(config: dict, seed: int = WEIGHT_SEED) -> dict[str, np.ndarr
 
 
 # ---------------------------------------------------------------------------- training
-# A plain [batch, seq] Qwen3 forward for training only. It is written out here rather than
-# borrowed from jtp.models so the build depends on nothing but this file; the HF parity test
-# (tests/test_demo.py) checks that the trained weights mean the same thing to HF and to jtp.
-
-
-# ---------------------------------------------------------------------------- training
 # jtp's serving forward (jtp/models/qwen3.py) runs a flat ragged batch against a paged KV cache;
 # training wants a plain [batch, seq] causal pass with gradients and no cache, so only the
 # attention is written out here and every other piece is jtp's own (jtp/models/layers.py).
