@@ -23,7 +23,12 @@ from jtp.models import family_of, qwen3, qwen3_5
 from jtp.models.attention import KV_AXES, Q_AXES, zeroed_layer_kv
 from jtp.models.base import ModelFamily
 from jtp.models.moe import EXPERTS_IN_AXES, EXPERTS_OUT_AXES
-from jtp.parallel.rules import EXPERT_PARALLEL, TENSOR_PARALLEL, logical_sharding, partition_spec
+from jtp.parallel.rules import (
+    EXPERT_PARALLEL,
+    TENSOR_PARALLEL,
+    logical_sharding,
+    partition_spec,
+)
 from jtp.parallel.sharding import make_mesh, validate_tp
 
 # The regex table of jtp before logical axes (first match wins; the last rule replicated the rest).

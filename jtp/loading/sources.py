@@ -25,7 +25,11 @@ class _Declared:
 
     def __post_init__(self):
         if len(self.axes) != len(self.shape) or not all(isinstance(a, str) for a in self.axes):
-            raise ValueError(f"{self}: axes {self.axes} must name one logical axis for each of the {len(self.shape)} dims")
+            first = next(iter(self.expected()))
+            raise ValueError(
+                f"{type(self).__name__} of {first!r}: axes {self.axes} must name one logical axis for each of "
+                f"the {len(self.shape)} dims"
+            )
 
 
 def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:

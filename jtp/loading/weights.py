@@ -221,11 +221,10 @@ def restore_orbax(path: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, e
     target = family.param_layout(cfg, tp)
     abstract = {}
     for path_, source in canonical.items():
-        needs_repeat = target[path_].shape != source.shape
-        # Replicated KV heads are restored whole (they are small) and repeated on device below.
-        sharding = replicated(mesh) if needs_repeat else logical_sharding(
-            mesh, path_, source.shape, source.axes, expert_parallel
-        )
+        if target[path_].shape != source.shape:  # replicated KV heads: restored whole (they are small), repeated below
+            sharding = replicated(mesh)
+        else:
+            sharding = logical_sharding(mesh, path_, source.shape, source.axes, expert_parallel)
         abstract[path_] = jax.ShapeDtypeStruct(source.shape, dtype, sharding=sharding)
     with ocp.StandardCheckpointer() as ckptr:
         flat = ckptr.restore(Path(path).absolute(), abstract)

@@ -114,6 +114,6 @@ def sharded_zeros(mesh: Mesh, name: str, shape: tuple[int, ...], axes: Axes, dty
     return _zeros(tuple(shape), jnp.dtype(dtype), logical_sharding(mesh, name, shape, axes))()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _zeros(shape: tuple[int, ...], dtype, sharding: NamedSharding):
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)  # one compilation per kind of array
