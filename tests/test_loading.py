@@ -10,7 +10,7 @@ from safetensors.numpy import load_file, save_file
 
 from jtp.config.model_config import ConfigError, ModelConfig
 from jtp.errors import CheckpointError
-from jtp.loading.weights import convert_to_orbax
+from jtp.loading.weights import convert_to_orbax, save_orbax
 from jtp.worker.runner import ModelRunner
 
 pytest.importorskip("torch")
@@ -199,3 +199,13 @@ def test_orbax_round_trip_gives_identical_outputs(kind, tmp_path):
     # Restored at another tp (with KV-head replication) straight into that sharding.
     for tp in (1, 4):
         assert_same_outputs(outputs_of(out, tp=tp), outputs_of(hf_dir, tp=tp))
+
+
+def test_orbax_saved_with_replicated_kv_heads_restores_at_any_tp(qwen3_dir, tmp_path):
+    """Saved from tp=4 (each of the 2 KV heads stored twice), the checkpoint holds each head once."""
+    out = tmp_path / "saved_at_tp4"
+    out.mkdir()
+    shutil.copy2(qwen3_dir / "config.json", out / "config.json")
+    runner = ModelRunner(qwen3_dir, 4, num_blocks=8, block_size=4)
+    save_orbax(runner.params, runner.cfg, 4, out / "orbax")
+    assert_same_outputs(outputs_of(out, tp=1), outputs_of(qwen3_dir, tp=1))

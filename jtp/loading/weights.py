@@ -29,7 +29,7 @@ from jtp.config.model_config import ModelConfig
 from jtp.errors import CheckpointError
 from jtp.loading.dummy_weights import random_params
 from jtp.loading.param_tree import flatten, repeat_kv_heads, unflatten
-from jtp.loading.sources import FirstPresent, Source
+from jtp.loading.sources import FirstPresent, RepeatedHeads, Source
 from jtp.models import family_of
 from jtp.parallel.rules import logical_sharding
 from jtp.parallel.sharding import (
@@ -193,9 +193,10 @@ def _canonical(flat: dict[str, jax.Array], cfg: ModelConfig, tp: int) -> dict[st
     replicas = kv_head_replicas(cfg, tp)
     if replicas == 1:
         return flat
+    layout = family_of(cfg).param_layout(cfg, tp)
     out = dict(flat)
     for path, value in flat.items():
-        if re.search(r"\.(k|v)_(proj|bias)$", path):
+        if isinstance(layout[path], RepeatedHeads):
             heads = value.reshape(cfg.num_kv_heads, replicas, cfg.head_dim, *value.shape[1:])
             out[path] = heads[:, 0].reshape(cfg.kv_size, *value.shape[1:])
     return out
