@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cpu_env import cpu_env
 
 from jtp.core.sampling_params import SamplingParams
 from jtp.demo import ensure_demo_checkpoint
@@ -348,8 +349,7 @@ def test_ctrl_c_exits_130_and_the_rerun_finishes(ckpt, tmp_path):
     inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "jtp.entrypoints.cli", "batch", "--model", str(ckpt), "--input", str(inp), "--output", str(out),
            "--max-num-seqs", "2", "--num-blocks", "64"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env, text=True)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=cpu_env(1), text=True)
     deadline = time.monotonic() + 240
     while not (out.exists() and out.read_text().count("\n") >= 2):  # interrupt mid-run
         assert proc.poll() is None and time.monotonic() < deadline
@@ -361,7 +361,7 @@ def test_ctrl_c_exits_130_and_the_rerun_finishes(ckpt, tmp_path):
     written = len(read_rows(out))
     assert 2 <= written < 64
 
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cpu_env(1), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert f"{written} skipped" in proc.stderr
     assert sorted(r["id"] for r in read_rows(out)) == list(range(64))

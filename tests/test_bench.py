@@ -6,20 +6,19 @@ really produced batch x steps tokens.
 """
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cpu_env import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
 
 
 def _run(args, timeout):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # one device: what a plain user gets
+    env = cpu_env(1, PYTHONUNBUFFERED="1")  # one device: what a plain user gets
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{args[0]} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
@@ -194,7 +193,7 @@ def test_startup_time_reports_both_starts(tmp_path):
     from scripts_loader import load_script
 
     load_script("make_random_checkpoint").write_checkpoint("qwen3-tiny", tmp_path / "m", config_only=True)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = cpu_env(2)
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "scripts/startup_time.py"),
                            "--model", str(tmp_path / "m"), "--tensor-parallel-size", "2", "--load-format", "dummy",
                            "--dtype", "float32", "--no-warmup"], env=env, capture_output=True, text=True, timeout=600)

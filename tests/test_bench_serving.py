@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import os
 import random
 import re
 import socket
@@ -14,6 +13,7 @@ import time
 import httpx
 import pytest
 import uvicorn
+from cpu_env import cpu_env
 from scripts_loader import load_script
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -237,7 +237,7 @@ def jtp_server(tmp_path_factory):
     from jtp.demo import ensure_demo_checkpoint
 
     model = ensure_demo_checkpoint(tmp_path_factory.mktemp("demo") / "demo-qwen3")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = cpu_env(1)
     proc = subprocess.Popen(
         [sys.executable, "-m", "jtp.entrypoints.cli", "serve", "--model", str(model), "--port", "0", "--no-warmup",
          "--max-num-seqs", "8", "--num-blocks", "256"],

@@ -16,10 +16,11 @@ import time
 
 import numpy as np
 import pytest
+from cpu_env import cpu_env
 from safetensors.numpy import load_file, save_file
 
 from jtp.core.sampling_params import SamplingParams
-from jtp.demo import DEMO_LABEL, ensure_demo_checkpoint
+from jtp.demo import DEMO_LABEL
 from jtp.engine.engine import Engine
 from jtp.entrypoints import cli
 from jtp.entrypoints.cli_support import interrupt_guard, run_command
@@ -27,14 +28,8 @@ from jtp.entrypoints.cli_support import interrupt_guard, run_command
 TENSOR = "model.layers.1.mlp.up_proj.weight"
 
 
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo") / "demo-qwen3")
-
-
 def jtp_env(devices=1, **extra):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"  # 1: what a user's shell has
+    env = cpu_env(devices)  # 1: what a user's shell has
     env.pop("JTP_DEBUG", None)
     return {**env, **extra}
 

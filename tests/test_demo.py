@@ -23,11 +23,6 @@ PROMPTS = ["Hello, world", "The quick brown fox", "The sea is", "In the morning"
 
 
 @pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory):
-    return ensure_demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo-qwen3")
-
-
-@pytest.fixture(scope="session")
 def config(demo_dir):
     return json.loads((demo_dir / "config.json").read_text())
 

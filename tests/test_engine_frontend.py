@@ -19,7 +19,6 @@ import pytest
 
 from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
-from jtp.demo import ensure_demo_checkpoint
 from jtp.engine.engine import Engine
 from jtp.errors import ContextLengthError, EngineClosedError, QueueFullError
 
@@ -28,11 +27,6 @@ SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, num_b
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def demo_dir():
-    return str(ensure_demo_checkpoint())
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +198,7 @@ def test_close_frees_device_memory_and_a_second_engine_starts(demo_dir):
 
 def test_warmup_compiles_every_shape_the_workload_hits(demo_dir):
     # Tiny buckets: tokens 16/32, rows 8, blocks per row 1/4/8 (max_model_len 128, block 16).
-    args = EngineArgs(model=demo_dir, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_blocks=64)
+    args = EngineArgs(model=str(demo_dir), max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, num_blocks=64)
     with Engine.from_args(args) as eng:
         assert not eng.ready.is_set()
         compiled = eng.warmup()

@@ -3,12 +3,12 @@ tp=2 greedy tokens equal tp=1 (the step's collectives counted) and logprobs matc
 A 37-token prompt takes the hybrid's 64-token chunked DeltaNet path at tp=2 (XLA:CPU's triangular
 solve deadlocked there when both devices ran it)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cpu_env import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_passes_on_tiny_presets(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = cpu_env(2)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts/gpu_check.py"), "--out", str(tmp_path / "out"), "--presets",
          "qwen3-tiny,qwen3-moe-tiny,qwen3.5-tiny", "--checkpoints", str(tmp_path / "ckpt"), "--tokens", "8",

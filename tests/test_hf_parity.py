@@ -20,7 +20,6 @@ from jtp.core.step_input import StepPlan  # noqa: E402
 from jtp.engine.engine import Engine  # noqa: E402
 from jtp.worker.runner import ModelRunner  # noqa: E402
 
-pytestmark = pytest.mark.hf
 KINDS = ["qwen3", "qwen3_moe", "qwen2"]
 PREFILL, DECODE = 20, 10
 

@@ -37,12 +37,8 @@ def workload(seed: int, num: int):
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    pytest.importorskip("torch")
-    from hf_hybrid import build_model, save
-
-    model = build_model("qwen3_5_text_hk4", seed=1)  # 4 key heads, 4 KV heads: tp 1, 2, 4 all split
-    return model, save(model, tmp_path_factory.mktemp("hk4"))
+def hybrid(hybrid_hk4):
+    return hybrid_hk4  # 4 key heads, 4 KV heads: tp 1, 2, 4 all split
 
 
 def run_all(path, tp, work):

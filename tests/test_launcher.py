@@ -39,13 +39,14 @@ from jtp.distributed.launcher import fingerprint_mismatches
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
+from cpu_env import cpu_env  # noqa: E402
 from staggered import ENGINE_ARGS, run_staggered, snapshot_roundtrip  # noqa: E402
 
 SECRET = bytes(range(32))
 
 
-def cpu_env(devices: int, **extra) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+def group_env(devices: int, **extra) -> dict:
+    env = cpu_env(devices)
     env.pop("JTP_LAUNCH_SECRET", None)
     env.update(extra)
     return env
@@ -216,11 +217,8 @@ def test_a_cluster_environment_supplies_the_coordinator_and_process_id(monkeypat
 
 
 @pytest.fixture(scope="module")
-def hybrid_dir(tmp_path_factory):
-    pytest.importorskip("torch")
-    from hf_hybrid import build_model, save
-
-    return save(build_model("qwen3_5_text_hk4", seed=1), tmp_path_factory.mktemp("hybrid"))
+def hybrid_dir(hybrid_hk4):
+    return hybrid_hk4[1]
 
 
 def in_process(model: str, tp: int, **engine_args) -> list[list[int]]:
@@ -234,7 +232,7 @@ def in_process(model: str, tp: int, **engine_args) -> list[list[int]]:
 def two_processes(model: str, tp: int = 4, num_processes: int = 2, **engine_args) -> list[list[int]]:
     args = json.dumps({"model": model, "num_processes": num_processes, "tensor_parallel_size": tp,
                        "digest_interval": 4, **engine_args})
-    proc = subprocess.run([sys.executable, str(TESTS / "staggered.py"), args], env=cpu_env(tp // num_processes),
+    proc = subprocess.run([sys.executable, str(TESTS / "staggered.py"), args], env=group_env(tp // num_processes),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -282,7 +280,7 @@ def test_snapshots_saved_and_loaded_by_a_group_continue_like_one_process(kind, r
     model = str(ensure_demo_checkpoint() if kind == "qwen3" else request.getfixturevalue("hybrid_dir"))
     args = json.dumps({"model": model, "num_processes": 2, "tensor_parallel_size": 4})
     proc = subprocess.run([sys.executable, str(TESTS / "staggered.py"), args, str(tmp_path / "group")],
-                          env=cpu_env(2), capture_output=True, text=True, timeout=600)
+                          env=group_env(2), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     group = json.loads(proc.stdout.strip().splitlines()[-1])
     with Engine.from_args(EngineArgs(model=model, **{**ENGINE_ARGS, "enable_prefix_caching": True})) as engine:
@@ -332,7 +330,7 @@ class GroupServer:
             [sys.executable, "-m", "jtp.entrypoints.cli", "serve", "--port", "0", "--num-processes", "2", "-tp", "4",
              "--heartbeat-timeout", "2", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
              "--block-size", "32", "--num-blocks", "32", "--max-model-len", "512", *extra],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=cpu_env(2), text=True)
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=group_env(2), text=True)
         self.log: list[str] = []
         self.url_seen = threading.Event()
         self.url = None
@@ -472,7 +470,7 @@ def manual(process_id: int, port: int, secret: str, *extra: str) -> subprocess.P
          "--process-id", str(process_id), "--coordinator-address", f"127.0.0.1:{port}", "-tp", "2",
          "--max-num-seqs", "4", "--num-blocks", "32", "--max-model-len", "256", *extra],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-        env=cpu_env(1, JTP_LAUNCH_SECRET=secret))
+        env=group_env(1, JTP_LAUNCH_SECRET=secret))
 
 
 def test_manual_launch_refuses_a_wrong_secret_then_admits_the_right_follower():

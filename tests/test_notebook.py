@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cpu_env import xla_flags
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -41,7 +42,7 @@ def executed(tmp_path_factory):
         # Replaces the tests' 8 forced devices (inherited from conftest's environment) with two.
         "env": {
             "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "XLA_FLAGS": xla_flags(2),
             "JTP_DEMO_DIR": str(demo_dir),
             "MPLBACKEND": "Agg",
         },

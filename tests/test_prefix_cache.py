@@ -44,11 +44,8 @@ def qwen3_path():
 
 
 @pytest.fixture(scope="module")
-def hybrid_path(tmp_path_factory):
-    pytest.importorskip("torch")
-    from hf_hybrid import build_model, save
-
-    return save(build_model("qwen3_5_text", seed=1), tmp_path_factory.mktemp("hybrid"))
+def hybrid_path(hybrid_qwen3_5_dir):
+    return hybrid_qwen3_5_dir
 
 
 @pytest.fixture(scope="module", params=["qwen3", "hybrid"])

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import os
 import re
 import shutil
 import signal
@@ -30,6 +29,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from cpu_env import cpu_env
 from prometheus_client.parser import text_string_to_metric_families
 
 from jtp.config.engine_args import EngineArgs
@@ -177,7 +177,7 @@ def start_engine(args: EngineArgs):
 def start_serve(devices: int, *flags: str) -> tuple[subprocess.Popen, str, list[str]]:
     """`jtp serve` with the dense settings on a free port in a subprocess (`devices` forced CPU
     devices); returns it, its base URL and its stderr lines (collected on) once /ready answers."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = cpu_env(devices)
     proc = subprocess.Popen(
         [sys.executable, "-m", "jtp.entrypoints.cli", "serve", "--port", "0", "--no-warmup", *flags,
          *(f"--{k.replace('_', '-')}={v}" for k, v in DENSE_ARGS.items() if k != "warmup")],
@@ -225,7 +225,7 @@ def dense_group(dense):
         proc.kill()
 
 
-@pytest.fixture(scope="module", params=["one process", "2 processes x 2 devices"])
+@pytest.fixture(scope="module", params=["one process", pytest.param("2 processes x 2 devices", marks=pytest.mark.distributed)])
 def served(request):
     """The OpenAI-client tests run against one process and against a two-process tp=4 group."""
     return request.getfixturevalue("dense" if request.param == "one process" else "dense_group")

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from jtp.core.sampling_params import SamplingParams
-from jtp.demo import ensure_demo_checkpoint
 from jtp.engine.engine import Engine
 from jtp.engine.snapshot_store import load_snapshots, read_metadata, save_snapshots
 from jtp.errors import ConfigError, RequestError
@@ -53,8 +52,8 @@ def state(engine: Engine):
 
 
 @pytest.fixture(scope="module")
-def demo():
-    return ensure_demo_checkpoint()
+def demo(demo_dir):
+    return demo_dir
 
 
 @pytest.fixture(scope="module")
@@ -235,11 +234,8 @@ def test_save_is_atomic(saved, tmp_path, monkeypatch):
     assert (target / METADATA_FILE).is_file()
 
 
-def test_hybrid_restore_after_restart(tmp_path):
-    pytest.importorskip("torch")
-    from hf_hybrid import build_model, save
-
-    model_dir = save(build_model("qwen3_5_text", seed=1), tmp_path / "hybrid")
+def test_hybrid_restore_after_restart(hybrid_qwen3_5_dir, tmp_path):
+    model_dir = hybrid_qwen3_5_dir
     rng = np.random.default_rng(3)
     prompt, extra = rng.integers(0, 128, 23).tolist(), rng.integers(0, 128, 5).tolist()
 
@@ -392,11 +388,8 @@ def test_prefix_cache_load_takes_only_what_is_free(demo, warm, monkeypatch):
     b.close()
 
 
-def test_hybrid_prefix_cache_survives_restart(tmp_path):
-    pytest.importorskip("torch")
-    from hf_hybrid import build_model, save
-
-    model_dir = save(build_model("qwen3_5_text", seed=1), tmp_path / "hybrid")
+def test_hybrid_prefix_cache_survives_restart(hybrid_qwen3_5_dir, tmp_path):
+    model_dir = hybrid_qwen3_5_dir
     rng = np.random.default_rng(5)
     prompt, extra = rng.integers(0, 128, 23).tolist(), rng.integers(0, 128, 5).tolist()
 

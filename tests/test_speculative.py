@@ -108,13 +108,12 @@ def moe_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hybrid_paths(tmp_path_factory):
+def hybrid_paths(hybrid_qwen3_5_dir, tmp_path_factory):
     """Tiny Qwen3.5 (dense FFN) and Qwen3-Next (routed experts) checkpoints."""
-    pytest.importorskip("torch")
     from hf_hybrid import build_model, save
 
-    root = tmp_path_factory.mktemp("hybrid-spec")
-    return {kind: save(build_model(kind, seed=1), root / kind) for kind in ("qwen3_5_text", "qwen3_next")}
+    return {"qwen3_5_text": hybrid_qwen3_5_dir,
+            "qwen3_next": save(build_model("qwen3_next", seed=1), tmp_path_factory.mktemp("hybrid-spec"))}
 
 
 @pytest.fixture(scope="module")

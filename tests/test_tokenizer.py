@@ -8,13 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jtp.demo import ensure_demo_checkpoint
 from jtp.engine.tokenizer import REPLACEMENT_CHAR, Tokenizer
-
-
-@pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory):
-    return ensure_demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo-qwen3")
 
 
 @pytest.fixture(scope="session")
