@@ -215,8 +215,7 @@ def test_jtp_bench_defaults_to_the_demo(tmp_path):
 
     demo = ensure_demo_checkpoint(tmp_path / "demo-qwen3")
     out_json = tmp_path / "bench.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JTP_DEMO_DIR=str(demo))
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    env = cpu_env(1, JTP_DEMO_DIR=str(demo))
     proc = subprocess.run(
         [sys.executable, "-m", "jtp.entrypoints.cli", "bench", "--batch-sizes", "1", "--context", "8", "--prefill-len", "16",
          "--decode-steps", "2", "--warmup-steps", "1", "--prefill-runs", "1", "--prefill-requests", "1",

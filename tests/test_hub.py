@@ -5,15 +5,15 @@ refs/<branch>) in its own HF_HOME and runs the real `jtp` command with HF_HUB_OF
 the Hub's endpoint pointed at a closed local port (the Hub unreachable).
 """
 import json
-import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+from cpu_env import cpu_env
 
-from jtp.demo import ensure_demo_checkpoint
 from jtp.config.hub import looks_like_repo_id
+from jtp.demo import ensure_demo_checkpoint
 
 REPO = "tiny-org/tiny-qwen3"
 MAIN, V1 = "a" * 40, "b" * 40  # commit hashes of the main branch and of the tag v1
@@ -36,8 +36,7 @@ def populate_cache(hf_home, source, repo=REPO, refs=(("main", MAIN),)):
 
 
 def run_jtp(tmp_path, *args, offline=True, **env_extra):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HOME=str(tmp_path / "hf"), **env_extra)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    env = cpu_env(1, HF_HOME=str(tmp_path / "hf"), **env_extra)
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "JTP_DEBUG"):
         env.pop(key, None)
     if offline:
