@@ -13,15 +13,9 @@ import pytest
 from cpu_env import cpu_env
 
 from jtp.config.hub import looks_like_repo_id
-from jtp.demo import ensure_demo_checkpoint
 
 REPO = "tiny-org/tiny-qwen3"
 MAIN, V1 = "a" * 40, "b" * 40  # commit hashes of the main branch and of the tag v1
-
-
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo") / "demo-qwen3")
 
 
 def populate_cache(hf_home, source, repo=REPO, refs=(("main", MAIN),)):
