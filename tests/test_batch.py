@@ -14,6 +14,7 @@ import pytest
 
 from jtp.core.sampling_params import SamplingParams
 from jtp.demo import ensure_demo_checkpoint
+from jtp.config.engine_args import EngineArgs
 from jtp.engine.engine import Engine
 from jtp.engine.tokenizer import Tokenizer
 from jtp.entrypoints import batch
@@ -30,7 +31,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(ckpt):
-    return Engine(ckpt, num_blocks=512, max_num_seqs=16)
+    return Engine.from_args(EngineArgs(model=ckpt, num_blocks=512, max_num_seqs=16))
 
 
 @pytest.fixture(scope="module")

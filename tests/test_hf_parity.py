@@ -17,6 +17,7 @@ from hf_models import StepOutput, hf_greedy, logprob_error, make_hf_checkpoint, 
 
 from jtp.core.sampling_params import SamplingParams  # noqa: E402
 from jtp.core.step_input import StepPlan  # noqa: E402
+from jtp.config.engine_args import EngineArgs
 from jtp.engine.engine import Engine  # noqa: E402
 from jtp.worker.runner import ModelRunner  # noqa: E402
 
@@ -84,7 +85,7 @@ def test_prefill_and_cached_decode_match_hf(checkpoint):
 def test_greedy_generation_matches_hf_generate(checkpoint):
     kind, model, path = checkpoint
     prompt = np.random.default_rng(2).integers(0, 128, 17).tolist()
-    engine = Engine(path, dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    engine = Engine.from_args(EngineArgs(model=path, dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64))
     done = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
     assert done.token_ids == hf_greedy(model, prompt, 32), kind
     assert done.finish_reason == "length"

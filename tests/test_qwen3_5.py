@@ -270,9 +270,9 @@ def drive_scheduler(runner, prompts, arrivals, max_tokens, general: bool):
         sampled = []
         sched.dispatched(rows)  # what the engine does once the step is on the device
         for b, row in enumerate(rows):
-            if row.samples:
+            if row.picks_next_token:
                 sampled.append((int(row.request.id), row.request.num_computed - 1, out.take([b])))
-                row.request.pending -= 1
+                row.request.num_unseen_tokens -= 1
                 row.request.output_ids.append(int(out.tokens[b]))
         steps.append((bound, [row.num_tokens for row in rows], out, sampled))
         for r in list(sched.running):
