@@ -45,8 +45,8 @@ def run_engine(model_dir: Path, tp: int, dtype: str, prompts, max_tokens: int, b
                collectives: list | None = None) -> list[dict]:
     """Greedy completions with top-20 logprobs, all prompts batched through one engine. With a
     `collectives` list, also count the collectives of the engine's compiled decode step into it."""
-    from jtp.core.sampling_params import SamplingParams
     from jtp.config.engine_args import EngineArgs
+    from jtp.core.sampling_params import SamplingParams
     from jtp.engine.engine import Engine
     from jtp.parallel.collectives import step_collectives
 

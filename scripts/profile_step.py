@@ -176,8 +176,8 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from jtp.core.sampling_params import SamplingParams
     from jtp.config.engine_args import EngineArgs
+    from jtp.core.sampling_params import SamplingParams
     from jtp.engine.engine import Engine
 
     chunk = max(512, 2 * args.batch)

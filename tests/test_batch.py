@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
 from jtp.demo import ensure_demo_checkpoint
-from jtp.config.engine_args import EngineArgs
 from jtp.engine.engine import Engine
 from jtp.engine.tokenizer import Tokenizer
 from jtp.entrypoints import batch

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
 from jtp.demo import DEMO_LABEL, ensure_demo_checkpoint
-from jtp.config.engine_args import EngineArgs
 from jtp.engine.engine import Engine
 from jtp.entrypoints import cli
 from jtp.entrypoints.cli_support import interrupt_guard, run_command

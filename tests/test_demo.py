@@ -10,9 +10,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from jtp import demo
+from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
 from jtp.demo import DEMO_FILES, DEMO_LABEL, ensure_demo_checkpoint
-from jtp.config.engine_args import EngineArgs
 from jtp.engine.engine import Engine
 from jtp.engine.tokenizer import Tokenizer
 

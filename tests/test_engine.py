@@ -16,10 +16,10 @@ import random
 import pytest
 from hf_models import make_hf_checkpoint
 
+from jtp.config.engine_args import EngineArgs
 from jtp.core.page_pool import PagePool
 from jtp.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from jtp.core.scheduler import Request, Scheduler, Status
-from jtp.config.engine_args import EngineArgs
 from jtp.engine.engine import Completion, Engine, RequestError
 
 VOCAB = 128

@@ -15,9 +15,9 @@ pytest.importorskip("transformers")
 
 from hf_models import StepOutput, hf_greedy, logprob_error, make_hf_checkpoint, run_step  # noqa: E402
 
+from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams  # noqa: E402
 from jtp.core.step_input import StepPlan  # noqa: E402
-from jtp.config.engine_args import EngineArgs
 from jtp.engine.engine import Engine  # noqa: E402
 from jtp.worker.runner import ModelRunner  # noqa: E402
 
@@ -74,7 +74,7 @@ def hf_logits(model, ids) -> np.ndarray:
 def test_prefill_and_cached_decode_match_hf(checkpoint):
     kind, model, path = checkpoint
     ids = np.random.default_rng(1).integers(0, 128, PREFILL + DECODE)
-    runner = ModelRunner(path, tensor_parallel_size=1, dtype="float32", num_blocks=8, block_size=4)
+    runner = ModelRunner.from_args(EngineArgs(model=path, dtype="float32", num_blocks=8, block_size=4))
     ours = prefill_then_decode(runner, ids, PREFILL)
     ref = hf_logits(model, ids)[PREFILL - 1 :]
     assert len(ours.tokens) == len(ref)
@@ -85,7 +85,8 @@ def test_prefill_and_cached_decode_match_hf(checkpoint):
 def test_greedy_generation_matches_hf_generate(checkpoint):
     kind, model, path = checkpoint
     prompt = np.random.default_rng(2).integers(0, 128, 17).tolist()
-    engine = Engine.from_args(EngineArgs(model=path, dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64))
+    engine = Engine.from_args(EngineArgs(
+        model=path, dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64))
     done = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
     assert done.token_ids == hf_greedy(model, prompt, 32), kind
     assert done.finish_reason == "length"
@@ -95,7 +96,7 @@ def test_bfloat16_runs_close_to_hf_float32(checkpoint):
     """bf16 weights and activations stay near the fp32 reference (a sanity bound, not parity)."""
     kind, model, path = checkpoint
     ids = np.random.default_rng(3).integers(0, 128, 12)
-    runner = ModelRunner(path, dtype="bfloat16", num_blocks=8, block_size=4)
+    runner = ModelRunner.from_args(EngineArgs(model=path, dtype="bfloat16", num_blocks=8, block_size=4))
     ours = prefill_then_decode(runner, ids, 8)
     ref = hf_logits(model, ids)[7:]
     assert np.isfinite(ours.top_logprobs).all()

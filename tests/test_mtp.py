@@ -19,10 +19,10 @@ torch = pytest.importorskip("torch")
 
 import hf_hybrid as hh  # noqa: E402
 
+from jtp.config.engine_args import EngineArgs
 from jtp.config.speculative import SpeculativeConfig  # noqa: E402
 from jtp.core.sampling_params import SamplingParams  # noqa: E402
 from jtp.core.scheduler import Scheduler  # noqa: E402
-from jtp.config.engine_args import EngineArgs
 from jtp.engine.engine import Engine  # noqa: E402
 from jtp.errors import ConfigError  # noqa: E402
 

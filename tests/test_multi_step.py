@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from test_engine import run_staggered
 
-from jtp.core.sampling_params import SamplingParams
 from jtp.config.engine_args import EngineArgs
+from jtp.core.sampling_params import SamplingParams
 from jtp.engine.engine import Engine
 
 KW = dict(dtype="float32", skip_tokenizer_init=True, num_blocks=128, block_size=4, max_num_seqs=8,

@@ -21,9 +21,9 @@ from hypothesis.stateful import (
     rule,
 )
 
+from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
 from jtp.core.scheduler import Status
-from jtp.config.engine_args import EngineArgs
 from jtp.engine.engine import Engine, RequestError
 
 BS = 4  # block size: prompts cross many block boundaries

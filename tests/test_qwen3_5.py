@@ -53,10 +53,12 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def make_runner(path, tp=1, max_seqs=4):
+    from jtp.config.engine_args import EngineArgs
     from jtp.worker.runner import ModelRunner
 
-    return ModelRunner(path, tensor_parallel_size=tp, num_blocks=128, block_size=16, max_seqs=max_seqs,
-                       num_state_slots=2 * max_seqs)
+    return ModelRunner.from_args(EngineArgs(
+        model=path, tensor_parallel_size=tp, num_blocks=128, block_size=16, max_num_seqs=max_seqs,
+        num_state_slots=2 * max_seqs))
 
 
 def state_of(runner, slot: int) -> dict[str, np.ndarray]:

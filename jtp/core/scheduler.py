@@ -453,6 +453,12 @@ class Scheduler:
             keys.append(chain_key(keys[-1] if keys else self.cache_root, [r.token(p) for p in range(start, start + bs)]))
         return keys
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block and state checkpoint that nothing holds; how many blocks."""
+        if self.states is not None:
+            self.states.reset_cache()
+        return self.pool.reset_cache()
+
     def register_computed(self, r: Request) -> None:
         """Offer the request's computed full blocks (and frozen state checkpoints) to the cache,
         as far as their tokens are known on the host (a pending token's block waits a step)."""

@@ -29,7 +29,6 @@ import collections
 import contextlib
 import itertools
 import logging
-import random
 import threading
 import time
 from pathlib import Path
@@ -40,31 +39,23 @@ from jtp.config.engine_args import EngineArgs
 from jtp.config.engine_config import EngineConfig
 from jtp.core.block_hash import root_key
 from jtp.core.page_pool import PagePool
-from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling, request_seed
+from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling
 from jtp.core.scheduler import Request, ScheduledRow, Scheduler, Status
 from jtp.core.state_pool import StatePool
 from jtp.core.step_input import StepInput, pack_stop_ids
+from jtp.engine.input_processor import InputProcessor
 from jtp.engine.memory import kv_blocks_for_memory
 from jtp.engine.output_processor import (
     Completion,
     OutputProcessor,
     RequestStream,
     TokenEvent,
-    aiter_events,
-    completion,
-    iter_events,
 )
 from jtp.engine.snapshot_manager import SnapshotManager
 from jtp.engine.stats import EngineStats, collect_stats
 from jtp.engine.tokenizer import Tokenizer
 from jtp.engine.warmup import compile_step_shapes
-from jtp.errors import (
-    ContextLengthError,
-    EngineClosedError,
-    QueueFullError,
-    RequestError,
-    WorkerGroupError,
-)
+from jtp.errors import EngineClosedError, QueueFullError, RequestError, WorkerGroupError
 from jtp.worker.runner import ModelRunner, is_ready
 
 log = logging.getLogger(__name__)
@@ -133,7 +124,7 @@ class Engine:
         has_tokenizer = not config.skip_tokenizer_init and (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(self.model_dir) if has_tokenizer else None
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else cfg.eos_token_ids)
-        self._seeds = random.Random(config.seed) if config.seed is not None else None
+        self.inputs = InputProcessor(cfg, self.max_model_len, self.pool, self.eos_ids, config.seed)
         self.ready = threading.Event()  # set once warmed up (or at once without warm-up): servers' readiness
         # Whether a dispatched step has finished on the device: the step loop asks it to choose
         # between handing out the finished step's tokens first and overlapping (tests replace it).
@@ -142,7 +133,7 @@ class Engine:
         # Intake, shared with caller threads under a short lock that is never held across device work.
         self._intake = threading.Condition()
         self._inbox: collections.deque[tuple[str, Request | str]] = collections.deque()
-        self.outputs = OutputProcessor(self.tokenizer, self._intake)
+        self.outputs = OutputProcessor(self.tokenizer, self._intake, self._pump, self.abort)
         self._ids = itertools.count()
         self._closed = False
 
@@ -187,10 +178,7 @@ class Engine:
         """Queue a request and return its id at once (validation only; no device work, no waiting)."""
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
-        self._validate(prompt_ids, params)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_ids
+        self.inputs.validate(prompt_ids, params)
         with self._intake:
             if self.failure is not None:
                 raise WorkerGroupError(self.failure)
@@ -198,43 +186,19 @@ class Engine:
                 raise EngineClosedError("the engine is closed and accepts no new requests")
             if self._draining:
                 raise EngineClosedError("the engine is shutting down (draining) and accepts no new requests")
-            waiting = self._num_waiting()
-            if self.config.max_waiting_requests is not None and waiting >= self.config.max_waiting_requests:
-                raise QueueFullError(f"{waiting} requests are already waiting (limit {self.config.max_waiting_requests}); retry later")
+            waiting, limit = self._num_waiting(), self.config.max_waiting_requests
+            if limit is not None and waiting >= limit:
+                raise QueueFullError(f"{waiting} requests are already waiting (limit {limit}); retry later")
             rid = request_id
             while rid is None or (request_id is None and rid in self.outputs):
                 rid = f"req-{next(self._ids)}"  # never collides with a caller-chosen id
             if rid in self.outputs:
                 raise RequestError(f"request id {rid!r} is already in use")
-            # An engine seed makes the seeds of requests that bring none reproducible too.
-            seed = self._seeds.randrange(2**32) if params.seed is None and self._seeds else request_seed(params)
-            req = Request(rid, prompt_ids, params, seed, frozenset(stop_ids))
+            req = self.inputs.make_request(rid, prompt_ids, params)
             self.outputs.add(req)
             self._inbox.append(("add", req))
             self._intake.notify_all()
         return rid
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        try:
-            params.validate(self.cfg.vocab_size)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
-        if not prompt_ids:
-            raise RequestError("the prompt is empty: at least one token is needed")
-        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ContextLengthError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"the model's context length ({self.max_model_len})"
-            )
-        if not self.pool.can_ever_fit(total):
-            raise ContextLengthError(
-                f"prompt + max_tokens = {total} tokens needs {self.pool.blocks_needed(total)} KV blocks but the "
-                f"whole pool has {self.pool.total_blocks}; lower max_tokens or give the engine more blocks"
-            )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it already finished or is unknown.
@@ -314,7 +278,6 @@ class Engine:
                 self._inflight = (rows, self._dispatch(rows))
             if previous is not None:
                 events = self._process(*previous)
-            self.outputs.publish()  # this step's events: one wake-up per request
             return events
 
     def _dispatch(self, rows: list[ScheduledRow]):
@@ -354,6 +317,7 @@ class Engine:
                 if req.status is Status.RUNNING:  # else finished or aborted meanwhile: discard
                     req.first_token_time = req.first_token_time or now
                     events.append(self._append(req, int(per_step[i].tokens[b]), per_step[i], b))
+        self.outputs.publish()  # the step's events: one wake-up per request
         return events
 
     def _accept(self, row: ScheduledRow, per_step, b: int, now: float) -> list[TokenEvent]:
@@ -395,7 +359,6 @@ class Engine:
         previous, self._inflight = self._inflight, None
         if previous is not None:
             self._process(*previous)
-            self.outputs.publish()
 
     @contextlib.contextmanager
     def paused(self):
@@ -426,28 +389,15 @@ class Engine:
         reaches this consumer as a finished event. Closing the generator before the end (a
         consumer that goes away) aborts the request. `timeout` bounds each wait (TimeoutError).
         """
-        out = self.outputs.stream(request_id)
-        return iter_events(out, timeout, self._pump, lambda finished: self._end_consumer(request_id, finished))
+        return self.outputs.events(request_id, timeout)
 
     def astream(self, request_id: str):
         """`stream` for asyncio: waits without blocking the event loop (needs the loop thread)."""
-        out = self.outputs.stream(request_id)
-        return aiter_events(out, lambda finished: self._end_consumer(request_id, finished))
-
-    def _end_consumer(self, request_id: str, finished: bool) -> None:
-        if not finished:
-            self.abort(request_id)  # marks it orphaned: released once its abort is carried out
-        self.release(request_id)
+        return self.outputs.aevents(request_id)
 
     def result(self, request_id: str, timeout: float | None = None) -> Completion:
         """Wait for a request to finish and return it whole; releases the request."""
-        out = self.outputs.stream(request_id)
-        while not out.done.is_set() and self._pump():
-            pass
-        if not out.done.wait(timeout):
-            raise TimeoutError(f"request {request_id!r} did not finish within {timeout} s")
-        self.release(request_id)
-        return completion(out)
+        return self.outputs.result(request_id, timeout)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (the consumers above do it; idempotent)."""
@@ -481,19 +431,11 @@ class Engine:
         """
         if (request_id is None) == (tokens is None):
             raise RequestError("snapshot() takes a request id or tokens, not both or neither")
-        if self.scheduler.cache_root is None:
-            raise RequestError("snapshots need prefix caching (the engine runs with enable_prefix_caching=False)")
-        if request_id is not None:
-            with self._lock:
-                req = self.request(request_id)
-                if req.status is Status.RUNNING:
-                    self.scheduler.register_computed(req)  # what the last steps computed
-                return self.snapshots.pin(req.prompt_ids + req.output_ids)
-        seq = [int(t) for t in tokens]
-        if not seq:
-            raise RequestError("cannot snapshot an empty token sequence")
         with self._lock:
-            snap_id = self.snapshots.pin(seq, partial_ok=False)
+            if request_id is not None:
+                return self.snapshots.pin_request(self.request(request_id))
+            seq = [int(t) for t in tokens]
+            snap_id = self.snapshots.pin_tokens(seq)
         if snap_id is None:  # not cached yet: prefill it (one sampled token, discarded), then pin
             self.result(self.submit(seq, SamplingParams(max_tokens=1, temperature=0.0)))
             with self._lock:
@@ -534,12 +476,7 @@ class Engine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block and state checkpoint that nothing holds; returns how many blocks."""
         with self._lock:
-            return self._reset_prefix_cache()
-
-    def _reset_prefix_cache(self) -> int:
-        if self.states is not None:
-            self.states.reset_cache()
-        return self.pool.reset_cache()
+            return self.scheduler.reset_prefix_cache()
 
     # ------------------------------------------------------------------ warm-up
 
@@ -661,4 +598,4 @@ class Engine:
                         out = self.outputs.get(req.id)
                         out.error = f"{type(e).__name__}: {e}"
                         self._finish(out, "error")
-                    self._reset_prefix_cache()  # what the failed step was to write is not trustworthy
+                    self.scheduler.reset_prefix_cache()  # what the failed step was to write is not trustworthy

@@ -130,12 +130,16 @@ class RequestStream:
 
 
 class OutputProcessor:
-    """Every live request's stream, by id. The dict is guarded by the engine's intake lock
-    (`lock`); the streams' text and event state by whoever steps (the step lock)."""
+    """Every live request's stream, by id, and the consumers that read them. The dict is guarded
+    by the engine's intake lock (`lock`); the streams' text and event state by whoever steps (the
+    step lock). `pump()` runs an engine step when no loop thread does (manual mode) and says
+    whether it did; `abort(request_id)` is the engine's."""
 
-    def __init__(self, tokenizer: Tokenizer | None, lock: threading.Condition):
+    def __init__(self, tokenizer: Tokenizer | None, lock: threading.Condition, pump: Callable[[], bool],
+                 abort: Callable[[str], bool]):
         self.tokenizer = tokenizer
         self.lock = lock
+        self.pump, self.abort = pump, abort
         self._streams: dict[str, RequestStream] = {}
         self._to_publish: list[RequestStream] = []
 
@@ -224,45 +228,60 @@ class OutputProcessor:
         for out in pending:
             out.publish()
 
+    # --------------------------------------------------------------- consumers (any thread)
 
-def iter_events(out: RequestStream, timeout: float | None, pump: Callable[[], bool], on_exit: Callable[[bool], None]):
-    """Yield `out`'s events up to its finished one. `pump()` runs a step when nobody else does
-    (manual mode) and says whether it did; `on_exit(finished)` runs when the consumer ends."""
-    finished = False
-    try:
-        while not finished:
-            while not out.has_events() and pump():
-                pass
-            event = out.get(timeout)
-            if event is None:
-                raise TimeoutError(f"no event for request {out.request.id!r} within {timeout} s")
-            finished = event.finished
-            yield event
-    finally:
-        on_exit(finished)
+    def events(self, request_id: str, timeout: float | None = None):
+        """Yield the request's events up to its finished one, then release it; closing early aborts it."""
+        out = self.stream(request_id)  # claimed now: an abort after this still reaches the consumer
+        return self._events(out, timeout)
 
+    def _events(self, out: RequestStream, timeout: float | None):
+        finished = False
+        try:
+            while not finished:
+                while not out.has_events() and self.pump():
+                    pass
+                event = out.get(timeout)
+                if event is None:
+                    raise TimeoutError(f"no event for request {out.request.id!r} within {timeout} s")
+                finished = event.finished
+                yield event
+        finally:
+            self._end_consumer(out.request.id, finished)
 
-async def aiter_events(out: RequestStream, on_exit: Callable[[bool], None]):
-    """`iter_events` for asyncio: waits without blocking the event loop (a loop thread steps)."""
-    flag = asyncio.Event()
-    out.add_waker(asyncio.get_running_loop(), flag)
-    finished = False
-    try:
-        while not finished:
-            event = out.get_nowait()
-            if event is None:
-                await flag.wait()
-                flag.clear()
-                continue
-            finished = event.finished
-            yield event
-    finally:
-        on_exit(finished)
+    async def aevents(self, request_id: str):
+        """`events` for asyncio: waits without blocking the event loop (a loop thread steps)."""
+        out = self.stream(request_id)
+        flag = asyncio.Event()
+        out.add_waker(asyncio.get_running_loop(), flag)
+        finished = False
+        try:
+            while not finished:
+                event = out.get_nowait()
+                if event is None:
+                    await flag.wait()
+                    flag.clear()
+                    continue
+                finished = event.finished
+                yield event
+        finally:
+            self._end_consumer(request_id, finished)
 
+    def _end_consumer(self, request_id: str, finished: bool) -> None:
+        if not finished:
+            self.abort(request_id)  # marks it orphaned: released once its abort is carried out
+        self.release(request_id)
 
-def completion(out: RequestStream) -> Completion:
-    req = out.request
-    return Completion(
-        req.id, req.prompt_ids, list(req.output_ids), out.text, req.finish_reason,
-        out.logprobs or None, out.top_logprobs or None, out.error,
-    )
+    def result(self, request_id: str, timeout: float | None = None) -> Completion:
+        """Wait for the request to finish and return it whole; releases it."""
+        out = self.stream(request_id)
+        while not out.done.is_set() and self.pump():
+            pass
+        if not out.done.wait(timeout):
+            raise TimeoutError(f"request {request_id!r} did not finish within {timeout} s")
+        self.release(request_id)
+        req = out.request
+        return Completion(
+            req.id, req.prompt_ids, list(req.output_ids), out.text, req.finish_reason,
+            out.logprobs or None, out.top_logprobs or None, out.error,
+        )

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from jtp.core.block_hash import block_keys
 from jtp.core.page_pool import PagePool
-from jtp.core.scheduler import Scheduler
+from jtp.core.scheduler import Request, Scheduler, Status
 from jtp.core.snapshots import Snapshot, SnapshotRegistry
 from jtp.core.state_pool import StatePool
 from jtp.errors import RequestError
@@ -41,10 +43,25 @@ class SnapshotManager(SnapshotRegistry):
         self.scheduler, self.pool, self.states = scheduler, pool, states
         self.bytes_per_block, self.bytes_per_state_slot = bytes_per_block, bytes_per_state_slot
 
+    def pin_request(self, req: Request) -> str:
+        """Pin a request's prompt and output so far (running, or finished and not yet released)."""
+        self._need_prefix_cache()
+        if req.status is Status.RUNNING:
+            self.scheduler.register_computed(req)  # what the last steps computed
+        return self.pin(req.prompt_ids + req.output_ids)
+
+    def pin_tokens(self, seq: list[int]) -> str | None:
+        """Pin `seq` if the cache holds all of it; None if it must be prefilled first."""
+        self._need_prefix_cache()
+        if not seq:
+            raise RequestError("cannot snapshot an empty token sequence")
+        return self.pin(seq, partial_ok=False)
+
     def pin(self, seq: list[int], partial_ok: bool = True) -> str | None:
         """Pin the cached prefix of `seq` as a new snapshot; its id. None when `partial_ok` is
         False and less than every cacheable token is cached. RequestError (nothing held) when it
         cannot be made."""
+        self._need_prefix_cache()
         sched, bs = self.scheduler, self.pool.block_size
         keys = block_keys(sched.cache_root, seq, bs)
         blocks, slot = sched.restorable(self.pool.lookup(keys), keys)
@@ -73,6 +90,10 @@ class SnapshotManager(SnapshotRegistry):
             self.states.acquire(slot)
         self.add(snap)
         return snap.id
+
+    def _need_prefix_cache(self) -> None:
+        if self.scheduler.cache_root is None:
+            raise RequestError("snapshots need prefix caching (the engine runs with enable_prefix_caching=False)")
 
     def unpin(self, snap: Snapshot) -> None:
         """Give a (popped) snapshot's blocks and state back to the ordinary, evictable cache."""

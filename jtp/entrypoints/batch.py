@@ -216,7 +216,7 @@ def _row_id(raw: bytes):
 # ----------------------------------------------------------------------------- the run
 
 
-class _Output:
+class _JsonlWriter:
     """Append-only JSONL writer; each row is flushed so a kill loses nothing written."""
 
     def __init__(self, f, stats: Stats):
@@ -299,7 +299,7 @@ def run(
 
     bar = _Progress(_count_lines(input_path), stats, progress, progress_every)
     with open(output_path, "a", encoding="utf-8") as f, open(input_path, "rb") as lines, bar:
-        out = _Output(f, stats)
+        out = _JsonlWriter(f, stats)
 
         def finished(row: dict) -> None:
             out.write(row)

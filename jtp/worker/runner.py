@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jtp.config.engine_args import EngineArgs
 from jtp.config.engine_config import EngineConfig
 from jtp.core.sampling_params import MAX_LOGPROBS, pack_sampling
 from jtp.core.step_input import SamplingBatch, StepInput, StepPlan, pack_stop_ids
@@ -102,6 +103,11 @@ class ModelRunner:
         # The last token sampled for each state slot, kept on device: a plan can name it (token id -1)
         # before the host has seen it, so step N+1 is dispatched while step N still runs.
         self.sampled = jax.device_put(np.zeros(config.max_num_seqs, np.int32), replicated(self.mesh))
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, devices=None) -> "ModelRunner":
+        """`ModelRunner(EngineConfig.from_args(args), devices)`: a runner alone (tests, tools)."""
+        return cls(EngineConfig.from_args(args), devices)
 
     @property
     def tp(self) -> int:
