@@ -38,13 +38,11 @@ import jax
 from jtp.config.engine_args import EngineArgs
 from jtp.config.engine_config import EngineConfig
 from jtp.core.block_hash import root_key
-from jtp.core.page_pool import PagePool
 from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling
 from jtp.core.scheduler import Request, ScheduledRow, Scheduler, Status
-from jtp.core.state_pool import StatePool
 from jtp.core.step_input import StepInput, pack_stop_ids
 from jtp.engine.input_processor import InputProcessor
-from jtp.engine.memory import kv_blocks_for_memory
+from jtp.engine.memory import allocate_pools
 from jtp.engine.output_processor import (
     Completion,
     OutputProcessor,
@@ -65,12 +63,7 @@ __all__ = ["Engine", "EngineStats", "TokenEvent", "Completion", "RequestError"]
 
 def _drafts_of(row) -> list[int]:
     """A row's MTP drafts up to the first -1 (a chain that ran out of allocated pages)."""
-    out = []
-    for d in row:
-        if d < 0:
-            break
-        out.append(int(d))
-    return out
+    return [int(d) for d in itertools.takewhile(lambda d: d >= 0, row)]
 
 
 class Engine:
@@ -97,17 +90,7 @@ class Engine:
         cfg = self.cfg = self.runner.cfg
         self.max_model_len = config.max_model_len
         self.speculative = config.speculative_config
-        bytes_per_block, bytes_per_slot = self.runner.bytes_per_block(), self.runner.bytes_per_state_slot()
-        hybrid = bytes_per_slot > 0
-        num_blocks = config.num_blocks or kv_blocks_for_memory(self.runner, config)
-        self.runner.allocate_cache(num_blocks)
-        self.pool = PagePool(num_blocks, config.block_size)
-        log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB per device)",
-                 num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * bytes_per_block / 2**20)
-        self.states = StatePool(config.num_state_slots) if hybrid else None
-        if hybrid:
-            log.info("recurrent-state slots: %d (%.1f MiB per device)", config.num_state_slots,
-                     config.num_state_slots * bytes_per_slot / 2**20)
+        self.pool, self.states = allocate_pools(self.runner, config)
         # The prefix cache's keys start from the model's identity: a key names one model's KV.
         self.cache_identity = f"{cfg!r}|{self.runner.dtype}|block_size={config.block_size}|tp={self.runner.tp}"
         self.scheduler = Scheduler(
@@ -116,10 +99,10 @@ class Engine:
             states=self.states, cache_root=root_key(self.cache_identity) if config.enable_prefix_caching else None,
             num_scheduler_steps=config.num_scheduler_steps, speculative=self.speculative,
         )
-        budget = config.snapshot_budget_bytes
+        per_block, budget = self.runner.bytes_per_block(), config.snapshot_budget_bytes
         self.snapshots = SnapshotManager(
-            config.max_snapshots, budget if budget is not None else num_blocks * bytes_per_block // 2,
-            self.scheduler, self.pool, self.states, bytes_per_block, bytes_per_slot,
+            config.max_snapshots, budget if budget is not None else self.pool.total_blocks * per_block // 2,
+            self.scheduler, self.pool, self.states, per_block, self.runner.bytes_per_state_slot(),
         )
         has_tokenizer = not config.skip_tokenizer_init and (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(self.model_dir) if has_tokenizer else None

@@ -1,10 +1,13 @@
-"""The KV pool's size when `num_blocks` is not given: what device memory the weights left."""
+"""The KV pool and the recurrent-state slots: sized (from the device memory the weights left, when
+`num_blocks` is not given), allocated on the devices, and their host bookkeeping."""
 
 from __future__ import annotations
 
 import logging
 
 from jtp.config.engine_config import EngineConfig
+from jtp.core.page_pool import PagePool
+from jtp.core.state_pool import StatePool
 from jtp.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -34,3 +37,18 @@ def kv_blocks_for_memory(runner: ModelRunner, config: EngineConfig) -> int:
     want = -(-config.max_num_seqs * config.max_model_len // config.block_size)
     one_request = -(-config.max_model_len // config.block_size)
     return max(min(want, CPU_KV_BUDGET_BYTES // per_block), one_request)
+
+
+def allocate_pools(runner: ModelRunner, config: EngineConfig) -> tuple[PagePool, StatePool | None]:
+    """Allocate the device cache and return its host bookkeeping: the page pool, and the state
+    pool on hybrid models (None without recurrent layers)."""
+    per_block, per_slot = runner.bytes_per_block(), runner.bytes_per_state_slot()
+    num_blocks = config.num_blocks or kv_blocks_for_memory(runner, config)
+    runner.allocate_cache(num_blocks)
+    log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB per device)",
+             num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * per_block / 2**20)
+    if not per_slot:
+        return PagePool(num_blocks, config.block_size), None
+    log.info("recurrent-state slots: %d (%.1f MiB per device)", config.num_state_slots,
+             config.num_state_slots * per_slot / 2**20)
+    return PagePool(num_blocks, config.block_size), StatePool(config.num_state_slots)

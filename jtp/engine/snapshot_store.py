@@ -70,12 +70,9 @@ FORMAT = "jtp-snapshots"
 FORMAT_VERSION = 1
 
 
-
 def _model_dir(engine: "Engine", model_dir: str | Path | None) -> Path:
-    found = model_dir or getattr(engine, "model_dir", None) or getattr(engine.runner, "model_dir", None)
-    if found is None:
-        raise ValueError("the engine does not record its model directory: pass model_dir=... (the weights are fingerprinted)")
-    return Path(found)
+    """The directory whose weights are fingerprinted: the engine's own unless given."""
+    return Path(model_dir or engine.config.model)
 
 
 def _mesh_info(engine: "Engine") -> dict[str, Any]:
