@@ -189,7 +189,7 @@ def test_load_refused_when_it_cannot_fit(demo, saved, tmp_path, monkeypatch):
     def failing(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(snapshot_store, "_scatter", failing)
+    monkeypatch.setattr(engine.runner, "scatter_pages", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         load_snapshots(engine, saved["path"])
     assert state(engine) == before
@@ -382,7 +382,7 @@ def test_prefix_cache_load_takes_only_what_is_free(demo, warm, monkeypatch):
     def failing(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(snapshot_store, "_scatter", failing)
+    monkeypatch.setattr(engine.runner, "scatter_pages", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         load_snapshots(b, warm["path"])
     assert state(b) == before and b.pool.num_cached_blocks == 0
