@@ -382,7 +382,7 @@ def test_prefix_cache_load_takes_only_what_is_free(demo, warm, monkeypatch):
     def failing(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.runner, "scatter_pages", failing)
+    monkeypatch.setattr(b.runner, "scatter_pages", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         load_snapshots(b, warm["path"])
     assert state(b) == before and b.pool.num_cached_blocks == 0

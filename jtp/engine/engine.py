@@ -235,10 +235,10 @@ class Engine:
         Overlapping keeps the device busy: the host schedules and builds step N+1 (whose decode
         rows feed step N's sampled tokens straight from device memory) before it waits for step
         N's results. A stop found in step N's tokens therefore costs one discarded token of
-        compute. When step N has already finished (the host, not the device, is the bottleneck,
-        as for small batches of a large model: docs/bench/host-bound-steps.md) its tokens are processed first, so they go out a host step earlier (a cached
-        prompt's first token among them) at no cost to the idle device. Penalties need the exact
-        token history, so batches that use them run in lockstep.
+        compute. When step N has already finished (the host, not the device, is the bottleneck)
+        its tokens are processed first, so they go out a host step earlier (a cached prompt's
+        first token among them) at no cost to the idle device. Penalties need the exact token
+        history, so batches that use them run in lockstep.
         Returns the events of the step whose results were processed.
         """
         with self._lock:
