@@ -12,7 +12,6 @@ import pytest
 from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
 from jtp.demo import ensure_demo_checkpoint
-from jtp.engine import snapshot_store
 from jtp.engine.engine import Engine
 from jtp.engine.snapshot_store import load_snapshots, read_metadata, save_snapshots
 from jtp.errors import ConfigError, RequestError

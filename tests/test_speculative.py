@@ -248,7 +248,8 @@ def test_server_speculates_and_reports_it(dense_path):
     proc, url, log = start_serve(1, "--speculative-config", NGRAM)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        engine = Engine(dense_path, **(KW | dict(tokenizer=True)))  # for the prompt only: the model's own continuation, repeated
+        # A tokenizer for the prompt only: the model's own continuation, repeated
+        engine = Engine.from_args(EngineArgs(model=dense_path, **(KW | dict(skip_tokenizer_init=False))))
         start = engine.tokenizer.encode("Once upon a time")
         again = start + engine.generate([start], SamplingParams(max_tokens=12, temperature=0))[0].token_ids + start
         engine.close()
