@@ -41,6 +41,7 @@ from jtp.core.block_hash import root_key
 from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling
 from jtp.core.scheduler import Request, ScheduledRow, Scheduler, Status
 from jtp.core.step_input import StepInput, pack_stop_ids
+from jtp.engine import snapshot_store
 from jtp.engine.input_processor import InputProcessor
 from jtp.engine.memory import allocate_pools
 from jtp.engine.output_processor import (
@@ -445,16 +446,12 @@ class Engine:
     def save_snapshots(self, path, snapshot_ids=None, overwrite: bool = False, include_prefix_cache: bool = False):
         """Write snapshots (default: all; with `include_prefix_cache` also the rest of the prefix
         cache) to `path` with orbax; see jtp/engine/snapshot_store.py."""
-        from jtp.engine.snapshot_store import save_snapshots
-
-        return save_snapshots(self, path, snapshot_ids, overwrite=overwrite, include_prefix_cache=include_prefix_cache)
+        return snapshot_store.save_snapshots(self, path, snapshot_ids, overwrite=overwrite, include_prefix_cache=include_prefix_cache)
 
     def load_snapshots(self, path, include_prefix_cache: bool = True) -> list[str]:
         """Load snapshots (and any saved prefix-cache entries, as fit) saved by an engine of the same
         model, config, dtype and mesh; their ids."""
-        from jtp.engine.snapshot_store import load_snapshots
-
-        return load_snapshots(self, path, include_prefix_cache=include_prefix_cache)
+        return snapshot_store.load_snapshots(self, path, include_prefix_cache=include_prefix_cache)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block and state checkpoint that nothing holds; returns how many blocks."""
