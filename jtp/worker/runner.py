@@ -58,8 +58,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, devices=None):
         """Load `config`'s model onto `devices` (default: the first tensor_parallel_size of this process).
 
-        The KV cache is allocated here when `config.num_blocks` is set; else by the engine through
-        `allocate_cache` once it has sized the pool from the memory the weights left.
+        No KV cache yet: the engine sizes the pool (from the memory the weights left unless
+        `config.num_blocks`) and calls `allocate_cache`, which a group's followers then repeat.
         """
         self.config = config
         self.cfg = config.model_config
@@ -78,8 +78,6 @@ class ModelRunner:
         self.family = family_of(self.cfg)
         self.num_blocks = 0
         self.cache = None
-        if config.num_blocks is not None:
-            self.allocate_cache(config.num_blocks)
         # Chosen once here, so tracing the step reads no globals or environment.
         self.attention = choose_attention(self.mesh)
         self.experts = choose_experts(self.mesh, config.enable_expert_parallel)
@@ -106,8 +104,11 @@ class ModelRunner:
 
     @classmethod
     def from_args(cls, args: EngineArgs, devices=None) -> "ModelRunner":
-        """`ModelRunner(EngineConfig.from_args(args), devices)`: a runner alone (tests, tools)."""
-        return cls(EngineConfig.from_args(args), devices)
+        """A runner alone (tests, tools), its cache allocated when `args.num_blocks` is set."""
+        runner = cls(EngineConfig.from_args(args), devices)
+        if args.num_blocks is not None:
+            runner.allocate_cache(args.num_blocks)
+        return runner
 
     @property
     def tp(self) -> int:
