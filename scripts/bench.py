@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark jtp's engine against rooflines measured in the same run (and optionally HF).
 
-    python scripts/bench.py --model DIR [--tensor-parallel-size N] [--batch-sizes 1,8,64,256]
+    python scripts/bench.py [--model DIR] [--tensor-parallel-size N] [--batch-sizes 1,8,64,256]
         [--context 1024] [--prefill-len 2048] [--dtype bfloat16] [--json OUT.json]
         [--markdown OUT.md] [--hf]
 
@@ -59,7 +59,8 @@ def parse_sizes(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, type=Path, help="HF model directory (config.json + safetensors)")
+    ap.add_argument("--model", default=None,
+                    help="HF model directory (config.json + safetensors) or repo id (default: the embedded demo)")
     ap.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     ap.add_argument("--num-processes", type=int, default=1,
                     help="run through the multi-process launcher: this many local JAX processes share the tp mesh")
@@ -776,6 +777,9 @@ def markdown(res: dict) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from jtp.config.engine_args import EngineArgs
+
+    args.model = Path(EngineArgs(model=args.model).model_dir())  # the demo when None, a repo id's snapshot
     if args.hf_worker:
         return hf_worker(args)
 

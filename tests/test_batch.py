@@ -18,6 +18,7 @@ from jtp.demo import ensure_demo_checkpoint
 from jtp.engine.engine import Engine
 from jtp.engine.tokenizer import Tokenizer
 from jtp.entrypoints import batch
+from jtp.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the sea is wide and deep it sings sailors off to sleep rain in Spain stays mainly on plain".split()
@@ -199,7 +200,7 @@ def test_bad_lines_become_error_rows(engine, tmp_path):
         json.dumps({"id": ["list"], "prompt": "a"}),
         json.dumps(["not", "an", "object"]),
         "",  # blank lines are skipped, not errors
-        json.dumps({"id": "ok1", **good}),  # duplicate
+        '{"id": "cut", "prompt": "the s',  # malformed: cut short
         json.dumps({"id": 7, "messages": "hi"}),
         json.dumps({"id": "ok2", **good, "stop": ["zz"], "logprobs": 2}),
     ]
@@ -217,13 +218,14 @@ def test_bad_lines_become_error_rows(engine, tmp_path):
     assert "'id' must be a string or an integer" in err["line:8"]
     assert "expected a JSON object, got list" in err["line:9"]
     assert err[7] == "line 12: 'messages' must be a non-empty list of objects"
-    dup = [i for i, r in enumerate(rows) if r["id"] == "ok1"]
-    assert len(dup) == 2 and "token_ids" in rows[dup[0]]  # the first occurrence's row comes first
-    assert rows[dup[1]]["error"] == "line 11: duplicate id 'ok1' (first on line 1)"
+    # One line number in a malformed line's row, 1-based, in its id and its message alike (json's
+    # own "line 1 column 23" named another line).
+    assert err["line:11"] == "line 11: invalid JSON (Unterminated string starting at column 25)"
     ok2 = next(r for r in rows if r["id"] == "ok2")
     assert len(ok2["logprobs"]) == len(ok2["token_ids"]) and all(len(t) == 2 for t in ok2["top_logprobs"])
 
-    # Resume with duplicates: nothing is missing, so nothing is written.
+    assert len({r["id"] for r in rows}) == len(rows)
+    # Resume: nothing is missing, so nothing is written.
     again = batch.run(engine, inp, tmp_path / "out.jsonl")
     assert (again.ok, again.errors, again.skipped) == (0, 0, 12)
 
@@ -268,25 +270,28 @@ def test_cli_has_batch_subcommand(capsys):
     assert "--input" in capsys.readouterr().out
 
 
-def test_duplicate_id_resume_completes(engine, tmp_path):
-    """Interrupted before the duplicate's error row was written, every rerun must finish the job."""
+def test_repeated_ids_are_refused_before_running(engine, tmp_path):
+    """As custom_id in an OpenAI batch: ids are unique, or nothing runs (no row could say which line it is)."""
     lines = [json.dumps({"id": i, "prompt": f"the sea {n}", "max_tokens": 3}) for n, i in enumerate("abac")]
+    lines.append("not json")  # its row would be line:5 ...
+    lines.append(json.dumps({"id": "line:5", "prompt": "x"}))  # ... which this id takes already
     inp = write_lines(tmp_path / "in.jsonl", lines)
-    whole = batch.run(engine, inp, tmp_path / "whole.jsonl")
-    assert (whole.ok, whole.errors) == (3, 1)
-
     out = tmp_path / "out.jsonl"
-    batch.run(engine, inp, out, limit=2)  # stops before the duplicate: its error row is not written yet
-    assert [r["id"] for r in read_rows(out)] == ["a", "b"]
-    resumed = batch.run(engine, inp, out)
-    assert (resumed.ok, resumed.errors, resumed.skipped) == (1, 1, 2)
-    rows = read_rows(out)
-    assert sorted(map(json.dumps, rows)) == sorted(map(json.dumps, read_rows(tmp_path / "whole.jsonl")))
-    results = [r["id"] for r in rows if "error" not in r]
-    assert sorted(results) == ["a", "b", "c"]  # each id's result written once
-    assert [r["error"] for r in rows if "error" in r] == ["line 3: duplicate id 'a' (first on line 1)"]
-    again = batch.run(engine, inp, out)
-    assert (again.ok, again.errors, again.skipped) == (0, 0, 4) and len(read_rows(out)) == 4
+    with pytest.raises(ConfigError) as e:
+        batch.run(engine, inp, out)
+    assert str(e.value) == (f"{inp}: line 3 repeats the id 'a' of line 1 (1 more repeated); ids must be unique "
+                            "(as custom_id in an OpenAI batch), nothing was run")
+    assert not out.exists()
+    write_lines(inp, lines[:2] + lines[3:4])
+    assert batch.run(engine, inp, out).ok == 3
+
+
+def test_non_utf8_line_names_its_column(engine, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b'{"id": "ok", "prompt": "the sea", "max_tokens": 2}\n{"id": "caf\xe9"}\n')
+    batch.run(engine, inp, tmp_path / "out.jsonl")
+    err = {r["id"]: r["error"] for r in read_rows(tmp_path / "out.jsonl") if "error" in r}
+    assert err == {"line:2": "line 2: not valid UTF-8 (byte 0xe9 at column 12)"}
 
 
 def test_greedy_by_default(engine, tok, tmp_path):

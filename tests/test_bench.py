@@ -205,3 +205,34 @@ def test_startup_time_reports_both_starts(tmp_path):
         r = runs[start]
         assert r["tokens"] == 8 and r["warmup_compilations"] == 0 and r["compilations"] >= 1
         assert 0 < r["load_and_warmup_s"] < r["total_s"] <= r["process_s"]
+
+
+# ----------------------------------------------------------------------------- `jtp bench`
+
+
+def test_jtp_bench_defaults_to_the_demo(tmp_path):
+    """No --model: the embedded demo, as the README says (and as `jtp generate` does)."""
+    from jtp.demo import ensure_demo_checkpoint
+
+    demo = ensure_demo_checkpoint(tmp_path / "demo-qwen3")
+    out_json = tmp_path / "bench.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JTP_DEMO_DIR=str(demo))
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jtp.entrypoints.cli", "bench", "--batch-sizes", "1", "--context", "8", "--prefill-len", "16",
+         "--decode-steps", "2", "--warmup-steps", "1", "--prefill-runs", "1", "--prefill-requests", "1",
+         "--json", str(out_json)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out_json.read_text())
+    assert res["model_dir"] == str(demo) and [d["batch"] for d in res["decode"]] == [1]
+
+
+def test_jtp_bench_outside_a_checkout_says_so(tmp_path, monkeypatch, capsys):
+    from jtp.entrypoints import cli
+
+    monkeypatch.setattr(cli, "REPO_ROOT", tmp_path)  # an installed jtp: no scripts/ beside the package
+    assert cli.main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: jtp bench runs scripts/bench.py of a source checkout") and err.count("\n") == 1

@@ -8,6 +8,7 @@ Every bad input ends in ONE `error: ...` line on stderr (start-up notes aside: t
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -173,7 +174,8 @@ def test_broken_checkpoints(demo_dir, broken, case, expected):
 
 def test_bad_tensor_parallel_size(demo_dir):
     model = ("generate", "--model", str(demo_dir), "Hi")
-    assert_one_line_error(run_jtp(*model, "-tp", "2"), "tensor_parallel_size=2 but 1 device(s) are visible")
+    assert_one_line_error(run_jtp(*model, "-tp", "2"), "tensor_parallel_size=2 but 1 device(s) are visible (cpu); "
+                          "on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=2 makes that many")
     assert_one_line_error(run_jtp(*model, "-tp", "3", devices=4),
                           "num_attention_heads (8) is not divisible by tensor_parallel_size=3")
 
@@ -181,6 +183,28 @@ def test_bad_tensor_parallel_size(demo_dir):
 def test_max_model_len_beyond_the_model(demo_dir):
     proc = run_jtp("generate", "--model", str(demo_dir), "--max-model-len", "100000", "Hi")
     assert_one_line_error(proc, "--max-model-len 100000: exceeds the model's max_position_embeddings (4096)")
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "not empty", "a file"])
+def test_convert_refuses_an_output_that_would_clobber(demo_dir, tmp_path, where):
+    """Checked before anything is written: the input stays as it was, one error line."""
+    model = tmp_path / "model"
+    shutil.copytree(demo_dir, model)
+    before = sorted(p.name for p in model.rglob("*"))
+    output, expected = {
+        "same": (model, "is the --model directory"),
+        "inside": (model / "converted", "lies inside the --model directory"),
+        "not empty": (tmp_path / "other", "exists and is not empty"),
+        "a file": (tmp_path / "file", "exists and is not a directory"),
+    }[where]
+    if where == "not empty":
+        output.mkdir()
+        (output / "keep.txt").write_text("mine")
+    if where == "a file":
+        output.write_text("mine")
+    proc = run_jtp("convert", "--model", str(model), "--output", str(output))
+    assert_one_line_error(proc, f"--output {output}: {expected}")
+    assert sorted(p.name for p in model.rglob("*")) == before
 
 
 def test_batch_file_errors(tmp_path):

@@ -3,6 +3,8 @@ safe to build from several processes at once, and read the same way by HF transf
 import json
 import os
 import re
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -15,6 +17,7 @@ from jtp.core.sampling_params import SamplingParams
 from jtp.demo import DEMO_FILES, DEMO_LABEL, ensure_demo_checkpoint
 from jtp.engine.engine import Engine
 from jtp.engine.tokenizer import Tokenizer
+from jtp.demo import build, corpus
 
 # Prompts in the corpus's world; the greedy continuations must be words from its pages.
 PROMPTS = ["Hello, world", "The quick brown fox", "The sea is", "In the morning", "A computer"]
@@ -87,7 +90,7 @@ def test_files_and_config(demo_dir, config):
     assert generation["eos_token_id"] == [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
     # Special tokens come right after the learned vocab, in Qwen3's order.
     first = tok.token_to_id("<|endoftext|>")
-    assert [tok.id_to_token(first + k) for k in range(5)] == [t for t, _ in demo.SPECIAL_TOKENS]
+    assert [tok.id_to_token(first + k) for k in range(5)] == [t for t, _ in corpus.SPECIAL_TOKENS]
 
 
 def test_weights_names_shapes_and_trained(demo_dir, config):
@@ -95,7 +98,7 @@ def test_weights_names_shapes_and_trained(demo_dir, config):
     assert {k: v.shape for k, v in weights.items()} == expected_shapes(config)
     assert all(v.dtype == np.float32 and np.isfinite(v).all() for v in weights.values())
     assert "lm_head.weight" not in weights  # tied to the embedding
-    initial = demo.initial_weights(config)
+    initial = build.initial_weights(config)
     for name, value in weights.items():  # training moved every tensor, norms included
         assert not np.allclose(value, initial[name], atol=1e-4), name
 
@@ -113,10 +116,10 @@ def test_training_loss_drops_by_a_large_factor(demo_dir):
 
 
 def test_greedy_output_is_corpus_words(engine):
-    vocabulary = demo.corpus_words()
+    vocabulary = corpus.corpus_words()
     outs = greedy(engine, PROMPTS)
     # Whitespace-separated words, lower-cased, punctuation stripped ("Paris." -> "paris").
-    words = [demo.normalize_word(w) for o in outs for w in o.text.split()]
+    words = [corpus.normalize_word(w) for o in outs for w in o.text.split()]
     words = [w for w in words if w]
     known = [w for w in words if w in vocabulary]
     print("\n".join(repr(p + o.text) for p, o in zip(PROMPTS, outs)))
@@ -200,7 +203,7 @@ def test_concurrent_builds_train_once_and_install_atomically(tmp_path, monkeypat
     """Several callers at once (a server test and the CLI, say): one training run in the cache,
     then each target is installed by rename; every caller gets a complete checkpoint."""
     calls = []
-    monkeypatch.setattr(demo, "_build_in_subprocess", fake_training(calls))
+    monkeypatch.setattr(demo, "build_in_subprocess", fake_training(calls))
     monkeypatch.setenv("JTP_DEMO_CACHE", str(tmp_path / "cache"))
     target = tmp_path / "ckpt" / "demo"
     results, errors = [], []
@@ -225,7 +228,7 @@ def test_concurrent_builds_train_once_and_install_atomically(tmp_path, monkeypat
 def test_concurrent_builds_without_cache(tmp_path, monkeypatch):
     """No cache: every caller trains in its own staging dir; the first rename wins, nobody fails."""
     calls = []
-    monkeypatch.setattr(demo, "_build_in_subprocess", fake_training(calls))
+    monkeypatch.setattr(demo, "build_in_subprocess", fake_training(calls))
     monkeypatch.setenv("JTP_DEMO_CACHE", "")
     target = tmp_path / "demo"
     threads = [threading.Thread(target=ensure_demo_checkpoint, args=(target,)) for _ in range(4)]
@@ -246,7 +249,43 @@ def test_env_var_overrides_default(tmp_path, monkeypatch):
 def test_default_location_is_repo_checkpoints(monkeypatch):
     monkeypatch.delenv("JTP_DEMO_DIR", raising=False)
     assert demo.demo_dir() == demo.REPO_ROOT / "checkpoints" / "demo-qwen3"
-    assert (demo.REPO_ROOT / "jtp" / "demo.py").is_file()
+    assert (demo.REPO_ROOT / "jtp" / "demo" / "__init__.py").is_file()
+
+
+def test_installed_jtp_keeps_the_demo_in_the_user_cache(tmp_path, monkeypatch):
+    """`pip install .` puts jtp in site-packages: the demo goes to the per-user cache, not there."""
+    site_packages = tmp_path / "site-packages"
+    (site_packages / "jtp" / "demo").mkdir(parents=True)  # what an installed jtp looks like: no pyproject.toml
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert demo.default_demo_dir(site_packages) == tmp_path / "home" / ".cache" / "jtp" / "demo-qwen3"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert demo.default_demo_dir(site_packages) == tmp_path / "xdg" / "jtp" / "demo-qwen3"
+    (site_packages / "pyproject.toml").touch()  # a source checkout keeps it beside the code
+    assert demo.default_demo_dir(site_packages) == site_packages / "checkpoints" / "demo-qwen3"
+
+
+def test_runtime_part_imports_no_trainer():
+    """Serving the demo needs neither optax nor the corpus: only jtp/demo/__init__.py loads."""
+    code = "import sys, jtp.demo; print(sorted(m for m in sys.modules if m.startswith(('optax', 'jtp.demo'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['jtp.demo']"
+
+
+def test_building_without_optax_says_which_extra(tmp_path):
+    """No optax (jtp installed without the demo extra): one clear error before any work."""
+    code = f"""
+import sys
+sys.modules["optax"] = None  # what `import optax` meets when it is not installed
+from jtp.demo import ensure_demo_checkpoint
+ensure_demo_checkpoint({str(tmp_path / "demo")!r})
+"""
+    env = dict(os.environ, JTP_DEMO_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode != 0
+    assert "jtp.errors.ConfigError: building the demo checkpoint needs optax" in proc.stderr
+    assert "pip install 'jtp[demo]'" in proc.stderr
+    assert not (tmp_path / "demo").exists() and not (tmp_path / "cache").exists()
 
 
 def test_checkpoints_are_git_ignored():
@@ -299,7 +338,7 @@ def test_hf_tokenizer_agrees(demo_dir):
             messages, tokenize=False, **kwargs
         )
     # The training chats are exactly what the template renders.
-    assert demo.chat_text("Hi", "Hello!") == ours.apply_chat_template(
+    assert corpus.chat_text("Hi", "Hello!") == ours.apply_chat_template(
         [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}], add_generation_prompt=False
     )
 
@@ -312,5 +351,5 @@ def test_cache_prunes_old_builds_of_other_recipes(tmp_path):
     week_ago = os.path.getmtime(cache / "old") - 8 * 86400
     for path in (cache / "old", cache / "old.lock", cache / "current"):
         os.utime(path, (week_ago, week_ago))
-    demo._prune_cache(cache, keep="current")
+    demo.prune_cache(cache, keep="current")
     assert sorted(p.name for p in cache.iterdir()) == ["current", "current.lock", "recent", "recent.lock"]

@@ -72,7 +72,7 @@ def test_dummy_values_follow_the_random_checkpoint_script(mk, written, preset):
     _, bare = written[preset]
     cfg = ModelConfig.from_dir(bare)
     kinds = {name: kind for name, _, kind in mk.tensor_specs(mk.make_config(preset, "float32"))}
-    layout = family_of(cfg).param_layout(cfg, 1, mtp=True) if cfg.mtp_layers else family_of(cfg).param_layout(cfg, 1)
+    layout = family_of(cfg).param_layout(cfg, 1, mtp=bool(cfg.mtp_layers))
     layout = resolve_layout(layout, SimpleNamespace(names=set(kinds)))  # fused or per-expert, as the script writes
     drawn = flatten(load_params(bare, cfg, make_mesh(1), jnp.float32, mtp=bool(cfg.mtp_layers), load_format="dummy"))
     means = set()

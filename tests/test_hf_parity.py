@@ -101,3 +101,76 @@ def test_bfloat16_runs_close_to_hf_float32(checkpoint):
     ref = hf_logits(model, ids)[7:]
     assert np.isfinite(ours.top_logprobs).all()
     assert logprob_error(ours, ref) < 0.1, f"{kind}: bf16 relative error {logprob_error(ours, ref):.2e}"
+
+
+# ----------------------------------------------------------------------------- YaRN RoPE scaling
+
+# Each case is the RoPE part of a config.json that HF and jtp both read. The tiny model's original
+# context is 256 tokens, so a 272-token prompt also crosses it; head_dim 32 and theta 1e4 put
+# YaRN's ramp inside the rotary dims (kept, ramped and interpolated frequencies all occur).
+YARN_CASES = {
+    "rope_parameters": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                            "original_max_position_embeddings": 256}},
+    # Qwen's documented way: rope_scaling beside the top-level rope_theta.
+    "rope_scaling": {"rope_theta": 1e4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 256}},
+    "betas_attention_factor_no_truncate": {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 128,
+        "beta_fast": 16, "beta_slow": 2, "attention_factor": 1.3, "truncate": False}},
+    "mscale": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0,
+                                   "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.5}},
+}
+YARN_PROMPT = 272
+
+
+@pytest.fixture(scope="module")
+def yarn_base(tmp_path_factory):
+    """A tiny random Qwen3's weights and config, saved once; each case rewrites its RoPE fields."""
+    _, path = make_hf_checkpoint("qwen3", tmp_path_factory.mktemp("yarn-base"), max_position_embeddings=1024)
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(YARN_CASES))
+def test_yarn_matches_hf(yarn_base, tmp_path, case):
+    import json
+    import shutil
+
+    import transformers
+
+    path = tmp_path / case
+    shutil.copytree(yarn_base, path)
+    config = json.loads((path / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling", "rope_theta"):
+        config.pop(key, None)
+    (path / "config.json").write_text(json.dumps({**config, **YARN_CASES[case]}))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    assert model.config.rope_parameters["rope_type"] == "yarn"  # HF really runs YaRN on this config
+
+    ids = np.random.default_rng(4).integers(0, 128, YARN_PROMPT + 4)
+    runner = ModelRunner(path, tensor_parallel_size=1, dtype="float32", num_blocks=24, block_size=16)
+    table = list(range(24))
+    positions = list(range(0, YARN_PROMPT, 17)) + [YARN_PROMPT - 1]  # before and past the original context
+    ours = [run_step(runner, one_row_plan(ids[:YARN_PROMPT], 0, table, 16), positions=positions)]
+    for t in range(YARN_PROMPT, len(ids)):  # cached decode steps past it
+        ours.append(run_step(runner, one_row_plan(ids[t : t + 1], t, table, 16)))
+    ours = StepOutput.concat(ours)
+    full = hf_logits(model, ids)
+    ref = np.concatenate([full[positions], full[YARN_PROMPT:]])
+    assert logprob_error(ours, ref) < 1e-4, f"{case}: relative error {logprob_error(ours, ref):.2e}"
+    np.testing.assert_array_equal(ours.tokens, ref.argmax(-1), err_msg=case)
+
+
+def test_yarn_is_not_plain_rope(yarn_base, tmp_path):
+    """The cases above would pass vacuously if YaRN changed nothing: it does change the logits."""
+    import json
+    import shutil
+
+    plain = ModelRunner(yarn_base, dtype="float32", num_blocks=24, block_size=16)
+    path = tmp_path / "yarn"
+    shutil.copytree(yarn_base, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **YARN_CASES["rope_parameters"]}))
+    yarn = ModelRunner(path, dtype="float32", num_blocks=24, block_size=16)
+    ids = np.random.default_rng(5).integers(0, 128, 40)
+    a, b = (run_step(r, one_row_plan(ids, 0, list(range(24)), 16), positions=[39]) for r in (plain, yarn))
+    assert np.abs(a.top_logprobs - b.top_logprobs).max() > 1e-2

@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1] / "jtp"
 # Lower layers never import higher ones; a layer may import itself and anything below.
 LAYERS = {
     "jtp.errors": 0, "jtp.demo": 0,
+    # The demo's builder (the `demo` extra; a subprocess of its own) trains with jtp's model layers.
+    "jtp.demo.build": 3, "jtp.demo.__main__": 3,
     "jtp.config": 1,
     "jtp.core": 2,
     "jtp.models": 3, "jtp.kernels": 3, "jtp.parallel": 3, "jtp.loading": 3,

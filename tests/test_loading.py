@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 from jtp.config.engine_args import EngineArgs
 from jtp.config.model_config import ConfigError, ModelConfig
 from jtp.errors import CheckpointError
-from jtp.loading.weights import convert_to_orbax
+from jtp.loading.weights import convert_to_orbax, save_orbax
 from jtp.worker.runner import ModelRunner
 
 pytest.importorskip("torch")
@@ -123,8 +123,22 @@ def test_config_mismatch_with_weights(qwen3_dir, tmp_path):
         (lambda c: c.pop("hidden_size"), "'hidden_size' is missing"),
         (lambda c: c.update(num_key_value_heads=3), "multiple of num_key_value_heads"),
         (lambda c: c.update(num_hidden_layers="4"), "'num_hidden_layers' must be an integer"),
-        (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn'"),
+        # Every RoPE type but default and yarn changes the math and is not implemented: refused.
+        (lambda c: c.update(rope_parameters={"rope_type": "linear", "factor": 4.0}), "rope_type 'linear'"),
+        (lambda c: c.update(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type 'dynamic'"),
+        (lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_type 'llama3'"),
+        (lambda c: c.update(rope_parameters={"rope_type": "longrope"}), "rope_type 'longrope'"),
+        # rope_scaling beside rope_parameters: transformers reads rope_scaling alone, so a value of
+        # rope_parameters it would drop is refused (here the theta: HF would run with 10000).
+        (lambda c: (c.pop("rope_theta", None), c.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                                        rope_scaling={"rope_type": "yarn", "factor": 4.0})),
+         r"rope_parameters.rope_theta \(1000000.0\) would be dropped.*giving rope_theta 10000.0"),
+        (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 2.0},
+                            rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"rope_parameters.factor \(2.0\)"),
+        (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 0.5}), "'factor' must be a number >= 1.0"),
+        (lambda c: c.update(rope_scaling=[1]), "rope_scaling must be an object"),
         (lambda c: c.update(use_sliding_window=True), "use_sliding_window"),
+        (lambda c: c.update(dual_chunk_attention_config={"chunk_size": 262144}), "dual_chunk_attention_config"),
         (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
     ],
 )
@@ -133,6 +147,28 @@ def test_config_errors_name_the_field(qwen3_dir, edit, message):
     edit(raw)
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf(raw)
+
+
+def test_yarn_fields_as_transformers_reads_them():
+    base = dict(model_type="qwen3", vocab_size=10, hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+                intermediate_size=8, max_position_embeddings=40960)
+    # Qwen3's documented YaRN: rope_scaling beside rope_parameters' default type (and the top-level theta).
+    cfg = ModelConfig.from_hf(base | dict(rope_theta=1e6, rope_parameters={"rope_type": "default"}, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}))
+    assert cfg.rope_theta == 1e6 and cfg.rope_yarn.factor == 4.0
+    assert cfg.rope_yarn.original_max_position_embeddings == 32768
+    assert (cfg.rope_yarn.beta_fast, cfg.rope_yarn.beta_slow, cfg.rope_yarn.truncate) == (32.0, 1.0, True)
+    assert cfg.rope_yarn.attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
+    assert cfg.max_position_embeddings == 131072  # the extended context, as vLLM derives it
+    # No original_max_position_embeddings: max_position_embeddings (transformers' standardisation);
+    # a top-level one wins; mscale / mscale_all_dim give DeepSeek's attention factor.
+    cfg = ModelConfig.from_hf(base | dict(rope_parameters={"rope_type": "yarn", "factor": 2.0}))
+    assert cfg.rope_yarn.original_max_position_embeddings == 40960 and cfg.max_position_embeddings == 81920
+    cfg = ModelConfig.from_hf(base | dict(original_max_position_embeddings=4096, rope_parameters={
+        "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192, "mscale": 1, "mscale_all_dim": 2}))
+    assert cfg.rope_yarn.original_max_position_embeddings == 4096
+    assert cfg.rope_yarn.attention_factor == pytest.approx((0.1 * np.log(2) + 1) / (0.2 * np.log(2) + 1))
+    assert ModelConfig.from_hf(base).rope_yarn is None
 
 
 def test_config_defaults_and_legacy_keys():
@@ -165,3 +201,13 @@ def test_orbax_round_trip_gives_identical_outputs(kind, tmp_path):
     # Restored at another tp (with KV-head replication) straight into that sharding.
     for tp in (1, 4):
         assert_same_outputs(outputs_of(out, tp=tp), outputs_of(hf_dir, tp=tp))
+
+
+def test_orbax_saved_with_replicated_kv_heads_restores_at_any_tp(qwen3_dir, tmp_path):
+    """Saved from tp=4 (each of the 2 KV heads stored twice), the checkpoint holds each head once."""
+    out = tmp_path / "saved_at_tp4"
+    out.mkdir()
+    shutil.copy2(qwen3_dir / "config.json", out / "config.json")
+    runner = ModelRunner(qwen3_dir, 4, num_blocks=8, block_size=4)
+    save_orbax(runner.params, runner.cfg, 4, out / "orbax")
+    assert_same_outputs(outputs_of(out, tp=1), outputs_of(qwen3_dir, tp=1))

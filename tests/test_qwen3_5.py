@@ -138,6 +138,19 @@ def test_hf_parity_prefill_decode_and_greedy(case, kind):
     assert c.generated == c.hf_generated
 
 
+def test_yarn_with_partial_rotary_matches_hf(tmp_path):
+    """YaRN on a hybrid: its frequencies over the partial rotary dims (8 of 32), its attention
+    factor on cos and sin, positions past a short original context (16)."""
+    rope = {**hh.ROPE, "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}
+    model = hh.build_model("qwen3_5_text", rope_parameters=rope)
+    assert model.config.rope_parameters["rope_type"] == "yarn"
+    path = hh.save(model, tmp_path / "yarn")
+    prompt = tokens(7, 70)
+    ref = hh.hf_logits(hh.double(model), prompt)
+    out = run_step(make_runner(path), hh.Planner().plan([(0, 0, prompt)]), positions=chunk_edges(len(prompt)))
+    assert logprob_error(out, ref[chunk_edges(len(prompt))]) < 1e-4
+
+
 def test_hf_state_after_prefill(case):
     c = case("qwen3_next")
     assert_states_close(c.prefill_state, hf_state(c.model, c.prompt))

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from jtp.config.hub import looks_like_repo_id, resolve_model
 from jtp.config.speculative import SpeculativeConfig
 from jtp.errors import ConfigError
 
@@ -30,7 +31,8 @@ def resolve_state_slots(max_num_seqs: int, num_state_slots: int | None = None) -
 
 @dataclasses.dataclass
 class EngineArgs:
-    model: str | None = None  # HF (or `jtp convert`) model directory; None = the embedded demo
+    model: str | None = None  # HF (or `jtp convert`) model directory or HF repo id; None = the embedded demo
+    revision: str | None = None  # with a repo id: the branch, tag or commit (default: main)
     served_model_name: str | None = None  # the name clients use; default: the directory's name
     tensor_parallel_size: int = 1
     dtype: str = "auto"
@@ -108,16 +110,19 @@ class EngineArgs:
         need(self.heartbeat_timeout > 0, "heartbeat_timeout", "must be positive")
         need(self.step_timeout > 0, "step_timeout", "must be positive")
         need(self.digest_interval >= 0, "digest_interval", "must be at least 0")
-        if self.model is not None and not Path(self.model).is_dir():
+        if self.model is None:
+            need(self.revision is None, "revision", "applies to --model ORG/NAME (a Hugging Face repo id)")
+        elif not Path(self.model).is_dir() and not looks_like_repo_id(self.model):
             raise ConfigError(f"--model {self.model}: no such directory")
 
     def model_dir(self) -> str:
-        """The model directory; builds the demo checkpoint on first use when `model` is None."""
-        if self.model is not None:
-            return self.model
-        from jtp.demo import ensure_demo_checkpoint
+        """The model directory: `model` itself, a repo id's snapshot in the HF cache (fetched on first
+        use, as vLLM does), or the demo checkpoint (built on first use) when `model` is None."""
+        if self.model is None:
+            from jtp.demo import ensure_demo_checkpoint
 
-        return str(ensure_demo_checkpoint())
+            return str(ensure_demo_checkpoint())
+        return resolve_model(self.model, self.revision)
 
     @property
     def is_demo(self) -> bool:
@@ -126,7 +131,9 @@ class EngineArgs:
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return Path(self.model).resolve().name if self.model else "jtp-demo"
+        if self.model is None:
+            return "jtp-demo"
+        return Path(self.model).resolve().name if Path(self.model).is_dir() else self.model  # a repo id as given
 
     def validate_model(self) -> None:
         """The checks that need the model's config.json (read only, nothing loaded)."""
@@ -144,7 +151,10 @@ class EngineArgs:
     def add_cli_args(p: argparse.ArgumentParser, serving: bool = True) -> None:
         """The engine flags; `serving=False` leaves out those only a server uses (name, queue, warm-up)."""
         d = EngineArgs()
-        p.add_argument("--model", help="Hugging Face model directory (default: the embedded demo checkpoint)")
+        p.add_argument("--model", help="Hugging Face model directory, or a repo id such as Qwen/Qwen3-0.6B resolved "
+                                       "into the HF cache (HF_HUB_OFFLINE=1: the cache only); default: the embedded "
+                                       "demo checkpoint")
+        p.add_argument("--revision", default=None, help="with a repo id: its branch, tag or commit (default: main)")
         if serving:
             p.add_argument("--served-model-name", help="model name reported to API clients (default: the directory's name)")
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from jtp.config.rope import Yarn, parse_rope
 from jtp.errors import (
     ConfigError,  # raised here; importable from jtp.config.model_config as before
 )
@@ -57,6 +58,7 @@ class ModelConfig:
     linear_value_head_dim: int = 0  # dv
     linear_conv_kernel_dim: int = 0  # K
     partial_rotary_factor: float = 1.0
+    rope_yarn: Yarn | None = None  # YaRN RoPE scaling (rope_type 'yarn'); None: plain RoPE
     shared_expert_intermediate_size: int = 0  # Is (0: no shared expert)
     checkpoint_prefix: str = "model."  # "model.language_model." for the multimodal wrappers
     # Multi-token-prediction layers the checkpoint ships (mtp.*; Qwen3.5 / Qwen3-Next), used as a
@@ -175,7 +177,10 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     hidden_act = f.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ConfigError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
-    theta, factor = _rope(f, _DEFAULTS[text_type]["partial_rotary_factor"], head_dim)
+    rope = parse_rope(text, source, _DEFAULTS[text_type]["partial_rotary_factor"], head_dim)
+    max_positions = f.int("max_position_embeddings", default=32768, positive=True)
+    if rope.yarn is not None:  # the extended context, as vLLM derives max_model_len
+        max_positions = max(max_positions, rope.yarn.max_position_embeddings)
 
     layers = _hybrid_fields(f, num_layers) if model_type in HYBRID_MODEL_TYPES else _dense_fields(f)
     moe = _moe_fields(f, _MOE.get(text_type), num_layers)
@@ -197,10 +202,11 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         head_dim=head_dim,
         intermediate_size=intermediate or 0,
         rms_norm_eps=f.float("rms_norm_eps", default=1e-6),
-        rope_theta=theta,
-        partial_rotary_factor=factor,
+        rope_theta=rope.theta,
+        partial_rotary_factor=rope.partial_rotary_factor,
+        rope_yarn=rope.yarn,
         tie_word_embeddings=bool(tie),
-        max_position_embeddings=f.int("max_position_embeddings", default=32768, positive=True),
+        max_position_embeddings=max_positions,
         eos_token_ids=_token_ids(_first(text, raw, key="eos_token_id")),
         bos_token_id=_first(text, raw, key="bos_token_id"),
         dtype=str(dtype),
@@ -235,6 +241,8 @@ def _dense_fields(f: "_Fields") -> dict[str, Any]:
     """Qwen3 / Qwen3-MoE / Qwen2 layers: attention biases and q/k norms."""
     if f.get("use_sliding_window", False):
         raise ConfigError(f"{f.source}: use_sliding_window=true is not supported (sliding-window attention)")
+    if f.raw.get("dual_chunk_attention_config"):  # Qwen2.5-1M's long-context attention (vLLM runs it)
+        raise ConfigError(f"{f.source}: dual_chunk_attention_config is not supported (dual chunk attention)")
     if f.raw["model_type"] == "qwen2":
         return dict(qkv_bias=True, o_bias=False, qk_norm=False)
     attention_bias = bool(f.get("attention_bias", False))
@@ -299,33 +307,6 @@ def _moe_fields(f: "_Fields", moe: _Moe | None, num_layers: int) -> dict[str, An
     if moe.shared_expert:
         fields["shared_expert_intermediate_size"] = f.int("shared_expert_intermediate_size", default=512, positive=True)
     return fields
-
-
-def _rope(f: "_Fields", default_factor: float, head_dim: int) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor) from `rope_parameters` (transformers 5), `rope_scaling`
-    or the legacy top-level keys. Only default RoPE; a partial factor only where the family has one."""
-    params = dict(f.raw.get("rope_scaling") or {})
-    params.update(f.raw.get("rope_parameters") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"{f.source}: rope_type {rope_type!r} is not supported (only 'default' RoPE)")
-    theta = params.get("rope_theta", f.raw.get("rope_theta", 10000.0))  # HF's default_theta
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"{f.source}: rope_theta must be a positive number, got {theta!r}")
-    factor = params.get("partial_rotary_factor", f.raw.get("partial_rotary_factor", default_factor))
-    if default_factor == 1.0:
-        if factor != 1.0:
-            raise ConfigError(f"{f.source}: partial_rotary_factor != 1 is not supported for {f.raw['model_type']}")
-        return float(theta), 1.0
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-        raise ConfigError(f"{f.source}: partial_rotary_factor must be in (0, 1], got {factor!r}")
-    rotary_dim = int(head_dim * factor)
-    if rotary_dim < 2 or rotary_dim % 2:
-        raise ConfigError(
-            f"{f.source}: partial_rotary_factor {factor} gives rotary dim {rotary_dim} of head_dim {head_dim}; "
-            "it must be even and positive"
-        )
-    return float(theta), float(factor)
 
 
 def _token_ids(value) -> tuple[int, ...]:

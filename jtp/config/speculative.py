@@ -2,8 +2,8 @@
 
 Drafts come from prompt lookup (`propose_ngram`, on the host) or, with method "mtp", from the
 checkpoint's multi-token-prediction head, which every step runs after the target on the device
-(`jtp.worker.runner._mtp_drafts`): its greedy guess at a row's last accepted position, then k - 1 more by
-chaining the head on its own output, are the row's drafts in the next step. Either way each draft
+(`jtp.models.mtp.propose_drafts`): its greedy guess at a row's last accepted position, then k - 1 more
+by chaining the head on its own output, are the row's drafts in the next step. Either way each draft
 is one proposal (a point mass), so the rule below is exact.
 
 A speculating decode row feeds its last token plus k drafted tokens in one ragged step; the step

@@ -24,7 +24,9 @@ Output, one JSON object a line, flushed as each request finishes:
     {"id", "error"}      the line could not be served; the message says why
 
 Rows come in completion order, not input order: match them up by id. A line with no usable id
-gets the id "line:<n>" (1-based line number). A repeated id gets an error row.
+gets the id "line:<n>" (1-based line number, as in every message). Ids must be unique, as
+`custom_id` in an OpenAI batch: an input with a repeated id is refused before anything runs,
+naming both lines, so every output row's id stands for one input line.
 
 All requests go through the continuous-batching engine together, at most
 `max_pending` (default 4 x max_num_seqs) submitted at a time so host memory stays bounded
@@ -33,10 +35,7 @@ however long the input is.
 Resuming: rerunning with the same --output appends only what is missing. An input line is
 done when the output already holds a row for it, result or error (errors are not retried:
 they come from the line itself; delete an error row to retry that line). A half-written last
-row (the process was killed mid-write) is cut off and its line generated again. Duplicate-id
-error rows are written only after every generation of the run has finished, so the first
-occurrence's row always comes first in the file; that lets resume count rows per id and tell
-"first occurrence done" from "duplicate reported".
+row (the process was killed mid-write) is cut off and its line generated again.
 
 Progress goes to stderr: a bar on a terminal, otherwise a line every PROGRESS_LOG_SECONDS (so
 a redirected log shows it too). Ctrl-C stops at the next step boundary, exits 130, and leaves
@@ -130,12 +129,9 @@ def parse_line(
 
     fallback = f"line:{lineno}"
     where = f"line {lineno}"
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        return fallback, f"{where}: not valid UTF-8 ({e})"
-    except ValueError as e:
-        return fallback, f"{where}: invalid JSON ({e})"
+    obj = _parse_json(raw)
+    if isinstance(obj, JsonError):
+        return fallback, f"{where}: {obj}"
     if not isinstance(obj, dict):
         return fallback, f"{where}: expected a JSON object, got {type(obj).__name__}"
     if "id" not in obj:
@@ -169,6 +165,47 @@ def parse_line(
     except ValueError as e:
         return row_id, f"{where}: invalid sampling parameters: {e}"
     return row_id, Job(row_id, tokenizer.encode(text), params)
+
+
+class JsonError(str):
+    """Why a line is not JSON, in columns of that line (json's own "line 1" would name another line)."""
+
+
+def _parse_json(raw: bytes):
+    raw = raw.rstrip(b"\r\n")  # the line's end is not part of a string it cuts short
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return JsonError(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
+    except json.JSONDecodeError as e:  # "Expecting value", "Unterminated string starting at", ...
+        return JsonError(f"invalid JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
+
+
+def _line_id(raw: bytes, lineno: int):
+    """The id a line's row gets: its own when usable, else line:<n> (as parse_line gives it)."""
+    obj = _parse_json(raw)
+    row_id = obj.get("id") if isinstance(obj, dict) else None
+    return row_id if isinstance(row_id, (str, int)) and not isinstance(row_id, bool) else f"line:{lineno}"
+
+
+def scan_input(path: Path) -> int:
+    """The input's request lines, counted before anything runs; a repeated id refuses the whole input."""
+    first: dict[str, int] = {}
+    repeats: list[tuple[str | int, int, int]] = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                row_id = _line_id(raw, lineno)
+                key = _key(row_id)
+                if key in first:
+                    repeats.append((row_id, lineno, first[key]))
+                first.setdefault(key, lineno)
+    if repeats:
+        row_id, lineno, earlier = repeats[0]
+        more = f" ({len(repeats) - 1} more repeated)" if len(repeats) > 1 else ""
+        raise ConfigError(f"{path}: line {lineno} repeats the id {row_id!r} of line {earlier}{more}; ids must be "
+                          "unique (as custom_id in an OpenAI batch), nothing was run")
+    return len(first)
 
 
 # ----------------------------------------------------------------------------- resume
@@ -206,10 +243,7 @@ def load_done(path: str | Path) -> Counter:
 
 
 def _row_id(raw: bytes):
-    try:
-        row = json.loads(raw)
-    except ValueError:
-        return None
+    row = _parse_json(raw)
     return row.get("id") if isinstance(row, dict) else None
 
 
@@ -260,11 +294,6 @@ class _Progress:
             self.bar.close()
 
 
-def _count_lines(path: Path) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
-
-
 def run(
     engine: Engine,
     input_path: str | Path,
@@ -288,16 +317,14 @@ def run(
     max_pending = max_pending or PENDING_PER_SEQ * engine.scheduler.max_num_seqs
     vocab_size = engine.cfg.vocab_size
 
+    total = scan_input(input_path)  # before the output is touched: a repeated id runs nothing
     stats = Stats()
     done = load_done(output_path)
-    seen: Counter = Counter()  # occurrences of each id so far in the input
-    first_line: dict[str, int] = {}
-    duplicates: list[dict] = []  # written last; see the module docstring
     inflight: dict[str, tuple[str | int, int]] = {}  # engine id -> (row id, prompt tokens)
     new_rows = 0
     start = time.monotonic()
 
-    bar = _Progress(_count_lines(input_path), stats, progress, progress_every)
+    bar = _Progress(total, stats, progress, progress_every)
     with open(output_path, "a", encoding="utf-8") as f, open(input_path, "rb") as lines, bar:
         out = _JsonlWriter(f, stats)
 
@@ -321,20 +348,13 @@ def run(
             if not raw.strip():
                 continue
             row_id, job = parse_line(raw, lineno, tokenizer, vocab_size, default_max_tokens)
-            key = _key(row_id)
-            seen[key] += 1
-            first_line.setdefault(key, lineno)  # before the resume skip: a later duplicate names this line
-            if seen[key] <= done[key]:
+            if done[_key(row_id)]:
                 stats.skipped += 1
                 bar.update(1)
                 continue
             if limit is not None and new_rows >= limit:
                 break
             new_rows += 1
-            if seen[key] > 1:
-                duplicates.append({"id": row_id, "error": f"line {lineno}: duplicate id {row_id!r} "
-                                                          f"(first on line {first_line[key]})"})
-                continue
             if isinstance(job, str):
                 finished({"id": row_id, "error": job})
                 continue
@@ -349,8 +369,6 @@ def run(
 
         while inflight:
             step()
-        for row in duplicates:
-            finished(row)
     stats.seconds = time.monotonic() - start
     return stats
 

@@ -6,7 +6,8 @@
     jtp convert  --model DIR --output DIR                HF safetensors -> Orbax
     jtp bench    [scripts/bench.py flags]                engine benchmark against rooflines
 
-With no --model the embedded demo checkpoint is used (built under checkpoints/ on first use).
+With no --model the embedded demo checkpoint is used (built on first use: under checkpoints/ in a
+source checkout, else in ~/.cache/jtp/demo-qwen3).
 Engine flags are EngineArgs' (jtp/config/engine_args.py), named like vLLM's. Errors are one line on
 stderr with exit status 2 (usage, configuration, input) or 1; `--debug` or JTP_DEBUG=1 adds
 the traceback.
@@ -184,13 +185,28 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from jtp.config.hub import resolve_model
+
+    model = resolve_model(args.model, args.revision)
+    check_convert_output(Path(model), Path(args.output))  # before anything is written
     from jtp.loading.weights import convert_to_orbax
 
-    if not Path(args.model).is_dir():
-        raise ConfigError(f"--model {args.model}: no such directory")
-    out = convert_to_orbax(args.model, args.output, None if args.dtype == "auto" else args.dtype)
+    out = convert_to_orbax(model, args.output, None if args.dtype == "auto" else args.dtype)
     print(f"wrote {out}")
     return 0
+
+
+def check_convert_output(model: Path, output: Path) -> None:
+    """The output must be a new (or empty) directory outside the model's: never overwrite the input."""
+    model, target = model.resolve(), output.resolve()
+    if target == model:
+        raise ConfigError(f"--output {output}: is the --model directory; write the converted model to a new one")
+    if target.is_relative_to(model):
+        raise ConfigError(f"--output {output}: lies inside the --model directory {model}; pick one outside it")
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"--output {output}: exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()):
+        raise ConfigError(f"--output {output}: exists and is not empty; pick a new directory or empty it")
 
 
 def cmd_bench(args: argparse.Namespace, bench_argv: list[str]) -> int:
@@ -199,7 +215,8 @@ def cmd_bench(args: argparse.Namespace, bench_argv: list[str]) -> int:
 
     script = REPO_ROOT / "scripts" / "bench.py"
     if not script.is_file():
-        raise ConfigError(f"jtp bench runs {script} from a source checkout, and it is not there")
+        raise ConfigError(f"jtp bench runs scripts/bench.py of a source checkout, and {script} is not there "
+                          "(an installed jtp does not ship scripts/): run it from a clone of the repository")
     return runpy.run_path(str(script), run_name="jtp_bench")["main"](bench_argv)
 
 
@@ -241,8 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     conv = sub.add_parser("convert", parents=[common], help="HF safetensors -> Orbax checkpoint directory",
                           description="Write a model directory whose weights are an Orbax checkpoint.")
-    conv.add_argument("--model", required=True, help="Hugging Face model directory to read")
-    conv.add_argument("--output", required=True, help="model directory to write (created if missing)")
+    conv.add_argument("--model", required=True, help="Hugging Face model directory (or repo id) to read")
+    conv.add_argument("--revision", default=None, help="with a repo id: its branch, tag or commit (default: main)")
+    conv.add_argument("--output", required=True, help="model directory to write: new or empty, outside --model")
     conv.add_argument("--dtype", choices=DTYPES, default="auto", help="dtype to store (auto: the checkpoint's)")
     conv.set_defaults(func=cmd_convert)
 

@@ -92,7 +92,7 @@ def num_tiles(rows: int, num_groups: int, bm: int) -> int:
 
 def _cumsum(v: jax.Array) -> jax.Array:
     """Inclusive cumsum of a short vector (one entry per expert) as one compare-and-sum fusion: XLA's
-    GPU cumsum (a reduce_window) took 7 us for 128 experts, on every decode step's MoE layer."""
+    GPU cumsum (a reduce_window) is slow for this, on every decode step's MoE layer (docs/bench/h200-moe.md)."""
     i = jnp.arange(v.shape[0])
     return jnp.sum(jnp.where(i[None, :] <= i[:, None], v[None, :], 0), axis=1)
 

@@ -113,8 +113,8 @@ def choose_config(T: int, num_kv_heads: int, group: int, block_size: int, max_ro
     Steps of short rows (T <= 128 and rows of at most 16 tokens: decodes, small prompts) use 16
     query rows (TQ*G) per tile, so the MMA is the minimum 16 and a decode row wastes least; a step
     with a longer row (a prefill chunk, or the tail of a prompt whose prefix came from the cache,
-    which attends over the whole cached context) uses 64 rows for K/V reuse: a 76-token tail over
-    7.5k cached tokens of Qwen3-8B took 35 ms to the first token with 16, 27 ms with 64.
+    which attends over the whole cached context) uses 64 rows for K/V reuse, which cut a cached
+    follow-up turn's time to first token (docs/bench/h200-prefix-cache.md).
     Splits: enough programs for the 132 SMs when there are few rows (B=1: 8 kv heads x 8).
     """
     short = T <= 128 and (max_row_len is None or max_row_len <= 16)

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from jtp.config.model_config import HYBRID_MODEL_TYPES, ModelConfig
 from jtp.loading.param_tree import repeat_kv_heads, unflatten
 from jtp.models import family_of
-from jtp.parallel.sharding import named_sharding, replicated, tp_size
+from jtp.parallel.rules import logical_sharding
+from jtp.parallel.sharding import replicated, tp_size
 
 STD = 0.02
 
@@ -53,14 +54,13 @@ def random_params(cfg: ModelConfig, mesh, dtype, expert_parallel: bool = False, 
     """The params pytree `load_params` would return for this config, with random values."""
     family = family_of(cfg)
     tp = tp_size(mesh)
-    layout = (lambda t: family.param_layout(cfg, t, mtp=True)) if mtp else (lambda t: family.param_layout(cfg, t))
-    canonical, target = layout(1), layout(tp)
+    canonical, target = family.param_layout(cfg, 1, mtp), family.param_layout(cfg, tp, mtp)
     base = jax.random.key(seed)
     flat = {}
     for path, source in target.items():
         mean = init_mean(cfg, next(iter(source.expected())))  # a source's tensors share one kind
         key = jax.random.fold_in(base, zlib.crc32(path.encode()))
-        sharding = named_sharding(mesh, path, source.shape, expert_parallel)
+        sharding = logical_sharding(mesh, path, source.shape, source.axes, expert_parallel)
         shape = canonical[path].shape
         if shape == source.shape:
             flat[path] = _sampler(shape, dtype, mean, sharding)(key)

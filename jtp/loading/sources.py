@@ -1,9 +1,9 @@
-"""Where each parameter comes from in a checkpoint: its global shape and how to read any
-rectangular slice of it.
+"""Where each parameter comes from in a checkpoint: its global shape, the logical axis of each
+of its dims, and how to read any rectangular slice of it.
 
 A model family's `param_layout` maps every parameter path to one of these `Source`s; the loader
-(`jtp.loading.weights`) asks each one for exactly the slice a device owns. Both import this module, so
-the families do not depend on the loader.
+(`jtp.loading.weights`) shards it by its axes (jtp/parallel/rules.py) and asks it for exactly the
+slice a device owns. Both import this module, so the families do not depend on the loader.
 """
 
 from __future__ import annotations
@@ -20,17 +20,30 @@ class TensorReader(Protocol):
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray: ...
 
 
+class _Declared:
+    """A Source names one logical axis per dim of its (our) shape."""
+
+    def __post_init__(self):
+        if len(self.axes) != len(self.shape) or not all(isinstance(a, str) for a in self.axes):
+            first = next(iter(self.expected()))
+            raise ValueError(
+                f"{type(self).__name__} of {first!r}: axes {self.axes} must name one logical axis for each of "
+                f"the {len(self.shape)} dims"
+            )
+
+
 def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     return [s.indices(n)[:2] for s, n in zip(index, shape)]
 
 
 @dataclasses.dataclass(frozen=True)
-class Tensor:
+class Tensor(_Declared):
     """A checkpoint tensor used as is."""
 
     name: str
     shape: tuple[int, ...]
+    axes: tuple[str, ...]
 
     def expected(self) -> dict[str, tuple[int, ...]]:
         return {self.name: self.shape}
@@ -40,13 +53,14 @@ class Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
-class RepeatedHeads:
+class RepeatedHeads(_Declared):
     """A KV projection (weight [heads*D, H] or bias [heads*D]) with each head stored `replicas` times."""
 
     name: str
     source_shape: tuple[int, ...]
     head_dim: int
     replicas: int
+    axes: tuple[str, ...]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -66,11 +80,12 @@ class RepeatedHeads:
 
 
 @dataclasses.dataclass(frozen=True)
-class StackedExperts:
+class StackedExperts(_Declared):
     """Per-expert matrices [out, in] stacked and transposed to [E, in, out] for ragged_dot."""
 
     names: tuple[str, ...]
     source_shape: tuple[int, int]  # of one expert, HF layout [out, in]
+    axes: tuple[str, ...]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -85,7 +100,7 @@ class StackedExperts:
 
 
 @dataclasses.dataclass(frozen=True)
-class StridedRows:
+class StridedRows(_Declared):
     """Rows of a fused checkpoint projection, taken in runs of `run` rows every `stride` rows.
 
     Our row j is source row (j // run) * stride + offset + j % run. With run == rows it is one
@@ -100,6 +115,7 @@ class StridedRows:
     run: int
     stride: int
     offset: int
+    axes: tuple[str, ...]
     squeeze: bool = False
 
     @property
@@ -122,13 +138,15 @@ class StridedRows:
         return block[:, 0] if self.squeeze else block
 
 
-def Segment(name: str, source_shape: tuple[int, ...], offset: int, rows: int, squeeze: bool = False) -> StridedRows:
+def Segment(
+    name: str, source_shape: tuple[int, ...], offset: int, rows: int, axes: tuple[str, ...], squeeze: bool = False
+) -> StridedRows:
     """Rows [offset, offset + rows) of a fused checkpoint tensor."""
-    return StridedRows(name, source_shape, rows, rows, 0, offset, squeeze)
+    return StridedRows(name, source_shape, rows, rows, 0, offset, axes, squeeze)
 
 
 @dataclasses.dataclass(frozen=True)
-class FusedExperts:
+class FusedExperts(_Declared):
     """Rows [offset, offset + rows) of a fused expert tensor [E, out, in], as [E, in, rows] for ragged_dot.
 
     Qwen3.5-MoE stores gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I] on disk.
@@ -138,6 +156,7 @@ class FusedExperts:
     source_shape: tuple[int, int, int]
     offset: int
     rows: int
+    axes: tuple[str, ...]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -157,14 +176,23 @@ class FirstPresent:
     """Alternative checkpoint layouts of one parameter (e.g. fused vs per-expert MoE weights).
 
     `resolve_layout` picks the first option whose tensors the checkpoint has; unresolved, it
-    behaves as the first option, so errors name the preferred layout.
+    behaves as the first option, so errors name the preferred layout. Every option is the same
+    parameter: one shape, one set of axes.
     """
 
     options: tuple
 
+    def __post_init__(self):
+        if len({(o.shape, o.axes) for o in self.options}) != 1:
+            raise ValueError(f"{self}: options differ in shape or axes")
+
     @property
     def shape(self) -> tuple[int, ...]:
         return self.options[0].shape
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return self.options[0].axes
 
     def expected(self):
         return self.options[0].expected()

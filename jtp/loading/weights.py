@@ -29,11 +29,11 @@ from jtp.config.model_config import ModelConfig
 from jtp.errors import CheckpointError
 from jtp.loading.dummy_weights import random_params
 from jtp.loading.param_tree import flatten, repeat_kv_heads, unflatten
-from jtp.loading.sources import FirstPresent, Source
+from jtp.loading.sources import FirstPresent, RepeatedHeads, Source
 from jtp.models import family_of
+from jtp.parallel.rules import logical_sharding
 from jtp.parallel.sharding import (
     kv_head_replicas,
-    named_sharding,
     replicated,
     tp_size,
     validate_tp,
@@ -174,14 +174,13 @@ def load_params(
             raise CheckpointError("the MTP head is not kept in Orbax checkpoints (`jtp convert`); serve the safetensors")
         return restore_orbax(model_dir / ORBAX_SUBDIR, cfg, mesh, dtype, expert_parallel)
     ckpt = SafetensorsCheckpoint(model_dir)
-    family = family_of(cfg)  # only the hybrids' layout has an MTP head (checked above: mtp_layers > 0)
-    layout = resolve_layout(family.param_layout(cfg, tp, mtp=True) if mtp else family.param_layout(cfg, tp), ckpt)
+    layout = resolve_layout(family_of(cfg).param_layout(cfg, tp, mtp), ckpt)
     check_checkpoint(ckpt, layout, cfg)
     host_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
     flat = {}
     for path, source in layout.items():
         read: Callable = lambda index, s=source: s.read(ckpt, index).astype(host_dtype, copy=False)
-        sharding = named_sharding(mesh, path, source.shape, expert_parallel)
+        sharding = logical_sharding(mesh, path, source.shape, source.axes, expert_parallel)
         flat[path] = jax.make_array_from_callback(source.shape, sharding, read)
     return unflatten(flat, cfg.num_layers)
 
@@ -194,9 +193,10 @@ def _canonical(flat: dict[str, jax.Array], cfg: ModelConfig, tp: int) -> dict[st
     replicas = kv_head_replicas(cfg, tp)
     if replicas == 1:
         return flat
+    layout = family_of(cfg).param_layout(cfg, tp)
     out = dict(flat)
     for path, value in flat.items():
-        if re.search(r"\.(k|v)_(proj|bias)$", path):
+        if isinstance(layout[path], RepeatedHeads):
             heads = value.reshape(cfg.num_kv_heads, replicas, cfg.head_dim, *value.shape[1:])
             out[path] = heads[:, 0].reshape(cfg.kv_size, *value.shape[1:])
     return out
@@ -222,15 +222,17 @@ def restore_orbax(path: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, e
     target = family.param_layout(cfg, tp)
     abstract = {}
     for path_, source in canonical.items():
-        needs_repeat = target[path_].shape != source.shape
-        # Replicated KV heads are restored whole (they are small) and repeated on device below.
-        sharding = replicated(mesh) if needs_repeat else named_sharding(mesh, path_, source.shape, expert_parallel)
+        if target[path_].shape != source.shape:  # replicated KV heads: restored whole (they are small), repeated below
+            sharding = replicated(mesh)
+        else:
+            sharding = logical_sharding(mesh, path_, source.shape, source.axes, expert_parallel)
         abstract[path_] = jax.ShapeDtypeStruct(source.shape, dtype, sharding=sharding)
     with ocp.StandardCheckpointer() as ckptr:
         flat = ckptr.restore(Path(path).absolute(), abstract)
     for path_, source in target.items():
         if source.shape != canonical[path_].shape:
-            flat[path_] = jax.device_put(repeat_kv_heads(flat[path_], cfg, tp), named_sharding(mesh, path_, source.shape))
+            sharding = logical_sharding(mesh, path_, source.shape, source.axes, expert_parallel)
+            flat[path_] = jax.device_put(repeat_kv_heads(flat[path_], cfg, tp), sharding)
     return unflatten(dict(flat), cfg.num_layers)
 
 

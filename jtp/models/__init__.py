@@ -1,16 +1,11 @@
-"""Model families. Each module exposes the same four functions:
-
-    param_layout(cfg, tp) -> {path: Source}     where each parameter comes from in the checkpoint
-    init_cache(cfg, mesh, num_blocks, block_size, num_state_slots, dtype) -> cache pytree
-    forward(params, cfg, tokens, cache, meta, attend, routed) -> (hidden [T, H], cache)
-        attend: a PagedAttention (jtp/models/attention.py), routed: a RoutedExperts (jtp/models/moe.py)
-    compute_logits(params, hidden) -> float32 logits
-"""
+"""Model families: modules that satisfy `jtp.models.base.ModelFamily` (param_layout, init_cache,
+forward, compute_logits, and mtp_forward or None)."""
 
 from jtp.config.model_config import ModelConfig
+from jtp.models.base import ModelFamily
 
 
-def family_of(cfg: ModelConfig):
+def family_of(cfg: ModelConfig) -> ModelFamily:
     if cfg.model_type in ("qwen3", "qwen3_moe", "qwen2"):
         from jtp.models import qwen3
 

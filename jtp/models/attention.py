@@ -20,7 +20,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jtp.config.model_config import ModelConfig
 from jtp.kernels import ragged_paged_attention, supported
+from jtp.parallel.rules import partition_spec, sharded_zeros
+from jtp.parallel.sharding import kv_head_replicas
 
 # Masked scores use a large finite value, not -inf: a padding token whose row has no context
 # then yields a harmless uniform softmax instead of NaN.
@@ -52,6 +55,18 @@ class AttentionMetadata(NamedTuple):
 class LayerKV(NamedTuple):
     k: jax.Array  # [num_blocks, block_size, kv_heads, head_dim]
     v: jax.Array
+
+
+KV_AXES = ("blocks", "block_offset", "kv_heads", "head_dim")  # of LayerKV.k and .v
+Q_AXES = ("tokens", "q_heads", "head_dim")  # of the queries (and the output) of attention
+
+
+def zeroed_layer_kv(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, dtype) -> LayerKV:
+    """One attention layer's paged K/V, zeroed, heads split over tp (replicated heads counted)."""
+    heads = cfg.num_kv_heads * kv_head_replicas(cfg, mesh.shape["tp"])
+    shape = (num_blocks, block_size, heads, cfg.head_dim)
+    return LayerKV(sharded_zeros(mesh, "kv cache k", shape, KV_AXES, dtype),
+                   sharded_zeros(mesh, "kv cache v", shape, KV_AXES, dtype))
 
 
 def write_kv(cache: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:
@@ -164,7 +179,7 @@ def paged_attention_kernel(
     )
     if mesh is None:
         return local(*args)
-    head, kv, rep = P(None, "tp", None), P(None, None, "tp", None), P()
+    head, kv, rep = partition_spec(Q_AXES), partition_spec(KV_AXES), P()  # metadata: replicated
     in_specs = (head, kv, kv, rep, rep, rep, rep, rep, rep)
     # check_vma=False: the pallas_call has no varying-manual-axes rule to check against.
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=head, check_vma=False)(*args)

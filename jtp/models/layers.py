@@ -6,8 +6,13 @@ input dim directly, so loading never transposes.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jtp.config.rope import Yarn
 
 
 def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
@@ -22,12 +27,43 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
-def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos/sin [T, rotary_dim] for NeoX-style (half-split) rotation, computed in fp32."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+def rope_cos_sin(
+    positions: jax.Array, rotary_dim: int, theta: float, dtype, yarn: Yarn | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [T, rotary_dim] for NeoX-style (half-split) rotation, computed in fp32; with YaRN,
+    its frequencies and its attention factor on both (as transformers applies it)."""
+    if yarn is None:
+        inv_freq, scale = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)), None
+    else:
+        inv_freq, scale = jnp.asarray(yarn_inv_freq(rotary_dim, theta, yarn)), yarn.attention_factor
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale is not None:
+        cos, sin = cos * scale, sin * scale
+    return cos.astype(dtype), sin.astype(dtype)
+
+
+def yarn_inv_freq(rotary_dim: int, theta: float, yarn: Yarn) -> np.ndarray:
+    """YaRN's per-pair frequencies (float32, as transformers' _compute_yarn_parameters): high
+    frequencies (many rotations within the original context) are kept, low ones divided by the
+    factor, with a linear ramp between the dimensions of beta_fast and beta_slow rotations."""
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return rotary_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    pos_freqs = np.float32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim))
+    extrapolated = np.float32(1) / pos_freqs
+    interpolated = np.float32(1) / (np.float32(yarn.factor) * pos_freqs)
+    ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = np.float32(1) - ramp.astype(np.float32)
+    return (interpolated * (1 - keep) + extrapolated * keep).astype(np.float32)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

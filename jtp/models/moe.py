@@ -29,9 +29,14 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jtp.kernels import grouped_matmul as gmm
-from jtp.parallel.sharding import EXPERTS_EP_SPEC, EXPERTS_TP_SPECS
+from jtp.parallel.rules import partition_spec, rules_for
 
 IMPLS = ("kernel", "ragged_dot")
+
+# The stacked expert weights, as the families declare them: gate and up [E, H, I], down [E, I, H].
+# jtp/parallel/rules.py splits I (intra-expert TP) or E (expert parallelism).
+EXPERTS_IN_AXES = ("experts", "embed", "expert_mlp")
+EXPERTS_OUT_AXES = ("experts", "expert_mlp", "embed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +68,10 @@ class RoutedExperts:
         local = _pairs_to_tokens(use_kernel, self.expert_parallel, num_experts=gate.shape[0])
         if tp == 1:
             return local(x, weights, experts, gate, up, down)
-        # The weights as the loader split them (jtp/parallel/sharding.py); activations replicated.
-        if self.expert_parallel:
-            w_specs = (EXPERTS_EP_SPEC,) * 3
-        else:
-            w_specs = tuple(EXPERTS_TP_SPECS[name] for name in ("gate", "up", "down"))
-        specs = (P(), P(), P(), *w_specs)
+        # The weights as the loader split them (the same axes and rules); activations replicated.
+        rules = rules_for(self.expert_parallel)
+        w_in, w_out = partition_spec(EXPERTS_IN_AXES, rules), partition_spec(EXPERTS_OUT_AXES, rules)
+        specs = (P(), P(), P(), w_in, w_in, w_out)
         # Each device returns its partial sum as one slice of a [tp, T, H] array; summing that axis
         # is the all-reduce, emitted by XLA. check_vma=False: pallas_call has no replication rule.
         partials = jax.shard_map(

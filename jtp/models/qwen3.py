@@ -6,19 +6,26 @@
 
 Attn: q/k/v projections (+ bias for Qwen2), per-head RMSNorm on q and k (Qwen3), RoPE,
 paged causal GQA; FFN: SwiGLU MLP, or top-k routed experts on MoE layers.
-Params are a pytree (see `param_layout`); the loop over layers is unrolled in
-Python, which is what let XLA reach 81% of HBM bandwidth on the H200 (lax.scan: 31%).
+Params are a pytree (see `param_layout`, which also names each weight's logical axes for
+jtp/parallel/rules.py). The loop over layers is unrolled in Python: XLA streams the weights far
+better that way than through lax.scan (docs/bench/h200.md, "Unrolled layers").
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
 from jtp.config.model_config import ModelConfig
+from jtp.errors import CheckpointError
 from jtp.loading.sources import RepeatedHeads, Source, StackedExperts, Tensor
-from jtp.models.attention import AttentionMetadata, LayerKV, PagedAttention, write_kv
+from jtp.models.attention import (
+    AttentionMetadata,
+    LayerKV,
+    PagedAttention,
+    write_kv,
+    zeroed_layer_kv,
+)
 from jtp.models.layers import (
     apply_rope,
     linear,
@@ -27,8 +34,8 @@ from jtp.models.layers import (
     route_top_k,
     swiglu_mlp,
 )
-from jtp.models.moe import RoutedExperts
-from jtp.parallel.sharding import KV_CACHE_SPEC, kv_head_replicas
+from jtp.models.moe import EXPERTS_IN_AXES, EXPERTS_OUT_AXES, RoutedExperts
+from jtp.parallel.sharding import kv_head_replicas
 
 
 def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, attend: PagedAttention):
@@ -58,7 +65,7 @@ def forward(
 ):
     """tokens [T] -> final hidden states [T, H] and the updated KV cache."""
     x = params["embed"][tokens]
-    cos, sin = rope_cos_sin(meta.positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+    cos, sin = rope_cos_sin(meta.positions, cfg.head_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
     real_tokens = meta.slot_mapping >= 0  # padding tokens (-1) route to no expert
     new_cache = []
     for i, p in enumerate(params["layers"]):
@@ -75,22 +82,19 @@ def compute_logits(params: dict, hidden) -> jax.Array:
     return linear(hidden, head).astype(jnp.float32)
 
 
-def zeroed_layer_kv(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, dtype) -> LayerKV:
-    """One attention layer's paged K/V, zeroed, heads split over tp (replicated heads counted)."""
-    heads = cfg.num_kv_heads * kv_head_replicas(cfg, mesh.shape["tp"])
-    shape = (num_blocks, block_size, heads, cfg.head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, KV_CACHE_SPEC))
-    return LayerKV(zeros(), zeros())
-
-
 def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype) -> list[LayerKV]:
     """Zeroed paged K/V for every layer."""
     del num_state_slots  # no per-sequence state beyond the pages
     return [zeroed_layer_kv(cfg, mesh, num_blocks, block_size, dtype) for _ in range(cfg.num_layers)]
 
 
-def param_layout(cfg: ModelConfig, tp: int = 1) -> dict[str, Source]:
+mtp_forward = None  # these checkpoints have no multi-token-prediction head
+
+
+def param_layout(cfg: ModelConfig, tp: int = 1, mtp: bool = False) -> dict[str, Source]:
     """Parameter path -> where it comes from in a HF Qwen3/Qwen3-MoE/Qwen2 checkpoint."""
+    if mtp:
+        raise CheckpointError(f"{cfg.model_type} checkpoints have no multi-token-prediction head")
     H, D = cfg.hidden_size, cfg.head_dim
     kv = kv_source(cfg, tp)
     layout = embedding_layout(cfg)
@@ -98,25 +102,25 @@ def param_layout(cfg: ModelConfig, tp: int = 1) -> dict[str, Source]:
         hf = f"{cfg.checkpoint_prefix}layers.{i}."
         attn = hf + "self_attn."
         entries: dict[str, Source] = {
-            "input_norm": Tensor(hf + "input_layernorm.weight", (H,)),
-            "post_norm": Tensor(hf + "post_attention_layernorm.weight", (H,)),
-            "q_proj": Tensor(attn + "q_proj.weight", (cfg.q_size, H)),
-            "k_proj": kv(attn + "k_proj.weight", (cfg.kv_size, H)),
-            "v_proj": kv(attn + "v_proj.weight", (cfg.kv_size, H)),
-            "o_proj": Tensor(attn + "o_proj.weight", (H, cfg.q_size)),
+            "input_norm": Tensor(hf + "input_layernorm.weight", (H,), ("embed",)),
+            "post_norm": Tensor(hf + "post_attention_layernorm.weight", (H,), ("embed",)),
+            "q_proj": Tensor(attn + "q_proj.weight", (cfg.q_size, H), ("q_heads_x_dim", "embed")),
+            "k_proj": kv(attn + "k_proj.weight", (cfg.kv_size, H), ("kv_heads_x_dim", "embed")),
+            "v_proj": kv(attn + "v_proj.weight", (cfg.kv_size, H), ("kv_heads_x_dim", "embed")),
+            "o_proj": Tensor(attn + "o_proj.weight", (H, cfg.q_size), ("embed", "q_heads_x_dim")),
         }
         if cfg.qkv_bias:
-            entries["q_bias"] = Tensor(attn + "q_proj.bias", (cfg.q_size,))
-            entries["k_bias"] = kv(attn + "k_proj.bias", (cfg.kv_size,))
-            entries["v_bias"] = kv(attn + "v_proj.bias", (cfg.kv_size,))
+            entries["q_bias"] = Tensor(attn + "q_proj.bias", (cfg.q_size,), ("q_heads_x_dim",))
+            entries["k_bias"] = kv(attn + "k_proj.bias", (cfg.kv_size,), ("kv_heads_x_dim",))
+            entries["v_bias"] = kv(attn + "v_proj.bias", (cfg.kv_size,), ("kv_heads_x_dim",))
         if cfg.o_bias:
-            entries["o_bias"] = Tensor(attn + "o_proj.bias", (H,))
+            entries["o_bias"] = Tensor(attn + "o_proj.bias", (H,), ("embed",))
         if cfg.qk_norm:
-            entries["q_norm"] = Tensor(attn + "q_norm.weight", (D,))
-            entries["k_norm"] = Tensor(attn + "k_norm.weight", (D,))
+            entries["q_norm"] = Tensor(attn + "q_norm.weight", (D,), ("head_dim",))
+            entries["k_norm"] = Tensor(attn + "k_norm.weight", (D,), ("head_dim",))
         mlp = hf + "mlp."
         if cfg.is_moe_layer(i):
-            entries["router"] = Tensor(mlp + "gate.weight", (cfg.num_experts, H))
+            entries["router"] = Tensor(mlp + "gate.weight", (cfg.num_experts, H), ("scores", "embed"))
             entries |= stacked_experts_layout(mlp, cfg)
         else:
             entries |= mlp_layout(mlp, cfg)
@@ -131,20 +135,20 @@ def embedding_layout(cfg: ModelConfig) -> dict[str, Source]:
     """The embedding, the final norm and (unless tied) the LM head."""
     H, V, prefix = cfg.hidden_size, cfg.vocab_size, cfg.checkpoint_prefix
     layout: dict[str, Source] = {
-        "embed": Tensor(prefix + "embed_tokens.weight", (V, H)),
-        "final_norm": Tensor(prefix + "norm.weight", (H,)),
+        "embed": Tensor(prefix + "embed_tokens.weight", (V, H), ("vocab", "embed")),
+        "final_norm": Tensor(prefix + "norm.weight", (H,), ("embed",)),
     }
     if not cfg.tie_word_embeddings:
-        layout["lm_head"] = Tensor("lm_head.weight", (V, H))
+        layout["lm_head"] = Tensor("lm_head.weight", (V, H), ("vocab", "embed"))
     return layout
 
 
 def kv_source(cfg: ModelConfig, tp: int):
-    """(name, shape) -> the Source of a k/v projection, its heads repeated when tp > KV heads."""
+    """(name, shape, axes) -> the Source of a k/v projection, its heads repeated when tp > KV heads."""
     replicas = kv_head_replicas(cfg, tp)
 
-    def kv(name: str, shape: tuple[int, ...]) -> Source:
-        return Tensor(name, shape) if replicas == 1 else RepeatedHeads(name, shape, cfg.head_dim, replicas)
+    def kv(name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> Source:
+        return Tensor(name, shape, axes) if replicas == 1 else RepeatedHeads(name, shape, cfg.head_dim, replicas, axes)
 
     return kv
 
@@ -153,9 +157,9 @@ def mlp_layout(mlp: str, cfg: ModelConfig) -> dict[str, Source]:
     """A dense SwiGLU MLP."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     return {
-        "gate_proj": Tensor(mlp + "gate_proj.weight", (I, H)),
-        "up_proj": Tensor(mlp + "up_proj.weight", (I, H)),
-        "down_proj": Tensor(mlp + "down_proj.weight", (H, I)),
+        "gate_proj": Tensor(mlp + "gate_proj.weight", (I, H), ("mlp", "embed")),
+        "up_proj": Tensor(mlp + "up_proj.weight", (I, H), ("mlp", "embed")),
+        "down_proj": Tensor(mlp + "down_proj.weight", (H, I), ("embed", "mlp")),
     }
 
 
@@ -164,11 +168,11 @@ def stacked_experts_layout(mlp: str, cfg: ModelConfig) -> dict[str, Source]:
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     experts = [f"{mlp}experts.{e}." for e in range(cfg.num_experts)]
 
-    def stacked(proj: str, shape: tuple[int, int]) -> StackedExperts:
-        return StackedExperts(tuple(x + proj + ".weight" for x in experts), shape)
+    def stacked(proj: str, shape: tuple[int, int], axes: tuple[str, ...]) -> StackedExperts:
+        return StackedExperts(tuple(x + proj + ".weight" for x in experts), shape, axes)
 
     return {
-        "experts_gate": stacked("gate_proj", (I, H)),
-        "experts_up": stacked("up_proj", (I, H)),
-        "experts_down": stacked("down_proj", (H, I)),
+        "experts_gate": stacked("gate_proj", (I, H), EXPERTS_IN_AXES),
+        "experts_up": stacked("up_proj", (I, H), EXPERTS_IN_AXES),
+        "experts_down": stacked("down_proj", (H, I), EXPERTS_OUT_AXES),
     }

@@ -23,8 +23,9 @@ takes the single-token recurrence (conv-state update + one delta-rule step, HF's
 L > 1 the chunked rule, min(64, L) tokens per chunk, rows padded to a multiple of the chunk.
 
 Sharding: q/k/v/z/b/a (and the conv weights of the q/k/v channels) are separate parameters,
-each split by heads, so the fused checkpoint tensors' segment-wise TP split is just a contiguous
-split of each; the whole DeltaNet is then head-local and XLA all-reduces once, after out_proj.
+each split by heads (their logical axes in `param_layout`, the rules in jtp/parallel/rules.py),
+so the fused checkpoint tensors' segment-wise TP split is just a contiguous split of each; the
+whole DeltaNet is then head-local and XLA all-reduces once, after out_proj.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
 from jtp.config.model_config import ModelConfig
 from jtp.loading.sources import (
@@ -45,7 +45,13 @@ from jtp.loading.sources import (
     Tensor,
 )
 from jtp.models import qwen3
-from jtp.models.attention import AttentionMetadata, LayerKV, PagedAttention, write_kv
+from jtp.models.attention import (
+    AttentionMetadata,
+    LayerKV,
+    PagedAttention,
+    write_kv,
+    zeroed_layer_kv,
+)
 from jtp.models.layers import (
     apply_rope,
     gated_rms_norm,
@@ -54,9 +60,8 @@ from jtp.models.layers import (
     rope_cos_sin,
     swiglu_mlp,
 )
-from jtp.models.moe import RoutedExperts
-from jtp.models.qwen3 import compute_logits, zeroed_layer_kv  # noqa: F401 - compute_logits is part of the family API
-from jtp.parallel.sharding import CONV_STATE_SPEC, RECURRENT_STATE_SPEC
+from jtp.models.moe import EXPERTS_IN_AXES, EXPERTS_OUT_AXES, RoutedExperts
+from jtp.parallel.rules import sharded_zeros
 
 CHUNK = 64  # HF's chunk size for the chunked delta rule
 _HIGHEST = jax.lax.Precision.HIGHEST  # the recurrence is fp32 math; no TF32 shortcuts on GPUs
@@ -73,6 +78,15 @@ class DeltaNetState(NamedTuple):
     conv_k: jax.Array
     conv_v: jax.Array
     recurrent: jax.Array
+
+
+# Logical axes of the state arrays: channels (and value heads) split like the weights that make them.
+STATE_AXES = DeltaNetState(
+    conv_q=("state_slots", "gdn_k_heads_x_dim", "conv_taps"),
+    conv_k=("state_slots", "gdn_k_heads_x_dim", "conv_taps"),
+    conv_v=("state_slots", "gdn_v_heads_x_dim", "conv_taps"),
+    recurrent=("state_slots", "gdn_v_heads", "gdn_k_dim", "gdn_v_dim"),
+)
 
 
 # ----------------------------------------------------------------------------- ragged rows
@@ -343,7 +357,7 @@ def forward(
     """tokens [T] -> final hidden states [T, H] and the updated cache (K/V pages and slot states)."""
     T = tokens.shape[0]
     x = params["embed"][tokens]
-    cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+    cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
     length, chunk = deltanet_row_length(meta, T)
     real_tokens = meta.slot_mapping >= 0  # padding tokens (-1) route to no expert
     rows = None
@@ -377,7 +391,7 @@ def mtp_forward(
     m, eps = params["mtp"], cfg.rms_norm_eps
     embedded = rms_norm_zero_centered(params["embed"][next_tokens], m["pre_fc_norm_embedding"], eps)
     x = linear(jnp.concatenate([embedded, rms_norm_zero_centered(hidden, m["pre_fc_norm_hidden"], eps)], -1), m["fc"])
-    cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+    cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
     p = m["layer"]
     a, kv = gated_attention(p, cfg, rms_norm_zero_centered(x, p["input_norm"], eps), cos, sin, kv, meta, attend)
     h = x + a
@@ -385,28 +399,26 @@ def mtp_forward(
     return rms_norm_zero_centered(x, m["norm"], eps), kv
 
 
+compute_logits = qwen3.compute_logits  # the same LM head (tied or not)
+
+
 def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype) -> list:
     """Paged K/V for full-attention layers; zeroed slot states for DeltaNet layers."""
-
-    def zeros(shape, dt, spec):
-        return jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=NamedSharding(mesh, spec))()
-
     K = cfg.linear_conv_kernel_dim
+    shapes = DeltaNetState(
+        conv_q=(num_state_slots, cfg.linear_key_dim, K - 1),
+        conv_k=(num_state_slots, cfg.linear_key_dim, K - 1),
+        conv_v=(num_state_slots, cfg.linear_value_dim, K - 1),
+        recurrent=(num_state_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+    )
+    dtypes = DeltaNetState(dtype, dtype, dtype, jnp.float32)  # the recurrence is fp32
     cache = []
     for i in range(cfg.num_layers):
         if cfg.is_linear_layer(i):
-            cache.append(
-                DeltaNetState(
-                    conv_q=zeros((num_state_slots, cfg.linear_key_dim, K - 1), dtype, CONV_STATE_SPEC),
-                    conv_k=zeros((num_state_slots, cfg.linear_key_dim, K - 1), dtype, CONV_STATE_SPEC),
-                    conv_v=zeros((num_state_slots, cfg.linear_value_dim, K - 1), dtype, CONV_STATE_SPEC),
-                    recurrent=zeros(
-                        (num_state_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-                        jnp.float32,
-                        RECURRENT_STATE_SPEC,
-                    ),
-                )
-            )
+            cache.append(DeltaNetState(*(
+                sharded_zeros(mesh, f"layer {i} {name} state", shape, axes, dt)
+                for name, shape, axes, dt in zip(DeltaNetState._fields, shapes, STATE_AXES, dtypes)
+            )))
         else:
             cache.append(zeroed_layer_kv(cfg, mesh, num_blocks, block_size, dtype))
     return cache
@@ -420,15 +432,17 @@ def _deltanet_layout(cfg: ModelConfig, la: str) -> dict[str, Source]:
     kd, vd, r = cfg.linear_key_dim, cfg.linear_value_dim, Hv // Hk
     C = 2 * kd + vd
     conv = (la + "conv1d.weight", (C, 1, K))
+    k_rows, v_rows = ("gdn_k_heads_x_dim", "embed"), ("gdn_v_heads_x_dim", "embed")  # by key / value heads
+    v_heads = ("gdn_v_heads", "embed")
     entries: dict[str, Source] = {
         # conv1d channels are [Q | K | V] in both families.
-        "gdn_conv_q": Segment(*conv, 0, kd, squeeze=True),
-        "gdn_conv_k": Segment(*conv, kd, kd, squeeze=True),
-        "gdn_conv_v": Segment(*conv, 2 * kd, vd, squeeze=True),
-        "gdn_A_log": Tensor(la + "A_log", (Hv,)),
-        "gdn_dt_bias": Tensor(la + "dt_bias", (Hv,)),
-        "gdn_norm": Tensor(la + "norm.weight", (dv,)),
-        "gdn_out": Tensor(la + "out_proj.weight", (H, vd)),
+        "gdn_conv_q": Segment(*conv, 0, kd, ("gdn_k_heads_x_dim", "conv_taps"), squeeze=True),
+        "gdn_conv_k": Segment(*conv, kd, kd, ("gdn_k_heads_x_dim", "conv_taps"), squeeze=True),
+        "gdn_conv_v": Segment(*conv, 2 * kd, vd, ("gdn_v_heads_x_dim", "conv_taps"), squeeze=True),
+        "gdn_A_log": Tensor(la + "A_log", (Hv,), ("gdn_v_heads",)),
+        "gdn_dt_bias": Tensor(la + "dt_bias", (Hv,), ("gdn_v_heads",)),
+        "gdn_norm": Tensor(la + "norm.weight", (dv,), ("gdn_v_dim",)),
+        "gdn_out": Tensor(la + "out_proj.weight", (H, vd), ("embed", "gdn_v_heads_x_dim")),
     }
     if cfg.model_type == "qwen3_next":
         # Grouped per key head g: qkvz rows [q_g (dk) | k_g (dk) | v_g (r dv) | z_g (r dv)], ba rows [b_g (r) | a_g (r)].
@@ -436,22 +450,22 @@ def _deltanet_layout(cfg: ModelConfig, la: str) -> dict[str, Source]:
         qkvz = (la + "in_proj_qkvz.weight", (Hk * G, H))
         ba = (la + "in_proj_ba.weight", (2 * Hv, H))
         entries |= {
-            "gdn_q": StridedRows(*qkvz, rows=kd, run=dk, stride=G, offset=0),
-            "gdn_k": StridedRows(*qkvz, rows=kd, run=dk, stride=G, offset=dk),
-            "gdn_v": StridedRows(*qkvz, rows=vd, run=r * dv, stride=G, offset=2 * dk),
-            "gdn_z": StridedRows(*qkvz, rows=vd, run=r * dv, stride=G, offset=2 * dk + r * dv),
-            "gdn_b": StridedRows(*ba, rows=Hv, run=r, stride=2 * r, offset=0),
-            "gdn_a": StridedRows(*ba, rows=Hv, run=r, stride=2 * r, offset=r),
+            "gdn_q": StridedRows(*qkvz, rows=kd, run=dk, stride=G, offset=0, axes=k_rows),
+            "gdn_k": StridedRows(*qkvz, rows=kd, run=dk, stride=G, offset=dk, axes=k_rows),
+            "gdn_v": StridedRows(*qkvz, rows=vd, run=r * dv, stride=G, offset=2 * dk, axes=v_rows),
+            "gdn_z": StridedRows(*qkvz, rows=vd, run=r * dv, stride=G, offset=2 * dk + r * dv, axes=v_rows),
+            "gdn_b": StridedRows(*ba, rows=Hv, run=r, stride=2 * r, offset=0, axes=v_heads),
+            "gdn_a": StridedRows(*ba, rows=Hv, run=r, stride=2 * r, offset=r, axes=v_heads),
         }
     else:
         qkv = (la + "in_proj_qkv.weight", (C, H))
         entries |= {
-            "gdn_q": Segment(*qkv, 0, kd),
-            "gdn_k": Segment(*qkv, kd, kd),
-            "gdn_v": Segment(*qkv, 2 * kd, vd),
-            "gdn_z": Tensor(la + "in_proj_z.weight", (vd, H)),
-            "gdn_b": Tensor(la + "in_proj_b.weight", (Hv, H)),
-            "gdn_a": Tensor(la + "in_proj_a.weight", (Hv, H)),
+            "gdn_q": Segment(*qkv, 0, kd, k_rows),
+            "gdn_k": Segment(*qkv, kd, kd, k_rows),
+            "gdn_v": Segment(*qkv, 2 * kd, vd, v_rows),
+            "gdn_z": Tensor(la + "in_proj_z.weight", (vd, H), v_rows),
+            "gdn_b": Tensor(la + "in_proj_b.weight", (Hv, H), v_heads),
+            "gdn_a": Tensor(la + "in_proj_a.weight", (Hv, H), v_heads),
         }
     return entries
 
@@ -461,20 +475,20 @@ def _moe_layout(cfg: ModelConfig, mlp: str) -> dict[str, Source]:
     # Qwen3.5-MoE checkpoints fuse the experts on disk; Qwen3-Next (and HF's save_pretrained) write
     # them one by one. Accept both, preferring the family's usual form.
     fused = {
-        "experts_gate": FusedExperts(mlp + "experts.gate_up_proj", (E, 2 * I, H), 0, I),
-        "experts_up": FusedExperts(mlp + "experts.gate_up_proj", (E, 2 * I, H), I, I),
-        "experts_down": FusedExperts(mlp + "experts.down_proj", (E, H, I), 0, H),
+        "experts_gate": FusedExperts(mlp + "experts.gate_up_proj", (E, 2 * I, H), 0, I, EXPERTS_IN_AXES),
+        "experts_up": FusedExperts(mlp + "experts.gate_up_proj", (E, 2 * I, H), I, I, EXPERTS_IN_AXES),
+        "experts_down": FusedExperts(mlp + "experts.down_proj", (E, H, I), 0, H, EXPERTS_OUT_AXES),
     }
     split = qwen3.stacked_experts_layout(mlp, cfg)
     first, second = (split, fused) if cfg.model_type == "qwen3_next" else (fused, split)
     entries: dict[str, Source] = {k: FirstPresent((first[k], second[k])) for k in fused}
-    entries["router"] = Tensor(mlp + "gate.weight", (E, H))
+    entries["router"] = Tensor(mlp + "gate.weight", (E, H), ("scores", "embed"))
     if Is:
         entries |= {
-            "shared_gate": Tensor(mlp + "shared_expert.gate_proj.weight", (Is, H)),
-            "shared_up": Tensor(mlp + "shared_expert.up_proj.weight", (Is, H)),
-            "shared_down": Tensor(mlp + "shared_expert.down_proj.weight", (H, Is)),
-            "shared_expert_gate": Tensor(mlp + "shared_expert_gate.weight", (1, H)),
+            "shared_gate": Tensor(mlp + "shared_expert.gate_proj.weight", (Is, H), ("mlp", "embed")),
+            "shared_up": Tensor(mlp + "shared_expert.up_proj.weight", (Is, H), ("mlp", "embed")),
+            "shared_down": Tensor(mlp + "shared_expert.down_proj.weight", (H, Is), ("embed", "mlp")),
+            "shared_expert_gate": Tensor(mlp + "shared_expert_gate.weight", (1, H), ("scores", "embed")),
         }
     return entries
 
@@ -493,10 +507,10 @@ def param_layout(cfg: ModelConfig, tp: int = 1, mtp: bool = False) -> dict[str, 
         # fc [H, 2H] over [norm_e(embed(next token)); norm_h(hidden)], one full-attention decoder
         # layer with its own K/V, a final norm; the embedding and lm_head are the model's.
         layout |= {
-            "mtp.fc": Tensor("mtp.fc.weight", (H, 2 * H)),
-            "mtp.pre_fc_norm_embedding": Tensor("mtp.pre_fc_norm_embedding.weight", (H,)),
-            "mtp.pre_fc_norm_hidden": Tensor("mtp.pre_fc_norm_hidden.weight", (H,)),
-            "mtp.norm": Tensor("mtp.norm.weight", (H,)),
+            "mtp.fc": Tensor("mtp.fc.weight", (H, 2 * H), ("embed", "embed_concat")),
+            "mtp.pre_fc_norm_embedding": Tensor("mtp.pre_fc_norm_embedding.weight", (H,), ("embed",)),
+            "mtp.pre_fc_norm_hidden": Tensor("mtp.pre_fc_norm_hidden.weight", (H,), ("embed",)),
+            "mtp.norm": Tensor("mtp.norm.weight", (H,), ("embed",)),
         }
         layer = _decoder_layer_layout(cfg, tp, "mtp.layers.0.", linear=False, moe=cfg.num_experts > 0)
         layout.update({f"mtp.layer.{k}": v for k, v in layer.items()})
@@ -507,20 +521,21 @@ def _decoder_layer_layout(cfg: ModelConfig, tp: int, hf: str, linear: bool, moe:
     H, D = cfg.hidden_size, cfg.head_dim
     kv = qwen3.kv_source(cfg, tp)
     entries: dict[str, Source] = {
-        "input_norm": Tensor(hf + "input_layernorm.weight", (H,)),
-        "post_norm": Tensor(hf + "post_attention_layernorm.weight", (H,)),
+        "input_norm": Tensor(hf + "input_layernorm.weight", (H,), ("embed",)),
+        "post_norm": Tensor(hf + "post_attention_layernorm.weight", (H,), ("embed",)),
     }
     if linear:
         entries |= _deltanet_layout(cfg, hf + "linear_attn.")
     else:
         attn = hf + "self_attn."
         entries |= {
-            "q_proj": Tensor(attn + "q_proj.weight", (2 * cfg.q_size, H)),  # [q_h | gate_h] per head
-            "k_proj": kv(attn + "k_proj.weight", (cfg.kv_size, H)),
-            "v_proj": kv(attn + "v_proj.weight", (cfg.kv_size, H)),
-            "o_proj": Tensor(attn + "o_proj.weight", (H, cfg.q_size)),
-            "q_norm": Tensor(attn + "q_norm.weight", (D,)),
-            "k_norm": Tensor(attn + "k_norm.weight", (D,)),
+            # [q_h | gate_h] per head: still head-major, so split by heads like any q projection.
+            "q_proj": Tensor(attn + "q_proj.weight", (2 * cfg.q_size, H), ("q_heads_x_dim", "embed")),
+            "k_proj": kv(attn + "k_proj.weight", (cfg.kv_size, H), ("kv_heads_x_dim", "embed")),
+            "v_proj": kv(attn + "v_proj.weight", (cfg.kv_size, H), ("kv_heads_x_dim", "embed")),
+            "o_proj": Tensor(attn + "o_proj.weight", (H, cfg.q_size), ("embed", "q_heads_x_dim")),
+            "q_norm": Tensor(attn + "q_norm.weight", (D,), ("head_dim",)),
+            "k_norm": Tensor(attn + "k_norm.weight", (D,), ("head_dim",)),
         }
     mlp = hf + "mlp."
     return entries | (_moe_layout(cfg, mlp) if moe else qwen3.mlp_layout(mlp, cfg))

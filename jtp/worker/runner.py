@@ -21,10 +21,9 @@ from jtp.config.engine_config import EngineConfig
 from jtp.core.sampling_params import MAX_LOGPROBS, pack_sampling
 from jtp.core.step_input import SamplingBatch, StepInput, StepPlan, pack_stop_ids
 from jtp.loading.weights import load_params, resolve_dtype
-from jtp.models import family_of
-from jtp.models.attention import AttentionMetadata, choose_attention
+from jtp.models import family_of, mtp
+from jtp.models.attention import AttentionMetadata, choose_attention, zeroed_layer_kv
 from jtp.models.moe import choose_experts
-from jtp.models.qwen3 import zeroed_layer_kv
 from jtp.parallel.sharding import make_mesh, replicated, tp_size
 from jtp.worker import kv_cache
 from jtp.worker.sampler import SampleResult, sample
@@ -328,9 +327,9 @@ def _forward_and_sample(
         result = first = sample_at(logits_indices, sampling)
         per_position = [first]
     if mtp_kv is not None:
-        drafts, mtp_kv = _mtp_drafts(
+        drafts, mtp_kv = mtp.propose_drafts(
             family, cfg, attention, experts, mtp_drafts, params, hidden, tokens, meta, logits_indices, seq_slots,
-            per_position, mtp_kv,
+            jnp.stack([r.tokens for r in per_position]), mtp_kv,
         )
         # [B, num_drafts] per step; a verify step's results are per position, each carries the same drafts.
         result = result._replace(draft=jnp.broadcast_to(drafts, (len(per_position), *drafts.shape))
@@ -339,66 +338,6 @@ def _forward_and_sample(
     # Rows without a slot (padding) point past the end and are dropped.
     slots = jnp.where(seq_slots >= 0, seq_slots, sampled.shape[0])
     return result, cache, sampled.at[slots].set(first.tokens, mode="drop")
-
-
-def _mtp_drafts(
-    family, cfg, attention, experts, num_drafts, params, hidden, tokens, meta, logits_indices, seq_slots, per_position,
-    kv,
-):
-    """Drafts for every row's next step from the MTP head, [B, num_drafts] (-1: no draft there).
-
-    The head runs over every token of the step: at position t it takes the target's hidden state
-    and token t+1 (the row's next token in this step, or at a sampled position the token sampled
-    there) and guesses token t+2; this writes its K/V for the step's positions. Each row's first
-    draft is the guess at its last accepted position, counted here as the host counts it (drafts
-    accepted while the target sampled them). Causal attention makes that guess independent of the
-    rejected positions after it. Further drafts chain the head on its own output hidden state and
-    last guess, one position on, writing its K/V into the row's pages as far as they are allocated
-    (a chain stops at the end of the row's last page; the next step rewrites those positions)."""
-    T = tokens.shape[0]
-    B = seq_slots.shape[0]
-    indices = logits_indices if logits_indices.ndim == 2 else logits_indices[None]
-    real_row = seq_slots >= 0
-    samples = jnp.stack([r.tokens for r in per_position])  # [P, B]
-    # A row with fewer positions repeats its last one: only a new index is a draft position.
-    fresh = jnp.concatenate([real_row[None], indices[1:] != indices[:-1]], axis=0)  # [P, B]
-    following = jnp.concatenate([tokens[1:], tokens[:1]])
-    for j in range(indices.shape[0]):
-        following = following.at[jnp.where(fresh[j] & real_row, indices[j], T)].set(samples[j], mode="drop")
-    mtp_hidden, kv = family.mtp_forward(params, cfg, hidden, following, kv, meta, attention, experts)
-
-    # The last accepted position of each row: drafts (the tokens at positions 1..) matched in a row.
-    matched = (samples[:-1] == tokens[indices[1:]]) & fresh[1:]
-    accepted = jnp.sum(jnp.cumprod(matched.astype(jnp.int32), axis=0), axis=0)  # [B]
-    last = indices[accepted, jnp.arange(B)]
-    h = mtp_hidden[last]
-    guess = jnp.argmax(family.compute_logits(params, h), axis=-1).astype(jnp.int32)
-    drafts = [jnp.where(real_row, guess, -1)]
-
-    block_size = kv.k.shape[1]
-    pos = meta.positions[last]
-    allocated = -(-meta.context_lens // block_size) * block_size  # the row's pages end here
-    alive = real_row
-    rows = jnp.arange(B, dtype=jnp.int32)
-    for _ in range(num_drafts - 1):
-        pos = pos + 1
-        alive = alive & (pos < allocated)
-        page = jnp.take_along_axis(meta.block_tables, (pos // block_size)[:, None], axis=1)[:, 0]
-        chain_meta = meta._replace(
-            positions=pos,
-            slot_mapping=jnp.where(alive, page * block_size + pos % block_size, -1),
-            token_rows=rows,
-            context_lens=jnp.where(alive, pos + 1, 0),
-            row_starts=rows,
-            row_lens=alive.astype(jnp.int32),
-            query_bound=jnp.arange(1, dtype=jnp.int32),
-            state_keeps=None,
-            keep_lens=None,
-        )
-        h, kv = family.mtp_forward(params, cfg, h, jnp.maximum(drafts[-1], 0), kv, chain_meta, attention, experts)
-        guess = jnp.argmax(family.compute_logits(params, h), axis=-1).astype(jnp.int32)
-        drafts.append(jnp.where(alive, guess, -1))
-    return jnp.stack(drafts, axis=1), kv
 
 
 class _TraceCounter(threading.local):

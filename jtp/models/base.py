@@ -1,0 +1,57 @@
+"""What a model family is: the functions the loader and the runner call, as a typed Protocol.
+
+A family is a module (jtp/models/qwen3.py, jtp/models/qwen3_5.py) whose functions satisfy
+`ModelFamily`. Parameters live in a pytree of dicts (`params["layers"][i]["q_proj"]`), described
+by `param_layout`: one `Source` per parameter path, which says where it comes from in the
+checkpoint, its shape, and the logical axis of each dim (jtp/parallel/rules.py splits by those).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import Mesh
+
+    from jtp.config.model_config import ModelConfig
+    from jtp.loading.sources import Source
+    from jtp.models.attention import AttentionMetadata, LayerKV, PagedAttention
+    from jtp.models.moe import RoutedExperts
+
+
+class MtpForward(Protocol):
+    def __call__(
+        self, params: dict, cfg: ModelConfig, hidden: jax.Array, next_tokens: jax.Array, kv: LayerKV,
+        meta: AttentionMetadata, attend: PagedAttention, routed: RoutedExperts,
+    ) -> tuple[jax.Array, LayerKV]:
+        """(target hidden h_t [T, H], token t+1 [T]) -> the head's hidden state [T, H] (compute_logits
+        turns it into a guess for token t+2) and its K/V written at the step's positions."""
+        ...
+
+
+@runtime_checkable
+class ModelFamily(Protocol):
+    def param_layout(self, cfg: ModelConfig, tp: int = 1, mtp: bool = False) -> dict[str, Source]:
+        """Parameter path ("layers.3.q_proj") -> its Source; with `mtp`, the MTP head's too ("mtp.*")."""
+        ...
+
+    def init_cache(
+        self, cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype
+    ) -> list:
+        """One zeroed cache entry per layer (paged K/V, or a recurrent layer's state slots), sharded."""
+        ...
+
+    def forward(
+        self, params: dict, cfg: ModelConfig, tokens: jax.Array, cache: list, meta: AttentionMetadata,
+        attend: PagedAttention, routed: RoutedExperts,
+    ) -> tuple[jax.Array, list]:
+        """tokens [T] of a ragged batch -> final-normed hidden states [T, H] and the updated cache."""
+        ...
+
+    def compute_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
+        """hidden [N, H] -> float32 logits [N, V]."""
+        ...
+
+    # The multi-token-prediction head (jtp/models/mtp.py drafts with it); None: the family has none.
+    mtp_forward: MtpForward | None
