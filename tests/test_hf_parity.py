@@ -147,7 +147,7 @@ def test_yarn_matches_hf(yarn_base, tmp_path, case):
     assert model.config.rope_parameters["rope_type"] == "yarn"  # HF really runs YaRN on this config
 
     ids = np.random.default_rng(4).integers(0, 128, YARN_PROMPT + 4)
-    runner = ModelRunner(path, tensor_parallel_size=1, dtype="float32", num_blocks=24, block_size=16)
+    runner = ModelRunner.from_args(EngineArgs(model=path, dtype="float32", num_blocks=24, block_size=16))
     table = list(range(24))
     positions = list(range(0, YARN_PROMPT, 17)) + [YARN_PROMPT - 1]  # before and past the original context
     ours = [run_step(runner, one_row_plan(ids[:YARN_PROMPT], 0, table, 16), positions=positions)]
@@ -165,12 +165,12 @@ def test_yarn_is_not_plain_rope(yarn_base, tmp_path):
     import json
     import shutil
 
-    plain = ModelRunner(yarn_base, dtype="float32", num_blocks=24, block_size=16)
+    plain = ModelRunner.from_args(EngineArgs(model=yarn_base, dtype="float32", num_blocks=24, block_size=16))
     path = tmp_path / "yarn"
     shutil.copytree(yarn_base, path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, **YARN_CASES["rope_parameters"]}))
-    yarn = ModelRunner(path, dtype="float32", num_blocks=24, block_size=16)
+    yarn = ModelRunner.from_args(EngineArgs(model=path, dtype="float32", num_blocks=24, block_size=16))
     ids = np.random.default_rng(5).integers(0, 128, 40)
     a, b = (run_step(r, one_row_plan(ids, 0, list(range(24)), 16), positions=[39]) for r in (plain, yarn))
     assert np.abs(a.top_logprobs - b.top_logprobs).max() > 1e-2

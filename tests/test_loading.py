@@ -208,6 +208,6 @@ def test_orbax_saved_with_replicated_kv_heads_restores_at_any_tp(qwen3_dir, tmp_
     out = tmp_path / "saved_at_tp4"
     out.mkdir()
     shutil.copy2(qwen3_dir / "config.json", out / "config.json")
-    runner = ModelRunner(qwen3_dir, 4, num_blocks=8, block_size=4)
+    runner = ModelRunner.from_args(EngineArgs(model=qwen3_dir, tensor_parallel_size=4, num_blocks=8, block_size=4))
     save_orbax(runner.params, runner.cfg, 4, out / "orbax")
     assert_same_outputs(outputs_of(out, tp=1), outputs_of(qwen3_dir, tp=1))
