@@ -7,6 +7,7 @@ The names load on first use, so `import jtp` stays cheap (no jax import).
 
 _PUBLIC = {
     "EngineArgs": "jtp.config.engine_args",
+    "EngineConfig": "jtp.config.engine_config",
     "Engine": "jtp.engine.engine",
     "SamplingParams": "jtp.core.sampling_params",
 }

@@ -385,7 +385,7 @@ def run_decode(engine, timer, rng, batch: int, args, chunk: int) -> dict:
                   + (args.warmup_steps + args.decode_steps) * args.num_scheduler_steps + 8)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rids = [engine.submit(random_prompt(rng, cfg.vocab_size, args.context), params) for _ in range(batch)]
-    outs = [engine._outputs[r] for r in rids]
+    outs = [engine.outputs.stream(r) for r in rids]
     t = time.perf_counter()
     fill_steps = 0
     while any(not o.request.output_ids for o in outs):
@@ -787,20 +787,31 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
+    from jtp.config.engine_args import EngineArgs
+    from jtp.config.engine_config import EngineConfig
     from jtp.engine.engine import Engine
 
     max_b = max(args.batch_sizes)
     bs = args.block_size
+    chunk = args.max_num_batched_tokens or max(args.prefill_len, 2 * max_b)
+    decode_tokens = (decode_fill_steps(max_b, args.context, chunk)
+                     + (args.warmup_steps + args.decode_steps) * args.num_scheduler_steps + 8)
+    per_seq_blocks = -(-(args.context + decode_tokens) // bs) + 1
+    prefill_blocks = args.prefill_requests * (-(-(args.prefill_len + 1) // bs) + 1)
+    num_blocks = max(max_b * per_seq_blocks, prefill_blocks)
+    max_model_len = max(args.context + decode_tokens, args.prefill_len + 1)
+    # One EngineArgs for the engine and (multi-process) its followers.
+    engine_args = EngineArgs(
+        model=str(args.model), tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
+        max_num_seqs=max_b, max_num_batched_tokens=chunk, block_size=bs, num_blocks=num_blocks,
+        max_model_len=max_model_len, skip_tokenizer_init=True, num_processes=args.num_processes,
+        num_scheduler_steps=args.num_scheduler_steps, speculative_config=args.speculative_config,
+        enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format)
     group = devices = None
     if args.num_processes > 1:  # before anything touches a device: the group joins JAX's runtime first
-        from jtp.config.engine_args import EngineArgs
         from jtp.distributed.group import start_leader
 
-        group, devices = start_leader(EngineArgs(
-            model=str(args.model), tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
-            max_num_seqs=max_b, block_size=bs, num_processes=args.num_processes,
-            num_scheduler_steps=args.num_scheduler_steps, speculative_config=args.speculative_config,
-            enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format))
+        group, devices = start_leader(engine_args)
 
     res: dict = {
         "command": " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], Path.cwd())] + sys.argv[1:])
@@ -843,21 +854,10 @@ def main(argv=None) -> int:
     log(f"copy {c['copy_bandwidth_Bps'] / 1e9:.1f} GB/s, matmul {c['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s")
     save()
 
-    chunk = args.max_num_batched_tokens or max(args.prefill_len, 2 * max_b)
-    decode_tokens = (decode_fill_steps(max_b, args.context, chunk)
-                     + (args.warmup_steps + args.decode_steps) * args.num_scheduler_steps + 8)
-    per_seq_blocks = -(-(args.context + decode_tokens) // bs) + 1
-    prefill_blocks = args.prefill_requests * (-(-(args.prefill_len + 1) // bs) + 1)
-    num_blocks = max(max_b * per_seq_blocks, prefill_blocks)
-    max_model_len = max(args.context + decode_tokens, args.prefill_len + 1)
 
     log(f"loading {args.model} (tp={args.tensor_parallel_size}, {args.dtype})")
     t = time.perf_counter()
-    engine = Engine(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
-                    max_num_seqs=max_b, max_num_batched_tokens=chunk, block_size=bs, num_blocks=num_blocks,
-                    max_model_len=max_model_len, tokenizer=False, group=group, devices=devices,
-                    num_scheduler_steps=args.num_scheduler_steps, speculative_config=args.speculative_config,
-                    enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format)
+    engine = Engine(EngineConfig.from_args(engine_args), group=group, devices=devices)
     jax.block_until_ready(engine.runner.params)
     load_s = time.perf_counter() - t
     runner = engine.runner

@@ -117,8 +117,8 @@ def serve(policy: type[Scheduler], prompts: list[list], cache: bool = True) -> d
             sched.dispatched(rows)
             created += len(r.pending_checkpoints) > held
             for row in rows:
-                if row.samples:
-                    row.request.pending -= 1
+                if row.picks_next_token:
+                    row.request.num_unseen_tokens -= 1
                     row.request.output_ids.append(token_after(row.request.prompt_ids + row.request.output_ids))
                     if len(row.request.output_ids) >= ANSWER:
                         sched.remove(row.request)

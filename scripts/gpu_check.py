@@ -45,14 +45,16 @@ def run_engine(model_dir: Path, tp: int, dtype: str, prompts, max_tokens: int, b
                collectives: list | None = None) -> list[dict]:
     """Greedy completions with top-20 logprobs, all prompts batched through one engine. With a
     `collectives` list, also count the collectives of the engine's compiled decode step into it."""
+    from jtp.config.engine_args import EngineArgs
     from jtp.core.sampling_params import SamplingParams
     from jtp.engine.engine import Engine
     from jtp.parallel.collectives import step_collectives
 
     longest = max(map(len, prompts)) + max_tokens
-    engine = Engine(model_dir, tp, dtype, max_num_seqs=8, max_num_batched_tokens=256, block_size=block_size,
-                    num_blocks=len(prompts) * (-(-longest // block_size)) + 8, max_model_len=longest + block_size,
-                    tokenizer=False)
+    engine = Engine.from_args(EngineArgs(
+        model=str(model_dir), tensor_parallel_size=tp, dtype=dtype or "auto", max_num_seqs=8, max_num_batched_tokens=256,
+        block_size=block_size, num_blocks=len(prompts) * (-(-longest // block_size)) + 8,
+        max_model_len=longest + block_size, skip_tokenizer_init=True))
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=20)
         outs = [dict(tokens=c.token_ids, top=c.top_logprobs) for c in engine.generate(prompts, params)]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from jtp.config.engine_args import EngineArgs  # noqa: E402
 from jtp.core.block_hash import block_keys, root_key  # noqa: E402
 from jtp.core.sampling_params import SamplingParams  # noqa: E402
 from jtp.core.step_input import StepInput  # noqa: E402
@@ -84,8 +85,9 @@ def profile_host(args) -> None:
 
     import jax
 
-    engine = Engine(args.model, dtype="bfloat16", max_num_seqs=16, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=16384)
+    engine = Engine.from_args(EngineArgs(
+        model=args.model, dtype="bfloat16", max_num_seqs=16, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=16384))
     rng = random.Random(0)
     profiler = cProfile.Profile()
     for i in range(6):
@@ -121,9 +123,10 @@ def main() -> None:
 
     results = {}
     for cache in (True, False):
-        engine = Engine(args.model, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=16384,
-                        memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=cache)
+        engine = Engine.from_args(EngineArgs(
+            model=args.model, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=16384,
+            gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=cache))
         vocab = engine.cfg.vocab_size
         rows = []
         for conv in range(args.conversations + 1):  # the first is an untimed warm-up (compiles)

@@ -176,19 +176,21 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
+    from jtp.config.engine_args import EngineArgs
     from jtp.core.sampling_params import SamplingParams
     from jtp.engine.engine import Engine
 
     chunk = max(512, 2 * args.batch)
-    engine = Engine(args.model, tensor_parallel_size=args.tp, dtype=args.dtype, max_num_seqs=args.batch,
-                    max_num_batched_tokens=chunk, num_blocks=args.batch * (-(-(args.context + 3 * args.steps + 64) // 16) + 1),
-                    max_model_len=args.context + 3 * args.steps + 64, tokenizer=False, enable_prefix_caching=False,
-                    load_format=args.load_format)
+    engine = Engine.from_args(EngineArgs(
+        model=str(args.model), tensor_parallel_size=args.tp, dtype=args.dtype, max_num_seqs=args.batch,
+        max_num_batched_tokens=chunk, num_blocks=args.batch * (-(-(args.context + 3 * args.steps + 64) // 16) + 1),
+        max_model_len=args.context + 3 * args.steps + 64, skip_tokenizer_init=True, enable_prefix_caching=False,
+        load_format=args.load_format))
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=3 * args.steps + 32, temperature=0.0, ignore_eos=True)
     rids = [engine.submit(rng.integers(0, engine.cfg.vocab_size, args.context).tolist(), params)
             for _ in range(args.batch)]
-    outs = [engine._outputs[r] for r in rids]
+    outs = [engine.outputs.stream(r) for r in rids]
     while any(not o.request.output_ids for o in outs):  # prefill
         engine.step()
     timer = PhaseTimer(engine)

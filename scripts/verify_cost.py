@@ -80,7 +80,7 @@ def measure(engine, batch: int, draft_counts: list[int], args, rng, forced: dict
     params = SamplingParams(max_tokens=max_new_tokens(args), temperature=0.0, ignore_eos=True)
     forced["k"] = 0
     rids = [engine.submit(rng.integers(0, engine.cfg.vocab_size, args.context).tolist(), params) for _ in range(batch)]
-    outs = [engine._outputs[r] for r in rids]
+    outs = [engine.outputs.stream(r) for r in rids]
     while any(not o.request.output_ids for o in outs):
         engine.step()
     rows = []
@@ -130,6 +130,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     import jtp.core.scheduler
+    from jtp.config.engine_args import EngineArgs
     from jtp.engine.engine import Engine
 
     forced = {"k": 0}
@@ -143,12 +144,7 @@ def main(argv=None) -> int:
     jtp.core.scheduler.propose_ngram = forced_drafts
     k_max, b_max = max(args.drafts), max(args.batch_sizes)
     budget = max(512, b_max * (2 + k_max) + 1)
-    engine = Engine(
-        args.model, args.tensor_parallel_size, args.dtype, max_num_seqs=b_max, max_num_batched_tokens=budget,
-        max_model_len=args.context + max_new_tokens(args) + 1,
-        enable_prefix_caching=False, tokenizer=False,
-        speculative_config={"method": "ngram", "num_speculative_tokens": k_max},
-    )
+    engine = Engine.from_args(EngineArgs(model=args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, max_num_seqs=b_max, max_num_batched_tokens=budget, max_model_len=args.context + max_new_tokens(args) + 1, enable_prefix_caching=False, skip_tokenizer_init=True, speculative_config={"method": "ngram", "num_speculative_tokens": k_max}))
     vocab["size"] = engine.cfg.vocab_size
     dev0 = jax.local_devices()[0]
     res = {

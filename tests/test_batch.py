@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from cpu_env import cpu_env
 
+from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
 from jtp.demo import ensure_demo_checkpoint
 from jtp.engine.engine import Engine
@@ -32,7 +33,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(ckpt):
-    return Engine(ckpt, num_blocks=512, max_num_seqs=16)
+    return Engine.from_args(EngineArgs(model=ckpt, num_blocks=512, max_num_seqs=16))
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import pytest
 from cpu_env import cpu_env
 from safetensors.numpy import load_file, save_file
 
+from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
 from jtp.demo import DEMO_LABEL
 from jtp.engine.engine import Engine
@@ -62,7 +63,7 @@ def test_generate_json_matches_the_engine(demo_dir):
     assert out["note"] == DEMO_LABEL
     err = proc.stderr.decode()
     assert "jtp: devices: 1 x cpu" in err and "jtp: mesh: dp=1 x tp=1" in err and "jtp: KV pool:" in err
-    engine = Engine(demo_dir, num_blocks=64)
+    engine = Engine.from_args(EngineArgs(model=demo_dir, num_blocks=64))
     assert out["prompt_token_ids"] == engine.tokenizer.encode("Hello, world")
     solo = engine.generate([out["prompt_token_ids"]], SamplingParams(max_tokens=12, temperature=0))[0]
     assert out["token_ids"] == solo.token_ids
@@ -76,7 +77,7 @@ def test_prompt_from_stdin_file_and_chat_template(demo_dir, tmp_path):
     streamed = run_jtp("generate", *model, "--chat", "Hi")
     assert streamed.returncode == 0, streamed.stderr
     as_json = json.loads(run_jtp("generate", *model, "--chat", "--json", "-", stdin=b"Hi").stdout)
-    tok = Engine(demo_dir, num_blocks=16).tokenizer
+    tok = Engine.from_args(EngineArgs(model=demo_dir, num_blocks=16)).tokenizer
     rendered = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     assert as_json["prompt_token_ids"] == tok.encode(rendered)
     assert streamed.stdout.decode().rstrip("\n") == as_json["text"]

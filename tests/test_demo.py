@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from jtp import demo
+from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
 from jtp.demo import DEMO_FILES, DEMO_LABEL, ensure_demo_checkpoint
 from jtp.engine.engine import Engine
@@ -29,7 +30,7 @@ def config(demo_dir):
 
 @pytest.fixture(scope="module")
 def engine(demo_dir):
-    with Engine(demo_dir, num_blocks=64, max_num_seqs=8) as engine:
+    with Engine.from_args(EngineArgs(model=demo_dir, num_blocks=64, max_num_seqs=8)) as engine:
         yield engine
 
 
@@ -136,7 +137,7 @@ def test_logits_are_peaked_so_bf16_greedy_agrees(demo_dir, engine):
     outs = greedy(engine, PROMPTS, max_tokens=16, logprobs=1)
     chosen = np.exp([lp for o in outs for lp in o.logprobs])
     assert np.median(chosen) > 0.8
-    with Engine(demo_dir, dtype="bfloat16", num_blocks=64, max_num_seqs=8) as bf16:
+    with Engine.from_args(EngineArgs(model=demo_dir, dtype="bfloat16", num_blocks=64, max_num_seqs=8)) as bf16:
         low = greedy(bf16, PROMPTS, max_tokens=16)
     agree = [a.token_ids == b.token_ids for a, b in zip(outs, low)]
     assert sum(agree) >= len(PROMPTS) - 1, [(a.text, b.text) for a, b in zip(outs, low)]

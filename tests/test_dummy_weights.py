@@ -14,6 +14,7 @@ import pytest
 from scripts_loader import load_script
 from test_sharding import greedy
 
+from jtp.config.engine_args import EngineArgs
 from jtp.config.model_config import ModelConfig
 from jtp.errors import CheckpointError
 from jtp.loading.param_tree import flatten
@@ -98,8 +99,9 @@ def test_every_tp_draws_the_same_model(written, preset):
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 11).tolist()
 
     def tokens(tp, ep):
-        runner = ModelRunner(bare, tp, "float32", num_blocks=16, block_size=4, expert_parallel=ep,
-                             load_format="dummy")
+        runner = ModelRunner.from_args(EngineArgs(
+            model=bare, tensor_parallel_size=tp, dtype="float32", num_blocks=16, block_size=4,
+            enable_expert_parallel=ep, load_format="dummy"))
         return greedy(runner, prompt, 6).tokens.tolist()
 
     base = tokens(1, False)

@@ -16,6 +16,7 @@ import random
 import pytest
 from hf_models import make_hf_checkpoint
 
+from jtp.config.engine_args import EngineArgs
 from jtp.core.page_pool import PagePool
 from jtp.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from jtp.core.scheduler import Request, Scheduler, Status
@@ -23,7 +24,7 @@ from jtp.engine.engine import Completion, Engine, RequestError
 
 VOCAB = 128
 ENGINE_KW = dict(
-    tokenizer=False, num_blocks=256, block_size=4, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=128
+    skip_tokenizer_init=True, num_blocks=256, block_size=4, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=128
 )
 
 
@@ -32,7 +33,7 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 
 def make_engine(path, **overrides) -> Engine:
-    return Engine(path, **{**ENGINE_KW, **overrides})
+    return Engine.from_args(EngineArgs(model=path, **{**ENGINE_KW, **overrides}))
 
 
 def random_prompt(rng: random.Random, n: int) -> list[int]:
@@ -327,7 +328,7 @@ def test_request_larger_than_pool(qwen3):
 
 
 def _request(engine: Engine, rid: str) -> Request:
-    return engine._outputs[rid].request
+    return engine.request(rid)
 
 
 def test_abort_mid_stream(qwen3, engine):
@@ -383,7 +384,7 @@ def test_abort_mid_stream(qwen3, engine):
     assert engine.abort(long_id)
     assert long_id not in pool
     pool.check_invariants()
-    assert long_id not in engine._outputs  # aborted by its owner, nobody streaming it: released
+    assert long_id not in engine.outputs  # aborted by its owner, nobody streaming it: released
 
     # Abort a request that is still waiting (never scheduled): it never touches the pool.
     waiting_id = engine.submit([1, 2, 3], greedy(4))
@@ -401,7 +402,7 @@ def test_abort_mid_stream(qwen3, engine):
     assert not engine.has_unfinished()
     assert pool.num_free_blocks == total
     pool.check_invariants()
-    assert not engine._outputs, "every consumed request is released"
+    assert not engine.outputs, "every consumed request is released"
 
 
 # ----------------------------------------------------------------------------- 4. compilations
@@ -594,8 +595,8 @@ def _fake_step(sched: Scheduler, rows):
     """What the engine does at dispatch and after the device step, with a dummy sampled token."""
     sched.dispatched(rows)
     for row in rows:
-        if row.samples:
-            row.request.pending -= 1
+        if row.picks_next_token:
+            row.request.num_unseen_tokens -= 1
             row.request.output_ids.append(0)
 
 
@@ -661,7 +662,7 @@ def test_host_dispatches_next_step_before_waiting_for_the_previous(engine, monke
     import jax
 
     log = []
-    monkeypatch.setattr(engine, "_step_done", lambda result: False)  # a device slower than the host
+    monkeypatch.setattr(engine, "step_done", lambda result: False)  # a device slower than the host
     inner_dispatch = engine.runner.dispatch
     monkeypatch.setattr(engine.runner, "dispatch", lambda *a, **k: (log.append("dispatch"), inner_dispatch(*a, **k))[1])
     real_get = jax.device_get
@@ -685,7 +686,7 @@ def test_finished_step_is_processed_before_the_next_is_built(engine, monkeypatch
     import jax
 
     log = []
-    monkeypatch.setattr(engine, "_step_done", lambda result: True)
+    monkeypatch.setattr(engine, "step_done", lambda result: True)
     inner_dispatch = engine.runner.dispatch
     monkeypatch.setattr(engine.runner, "dispatch", lambda *a, **k: (log.append("dispatch"), inner_dispatch(*a, **k))[1])
     real_get = jax.device_get

@@ -31,7 +31,7 @@ def greedy(n: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def engine(demo_dir):
-    eng = Engine(demo_dir, **SMALL)
+    eng = Engine.from_args(EngineArgs(model=demo_dir, **SMALL))
     yield eng
     eng.close()
 
@@ -42,7 +42,7 @@ def prompt(engine: Engine, text: str) -> list[int]:
 
 def test_submit_returns_in_milliseconds_while_the_loop_compiles(demo_dir):
     # A fresh engine: its first steps compile new shapes (seconds on this CPU) inside the loop.
-    eng = Engine(demo_dir, **SMALL)
+    eng = Engine.from_args(EngineArgs(model=demo_dir, **SMALL))
     try:
         eng.start()
         compiles_before = eng.runner.compilations
@@ -106,7 +106,7 @@ def test_astream_does_not_block_the_event_loop_and_matches_generate(engine):
         assert finished[-1] and finished.count(True) == 1
     # The event loop kept running while the streams waited: ~1 tick per ms (generously bounded).
     assert ticks > 0.2 * elapsed * 1000, (ticks, elapsed)
-    assert not engine._outputs, "finished requests are released after their final event"
+    assert not engine.outputs, "finished requests are released after their final event"
     assert engine.pool.num_free_blocks == engine.pool.total_blocks
 
 
@@ -132,7 +132,7 @@ def test_closing_a_stream_early_aborts_and_frees(engine):
     finally:
         engine.stop()
     assert engine.pool.num_free_blocks == engine.pool.total_blocks
-    assert rid not in engine._outputs
+    assert rid not in engine.outputs
     assert not engine.has_unfinished()
 
 
@@ -164,7 +164,7 @@ def test_stop_ends_every_stream_with_a_finished_event(engine):
 
 
 def test_queue_limit_and_context_errors(demo_dir):
-    eng = Engine(demo_dir, **SMALL, max_waiting_requests=3)
+    eng = Engine.from_args(EngineArgs(model=demo_dir, **SMALL, max_waiting_requests=3))
     try:
         ids = [eng.submit([1, 2, 3], greedy(2)) for _ in range(3)]  # no loop: they wait in the inbox
         assert eng.stats().num_waiting == 3
@@ -186,12 +186,12 @@ def test_close_frees_device_memory_and_a_second_engine_starts(demo_dir):
 
     gc.collect()  # earlier tests' unreachable arrays, which a collection mid-test would free
     baseline = live_bytes()
-    eng = Engine(demo_dir, **SMALL)
+    eng = Engine.from_args(EngineArgs(model=demo_dir, **SMALL))
     (first,) = eng.generate([[5, 6, 7]], greedy(6))
     assert live_bytes() > baseline
     eng.close()
     assert live_bytes() <= baseline, "close() left weights or KV cache alive"
-    with Engine(demo_dir, **SMALL) as again:
+    with Engine.from_args(EngineArgs(model=demo_dir, **SMALL)) as again:
         assert again.generate([[5, 6, 7]], greedy(6))[0].token_ids == first.token_ids
     assert live_bytes() <= baseline
 

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 from hf_models import StepOutput, hf_greedy, logprob_error, make_hf_checkpoint, run_step  # noqa: E402
 
+from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams  # noqa: E402
 from jtp.core.step_input import StepPlan  # noqa: E402
 from jtp.engine.engine import Engine  # noqa: E402
@@ -72,7 +73,7 @@ def hf_logits(model, ids) -> np.ndarray:
 def test_prefill_and_cached_decode_match_hf(checkpoint):
     kind, model, path = checkpoint
     ids = np.random.default_rng(1).integers(0, 128, PREFILL + DECODE)
-    runner = ModelRunner(path, tensor_parallel_size=1, dtype="float32", num_blocks=8, block_size=4)
+    runner = ModelRunner.from_args(EngineArgs(model=path, dtype="float32", num_blocks=8, block_size=4))
     ours = prefill_then_decode(runner, ids, PREFILL)
     ref = hf_logits(model, ids)[PREFILL - 1 :]
     assert len(ours.tokens) == len(ref)
@@ -83,7 +84,8 @@ def test_prefill_and_cached_decode_match_hf(checkpoint):
 def test_greedy_generation_matches_hf_generate(checkpoint):
     kind, model, path = checkpoint
     prompt = np.random.default_rng(2).integers(0, 128, 17).tolist()
-    engine = Engine(path, dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    engine = Engine.from_args(EngineArgs(
+        model=path, dtype="float32", num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64))
     done = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
     assert done.token_ids == hf_greedy(model, prompt, 32), kind
     assert done.finish_reason == "length"
@@ -93,7 +95,7 @@ def test_bfloat16_runs_close_to_hf_float32(checkpoint):
     """bf16 weights and activations stay near the fp32 reference (a sanity bound, not parity)."""
     kind, model, path = checkpoint
     ids = np.random.default_rng(3).integers(0, 128, 12)
-    runner = ModelRunner(path, dtype="bfloat16", num_blocks=8, block_size=4)
+    runner = ModelRunner.from_args(EngineArgs(model=path, dtype="bfloat16", num_blocks=8, block_size=4))
     ours = prefill_then_decode(runner, ids, 8)
     ref = hf_logits(model, ids)[7:]
     assert np.isfinite(ours.top_logprobs).all()
@@ -144,7 +146,7 @@ def test_yarn_matches_hf(yarn_base, tmp_path, case):
     assert model.config.rope_parameters["rope_type"] == "yarn"  # HF really runs YaRN on this config
 
     ids = np.random.default_rng(4).integers(0, 128, YARN_PROMPT + 4)
-    runner = ModelRunner(path, tensor_parallel_size=1, dtype="float32", num_blocks=24, block_size=16)
+    runner = ModelRunner.from_args(EngineArgs(model=path, dtype="float32", num_blocks=24, block_size=16))
     table = list(range(24))
     positions = list(range(0, YARN_PROMPT, 17)) + [YARN_PROMPT - 1]  # before and past the original context
     ours = [run_step(runner, one_row_plan(ids[:YARN_PROMPT], 0, table, 16), positions=positions)]
@@ -162,12 +164,12 @@ def test_yarn_is_not_plain_rope(yarn_base, tmp_path):
     import json
     import shutil
 
-    plain = ModelRunner(yarn_base, dtype="float32", num_blocks=24, block_size=16)
+    plain = ModelRunner.from_args(EngineArgs(model=yarn_base, dtype="float32", num_blocks=24, block_size=16))
     path = tmp_path / "yarn"
     shutil.copytree(yarn_base, path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, **YARN_CASES["rope_parameters"]}))
-    yarn = ModelRunner(path, dtype="float32", num_blocks=24, block_size=16)
+    yarn = ModelRunner.from_args(EngineArgs(model=path, dtype="float32", num_blocks=24, block_size=16))
     ids = np.random.default_rng(5).integers(0, 128, 40)
     a, b = (run_step(r, one_row_plan(ids, 0, list(range(24)), 16), positions=[39]) for r in (plain, yarn))
     assert np.abs(a.top_logprobs - b.top_logprobs).max() > 1e-2

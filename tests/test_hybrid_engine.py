@@ -44,9 +44,10 @@ def hybrid(hybrid_hk4):
 def run_all(path, tp, work):
     from test_engine import run_staggered
 
+    from jtp.config.engine_args import EngineArgs
     from jtp.engine.engine import Engine
 
-    engine = Engine(path, tp, **ENGINE_KW, tokenizer=False)
+    engine = Engine.from_args(EngineArgs(model=path, tensor_parallel_size=tp, **ENGINE_KW, skip_tokenizer_init=True))
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in work]
     batched = run_staggered(engine, [p for p, _ in work], params, waves=(3, 2, 3), gaps=(2, 3, 1))
     solo = [engine.generate([p], sp)[0] for (p, _), sp in zip(work, params)]
@@ -81,15 +82,12 @@ def sampled_token(tokens) -> int:
 
 
 def test_snapshot_pin_keeps_state_reservations():
-    """Engine._pin may not take an unreferenced (evictable) state checkpoint that a running
+    """SnapshotManager.pin may not take an unreferenced (evictable) state checkpoint that a running
     request's state reservation counts on. Bug: it acquires it unconditionally, so
     `states.available()` drops to -1 and the request's next row finds no slot to write
     (KeyError from StatePool.allocate in Scheduler._assign_state_slots). Refusing the pin, or
     pinning a shorter prefix, is fine."""
-    from types import SimpleNamespace
-
-    from jtp.core.snapshots import SnapshotRegistry
-    from jtp.engine.engine import Engine
+    from jtp.engine.snapshot_manager import SnapshotManager
     from jtp.errors import RequestError
 
     root = root_key("test")
@@ -102,8 +100,8 @@ def test_snapshot_pin_keeps_state_reservations():
         rows = sched.schedule()
         sched.dispatched(rows)
         for row in rows:
-            if row.samples:
-                req.pending -= 1
+            if row.picks_next_token:
+                req.num_unseen_tokens -= 1
                 req.output_ids.append(0)
         if len(req.output_ids) >= req.params.max_tokens:
             sched.remove(req)
@@ -115,12 +113,9 @@ def test_snapshot_pin_keeps_state_reservations():
     assert checkpoint is not None and states.refs(checkpoint) == 0
     assert req.state_reserved and states.available() == 0
 
-    engine = SimpleNamespace(  # what Engine._pin uses
-        scheduler=sched, pool=pool, states=states, snapshots=SnapshotRegistry(8, 1 << 30),
-        runner=SimpleNamespace(bytes_per_block=lambda: 1, bytes_per_state_slot=lambda: 1),
-    )
+    snapshots = SnapshotManager(8, 1 << 30, sched, pool, states, bytes_per_block=1, bytes_per_state_slot=1)
     try:
-        Engine._pin(engine, [0] * 10)
+        snapshots.pin([0] * 10)
     except RequestError:
         pass
     assert states.available() >= 0, "the pin took a slot promised to a running request"
@@ -223,7 +218,7 @@ class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
         self.state.update(new_state)
         sampled = []
         for row in rows:
-            if row.samples:
+            if row.picks_next_token:
                 dev = self.dev[row.request.id]
                 assert len(dev) == row.start + row.num_tokens
                 dev.append(sampled_token(dev))
@@ -236,7 +231,7 @@ class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
     def _process(self, sampled):
         """The host sees a step's tokens (Engine._process): finished or aborted requests discard theirs."""
         for req, token in sampled:
-            req.pending -= 1
+            req.num_unseen_tokens -= 1
             if req.status is Status.RUNNING:
                 req.output_ids.append(token)
                 if token in req.stop_ids or len(req.output_ids) >= req.params.max_tokens:
@@ -246,7 +241,7 @@ class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
         self.sched.remove(req)
         self.sources.append(req.prompt_ids + req.output_ids)
 
-    def _settle(self):
+    def _finish_inflight_step(self):
         previous, self.inflight = self.inflight, None
         if previous is not None:
             self._process(previous)
@@ -306,7 +301,7 @@ class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def settle(self):
-        self._settle()
+        self._finish_inflight_step()
 
     @rule()
     def drain(self):
@@ -345,17 +340,17 @@ class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
     @rule()
     def stop(self):
         """Engine.stop: process the step in flight, then abort every unfinished request."""
-        self._settle()
+        self._finish_inflight_step()
         for r in list(self.sched.running) + list(self.sched.waiting):
             self._remove(r)
 
     @rule(data=st.data(), from_running=st.booleans())
     def pin(self, data, from_running):
-        """Engine._pin: the longest cached prefix that ends at a state checkpoint, held by a
+        """SnapshotManager.pin: the longest cached prefix that ends at a state checkpoint, held by a
         snapshot (its blocks reserved under ("snapshot", id), its checkpoint acquired)."""
         if from_running and self.sched.running:
             req = data.draw(st.sampled_from(self.sched.running))
-            self.sched._register(req)  # what Engine.snapshot does for a running request
+            self.sched.register_computed(req)  # what Engine.snapshot does for a running request
             tokens = req.prompt_ids + req.output_ids
         else:
             tokens = self._draw_tokens(data, 64)
@@ -366,7 +361,7 @@ class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
         slot = self.states.lookup(keys[len(blocks) - 1]) if blocks else -1
         if slot >= 0 and not self.states.refs(slot) and self.states.available() < 1:
             # Acquiring an evictable checkpoint takes a slot that running requests' reservations
-            # count on; Engine._pin misses this check (test_snapshot_pin_keeps_state_reservations).
+            # count on; SnapshotManager.pin once missed this check (test_snapshot_pin_keeps_state_reservations).
             event("a snapshot's checkpoint is not spare")
             return
         self.ids += 1
@@ -387,7 +382,7 @@ class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
         self._drop(data.draw(st.sampled_from(sorted(self.snaps))))
 
     def _drop(self, pid):
-        """Engine._unpin: the blocks and the checkpoint go back to the ordinary (evictable) cache."""
+        """SnapshotManager.unpin: the blocks and the checkpoint go back to the ordinary (evictable) cache."""
         _, _, slot = self.snaps.pop(pid)
         self.pool.free(pid)
         if slot >= 0:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from jtp.config.engine_args import EngineArgs
 from jtp.config.model_config import ConfigError, ModelConfig
 from jtp.errors import CheckpointError
 from jtp.loading.weights import convert_to_orbax, save_orbax
@@ -28,7 +29,8 @@ def qwen3_dir(tmp_path_factory):
 
 def outputs_of(path, tp=1, dtype="float32"):
     """The serving step's greedy tokens and top-20 logprobs over a prefill and 4 decode steps."""
-    return prefill_then_decode(ModelRunner(path, tp, dtype, num_blocks=8, block_size=4), IDS, 10)
+    return prefill_then_decode(ModelRunner.from_args(EngineArgs(
+        model=path, tensor_parallel_size=tp, dtype=dtype, num_blocks=8, block_size=4)), IDS, 10)
 
 
 def copy_with(src, dst, tensors: dict, config_edit=None):
@@ -88,7 +90,7 @@ def test_missing_tensor_is_named(qwen3_dir, tmp_path):
     del tensors["model.layers.1.mlp.up_proj.weight"]
     d = copy_with(qwen3_dir, tmp_path / "missing", tensors)
     with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'.*\[96, 64\]"):
-        ModelRunner(d, 1, num_blocks=4)
+        ModelRunner.from_args(EngineArgs(model=d, num_blocks=4))
 
 
 def test_unexpected_tensor_is_named(qwen3_dir, tmp_path):
@@ -96,7 +98,7 @@ def test_unexpected_tensor_is_named(qwen3_dir, tmp_path):
     tensors["model.layers.0.self_attn.extra.weight"] = np.zeros((2, 2), np.float32)
     d = copy_with(qwen3_dir, tmp_path / "extra", tensors)
     with pytest.raises(CheckpointError, match=r"unexpected tensor.*'model\.layers\.0\.self_attn\.extra\.weight'"):
-        ModelRunner(d, 1, num_blocks=4)
+        ModelRunner.from_args(EngineArgs(model=d, num_blocks=4))
 
 
 def test_wrong_shape_names_tensor_and_both_shapes(qwen3_dir, tmp_path):
@@ -104,14 +106,14 @@ def test_wrong_shape_names_tensor_and_both_shapes(qwen3_dir, tmp_path):
     tensors["model.layers.2.self_attn.k_proj.weight"] = np.zeros((32, 64), np.float32)
     d = copy_with(qwen3_dir, tmp_path / "shape", tensors)
     with pytest.raises(CheckpointError, match=r"'model\.layers\.2\.self_attn\.k_proj\.weight' has shape \[32, 64\].*\[64, 64\]"):
-        ModelRunner(d, 1, num_blocks=4)
+        ModelRunner.from_args(EngineArgs(model=d, num_blocks=4))
 
 
 def test_config_mismatch_with_weights(qwen3_dir, tmp_path):
     tensors = load_file(str(qwen3_dir / "model.safetensors"))
     d = copy_with(qwen3_dir, tmp_path / "cfg", tensors, lambda c: c.update(intermediate_size=80))
     with pytest.raises(CheckpointError, match=r"gate_proj\.weight' has shape \[96, 64\].*\[80, 64\]"):
-        ModelRunner(d, 1, num_blocks=4)
+        ModelRunner.from_args(EngineArgs(model=d, num_blocks=4))
 
 
 @pytest.mark.parametrize(
@@ -206,6 +208,6 @@ def test_orbax_saved_with_replicated_kv_heads_restores_at_any_tp(qwen3_dir, tmp_
     out = tmp_path / "saved_at_tp4"
     out.mkdir()
     shutil.copy2(qwen3_dir / "config.json", out / "config.json")
-    runner = ModelRunner(qwen3_dir, 4, num_blocks=8, block_size=4)
+    runner = ModelRunner.from_args(EngineArgs(model=qwen3_dir, tensor_parallel_size=4, num_blocks=8, block_size=4))
     save_orbax(runner.params, runner.cfg, 4, out / "orbax")
     assert_same_outputs(outputs_of(out, tp=1), outputs_of(qwen3_dir, tp=1))

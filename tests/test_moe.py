@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jtp.config.engine_args import EngineArgs
 from jtp.errors import ShardingError
 from jtp.kernels.grouped_matmul import (
     GroupedMatmulConfig,
@@ -129,9 +130,11 @@ def moe_checkpoint(tmp_path_factory):
 
 def test_expert_parallel_matches_tensor_parallel(moe_checkpoint):
     prompt = np.random.default_rng(1).integers(0, 128, 13).tolist()
-    base = greedy(ModelRunner(moe_checkpoint, 1, num_blocks=16, block_size=4), prompt, 8)
+    base = greedy(ModelRunner.from_args(EngineArgs(model=moe_checkpoint, num_blocks=16, block_size=4)), prompt, 8)
     for tp in (2, 8):
-        runner = ModelRunner(moe_checkpoint, tp, num_blocks=16, block_size=4, expert_parallel=True)
+        runner = ModelRunner.from_args(EngineArgs(
+            model=moe_checkpoint, tensor_parallel_size=tp, num_blocks=16, block_size=4,
+            enable_expert_parallel=True))
         gate = runner.params["layers"][0]["experts_gate"]
         assert gate.addressable_shards[0].data.shape == (8 // tp, 64, 32)  # whole experts per device
         assert_same_outputs(greedy(runner, prompt, 8), base, atol=1e-5, msg=f"EP tp={tp}")
@@ -140,10 +143,11 @@ def test_expert_parallel_matches_tensor_parallel(moe_checkpoint):
 def test_kernel_path_matches_ragged_dot_in_the_step(moe_checkpoint, monkeypatch):
     """The GPU path (JTP_MOE=kernel, interpreted here) through the serving step, TP and EP."""
     prompt = np.random.default_rng(2).integers(0, 128, 9).tolist()
-    base = greedy(ModelRunner(moe_checkpoint, 1, num_blocks=16, block_size=4), prompt, 4)
+    base = greedy(ModelRunner.from_args(EngineArgs(model=moe_checkpoint, num_blocks=16, block_size=4)), prompt, 4)
     monkeypatch.setenv("JTP_MOE", "kernel")
     for tp, ep in ((1, False), (2, False), (2, True)):
-        runner = ModelRunner(moe_checkpoint, tp, num_blocks=16, block_size=4, expert_parallel=ep)
+        runner = ModelRunner.from_args(EngineArgs(
+            model=moe_checkpoint, tensor_parallel_size=tp, num_blocks=16, block_size=4, enable_expert_parallel=ep))
         assert runner.experts.impl == "kernel"
         assert_same_outputs(greedy(runner, prompt, 4), base, atol=1e-5, msg=f"kernel tp={tp} ep={ep}")
 
@@ -152,13 +156,16 @@ def test_kernel_path_matches_ragged_dot_in_the_step(moe_checkpoint, monkeypatch)
 def test_moe_step_all_reduces_tokens_not_pairs(moe_checkpoint, ep):
     """Prefill and decode: each MoE layer all-reduces one [T, H] array (checked exactly)."""
     for plan in (one_row_plan(list(range(1, 8)), 0, [0, 1, 2], 4), one_row_plan([1], 5, [0, 1, 2], 4)):
-        assert_step_collectives(ModelRunner(moe_checkpoint, 4, num_blocks=8, block_size=4, expert_parallel=ep), plan)
+        assert_step_collectives(ModelRunner.from_args(EngineArgs(
+            model=moe_checkpoint, tensor_parallel_size=4, num_blocks=8, block_size=4,
+            enable_expert_parallel=ep)), plan)
 
 
 def test_expert_parallel_needs_divisible_experts(tmp_path):
     _, six = make_hf_checkpoint("qwen3_moe", tmp_path / "six", **{**EP_MODEL, "num_experts": 6})
     with pytest.raises(ShardingError, match=r"num_experts \(6\) is not divisible by tensor_parallel_size=4"):
-        ModelRunner(six, 4, num_blocks=4, expert_parallel=True)
+        ModelRunner.from_args(EngineArgs(model=six, tensor_parallel_size=4, num_blocks=4, enable_expert_parallel=True))
     _, dense = make_hf_checkpoint("qwen3", tmp_path / "dense")
     with pytest.raises(ShardingError, match="mixture-of-experts"):
-        ModelRunner(dense, 2, num_blocks=4, expert_parallel=True)
+        ModelRunner.from_args(EngineArgs(
+            model=dense, tensor_parallel_size=2, num_blocks=4, enable_expert_parallel=True))

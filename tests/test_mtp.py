@@ -19,13 +19,14 @@ torch = pytest.importorskip("torch")
 
 import hf_hybrid as hh  # noqa: E402
 
+from jtp.config.engine_args import EngineArgs
 from jtp.config.speculative import SpeculativeConfig  # noqa: E402
 from jtp.core.sampling_params import SamplingParams  # noqa: E402
 from jtp.core.scheduler import Scheduler  # noqa: E402
 from jtp.engine.engine import Engine  # noqa: E402
 from jtp.errors import ConfigError  # noqa: E402
 
-KW = dict(dtype="float32", tokenizer=False, num_blocks=160, block_size=4, max_num_seqs=8,
+KW = dict(dtype="float32", skip_tokenizer_init=True, num_blocks=160, block_size=4, max_num_seqs=8,
           max_num_batched_tokens=64, max_model_len=160, enable_prefix_caching=False)
 MTP = '{"method": "mtp", "num_speculative_tokens": 1}'
 EPS = 1e-6
@@ -102,7 +103,7 @@ def generate_recording_drafts(path, monkeypatch, **kw):
     monkeypatch.setattr(Scheduler, "_drafts", recording)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 128, n).tolist() for n in (5, 11, 23)]
-    engine = Engine(path, **{**KW, **kw})
+    engine = Engine.from_args(EngineArgs(model=path, **{**KW, **kw}))
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
     stats = engine.stats()
     monkeypatch.setattr(Scheduler, "_drafts", original)
@@ -147,7 +148,7 @@ def test_mtp_needs_a_head(tmp_path):
         SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 17}')
     path = hh.save(hh.build_model("qwen3_5_text"), tmp_path / "no-mtp")
     with pytest.raises(ValueError, match="needs a checkpoint with an MTP head"):
-        Engine(path, **KW, speculative_config=MTP)
+        Engine.from_args(EngineArgs(model=path, **KW, speculative_config=MTP))
 
 
 def test_snapshots_carry_the_heads_kv_and_say_so(checkpoint, tmp_path):
@@ -157,14 +158,14 @@ def test_snapshots_carry_the_heads_kv_and_say_so(checkpoint, tmp_path):
     kw = {**KW, "enable_prefix_caching": True}
     prefix = np.random.default_rng(3).integers(0, 128, 13).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=6)
-    with Engine(checkpoint.path, **kw, speculative_config=MTP) as engine:
+    with Engine.from_args(EngineArgs(model=checkpoint.path, **kw, speculative_config=MTP)) as engine:
         engine.save_snapshots(tmp_path / "mtp", [engine.snapshot(tokens=prefix)])
         live = engine.generate([prefix + [5]], params)[0].token_ids
-    with Engine(checkpoint.path, **kw) as plain:
+    with Engine.from_args(EngineArgs(model=checkpoint.path, **kw)) as plain:
         plain.save_snapshots(tmp_path / "plain", [plain.snapshot(tokens=prefix)])
         with pytest.raises(ConfigError, match="saved with the MTP head's K/V .*, this engine runs without it"):
             plain.load_snapshots(tmp_path / "mtp")
-    with Engine(checkpoint.path, **kw, speculative_config=MTP) as engine:
+    with Engine.from_args(EngineArgs(model=checkpoint.path, **kw, speculative_config=MTP)) as engine:
         with pytest.raises(ConfigError, match="saved without it, this engine runs with the MTP head's K/V"):
             engine.load_snapshots(tmp_path / "plain")
         engine.load_snapshots(tmp_path / "mtp")

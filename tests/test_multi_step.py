@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from test_engine import run_staggered
 
+from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
 from jtp.engine.engine import Engine
 
-KW = dict(dtype="float32", tokenizer=False, num_blocks=128, block_size=4, max_num_seqs=8,
+KW = dict(dtype="float32", skip_tokenizer_init=True, num_blocks=128, block_size=4, max_num_seqs=8,
           max_num_batched_tokens=32, max_model_len=96)
 
 
@@ -79,12 +80,12 @@ def dense_path():
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_dense_multi_step_equals_one_step_per_dispatch(dense_path, tp):
-    reference = Engine(dense_path, **KW, num_scheduler_steps=1)
+    reference = Engine.from_args(EngineArgs(model=dense_path, **KW, num_scheduler_steps=1))
     prompts, params = workload(seed=1, vocab=reference.cfg.vocab_size)
     expected = outputs(run_staggered(reference, prompts, params))
     assert any(reason == "stop" for _, reason, _, _ in expected), "the workload exercises stop tokens"
 
-    engine = Engine(dense_path, tp, **KW, num_scheduler_steps=4)
+    engine = Engine.from_args(EngineArgs(model=dense_path, tensor_parallel_size=tp, **KW, num_scheduler_steps=4))
     spy = StepSpy(engine)
     assert_same_outputs(outputs(run_staggered(engine, prompts, params)), expected)
     assert max(spy.steps) == 4 and 1 in spy.steps, spy.steps
@@ -94,7 +95,7 @@ def test_dense_multi_step_equals_one_step_per_dispatch(dense_path, tp):
 
 
 def test_decode_loop_stops_early_once_every_row_has_stopped(dense_path):
-    engine = Engine(dense_path, **KW, num_scheduler_steps=8)
+    engine = Engine.from_args(EngineArgs(model=dense_path, **KW, num_scheduler_steps=8))
     prompt = [5, 6, 7, 8]
     free_run = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
     stop = free_run[2]  # the third decode token; stop there
@@ -111,12 +112,12 @@ def test_decode_loop_stops_early_once_every_row_has_stopped(dense_path):
 
 
 def test_penalties_run_one_step_per_dispatch(dense_path):
-    engine = Engine(dense_path, **KW, num_scheduler_steps=4)
+    engine = Engine.from_args(EngineArgs(model=dense_path, **KW, num_scheduler_steps=4))
     spy = StepSpy(engine)
     params = SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3, ignore_eos=True)
     (c,) = engine.generate([[3, 3, 3, 4]], params)
     assert spy.steps == [1] * len(spy.steps) and len(spy.steps) >= 8
-    reference = Engine(dense_path, **KW, num_scheduler_steps=1)
+    reference = Engine.from_args(EngineArgs(model=dense_path, **KW, num_scheduler_steps=1))
     assert c.token_ids == reference.generate([[3, 3, 3, 4]], params)[0].token_ids
 
 
@@ -142,9 +143,9 @@ def test_hybrid_multi_step_equals_one_step_per_dispatch_with_checkpoints(hybrid_
         again = engine.generate(follow, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         return out, [c.token_ids for c in again], engine.scheduler.prefix_hits - hits
 
-    expected = run(Engine(hybrid_path, **KW, num_scheduler_steps=1))
+    expected = run(Engine.from_args(EngineArgs(model=hybrid_path, **KW, num_scheduler_steps=1)))
     assert expected[2] > 0, "follow-ups hit decode checkpoints"
-    engine = Engine(hybrid_path, tp, **KW, num_scheduler_steps=4)
+    engine = Engine.from_args(EngineArgs(model=hybrid_path, tensor_parallel_size=tp, **KW, num_scheduler_steps=4))
     spy = StepSpy(engine)
     got = run(engine)
     assert_same_outputs(got[0], expected[0])

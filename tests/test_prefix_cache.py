@@ -21,12 +21,14 @@ from hypothesis.stateful import (
     rule,
 )
 
+from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
+from jtp.core.scheduler import Status
 from jtp.engine.engine import Engine, RequestError
 
 BS = 4  # block size: prompts cross many block boundaries
 ENGINE_KW = dict(
-    dtype="float32", tokenizer=False, num_blocks=160, block_size=BS, max_num_seqs=4,
+    dtype="float32", skip_tokenizer_init=True, num_blocks=160, block_size=BS, max_num_seqs=4,
     max_num_batched_tokens=48, max_model_len=256,
 )
 VOCAB = 120  # below both test models' vocabularies
@@ -57,7 +59,7 @@ def model(request, qwen3_path):
 
 
 def engine_for(path, cache: bool, **kw) -> Engine:
-    return Engine(path, **{**ENGINE_KW, "enable_prefix_caching": cache, **kw})
+    return Engine.from_args(EngineArgs(model=path, **{**ENGINE_KW, "enable_prefix_caching": cache, **kw}))
 
 
 _ENGINES: dict = {}
@@ -208,7 +210,7 @@ def test_caching_off_computes_every_prompt_token(qwen3_path):
 
 
 def finish(engine: Engine, rid: str) -> None:
-    while not engine._output(rid).done.is_set():
+    while engine.request(rid).status is not Status.FINISHED:
         engine.step()
 
 
@@ -384,7 +386,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.engine.reset_prefix_cache()
 
     def _collect(self):
-        for rid in [r for r in self.live if self.engine._output(r).done.is_set()]:
+        for rid in [r for r in self.live if self.engine.request(r).status is Status.FINISHED]:
             prompt, n = self.live.pop(rid)
             assert self.engine.result(rid).token_ids == self.expected(prompt, n)
 

@@ -49,6 +49,7 @@ def test_tiny_moe_preset_loads_in_hf_and_jtp_greedy_matches(mk, tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
+    from jtp.config.engine_args import EngineArgs
     from jtp.core.sampling_params import SamplingParams
     from jtp.engine.engine import Engine
 
@@ -59,7 +60,8 @@ def test_tiny_moe_preset_loads_in_hf_and_jtp_greedy_matches(mk, tmp_path):
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
     prompts = [np.random.default_rng(n).integers(0, 1024, n).tolist() for n in (3, 21)]
     expected = [hf_greedy(model.eval(), p, 8) for p in prompts]
-    engine = Engine(path, dtype="float32", tokenizer=False, num_blocks=64, block_size=16, max_num_seqs=4)
+    engine = Engine.from_args(EngineArgs(
+        model=path, dtype="float32", skip_tokenizer_init=True, num_blocks=64, block_size=16, max_num_seqs=4))
     got = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [c.token_ids for c in got] == expected
 
@@ -81,6 +83,7 @@ def test_tiny_hybrid_moe_presets_load_in_hf_and_jtp_greedy_matches(mk, tmp_path,
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
+    from jtp.config.engine_args import EngineArgs
     from jtp.core.sampling_params import SamplingParams
     from jtp.engine.engine import Engine
 
@@ -91,6 +94,7 @@ def test_tiny_hybrid_moe_presets_load_in_hf_and_jtp_greedy_matches(mk, tmp_path,
     assert type(model).__name__ == hf_class
     prompts = [np.random.default_rng(n).integers(0, 1024, n).tolist() for n in (3, 21)]
     expected = [hf_greedy(model.eval(), p, 6) for p in prompts]
-    engine = Engine(path, dtype="float32", tokenizer=False, num_blocks=64, block_size=16, max_num_seqs=4)
+    engine = Engine.from_args(EngineArgs(
+        model=path, dtype="float32", skip_tokenizer_init=True, num_blocks=64, block_size=16, max_num_seqs=4))
     got = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert [c.token_ids for c in got] == expected

@@ -53,10 +53,12 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def make_runner(path, tp=1, max_seqs=4):
+    from jtp.config.engine_args import EngineArgs
     from jtp.worker.runner import ModelRunner
 
-    return ModelRunner(path, tensor_parallel_size=tp, num_blocks=128, block_size=16, max_seqs=max_seqs,
-                       num_state_slots=2 * max_seqs)
+    return ModelRunner.from_args(EngineArgs(
+        model=path, tensor_parallel_size=tp, num_blocks=128, block_size=16, max_num_seqs=max_seqs,
+        num_state_slots=2 * max_seqs))
 
 
 def state_of(runner, slot: int) -> dict[str, np.ndarray]:
@@ -283,9 +285,9 @@ def drive_scheduler(runner, prompts, arrivals, max_tokens, general: bool):
         sampled = []
         sched.dispatched(rows)  # what the engine does once the step is on the device
         for b, row in enumerate(rows):
-            if row.samples:
+            if row.picks_next_token:
                 sampled.append((int(row.request.id), row.request.num_computed - 1, out.take([b])))
-                row.request.pending -= 1
+                row.request.num_unseen_tokens -= 1
                 row.request.output_ids.append(int(out.tokens[b]))
         steps.append((bound, [row.num_tokens for row in rows], out, sampled))
         for r in list(sched.running):

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import pack_sampling
 from jtp.core.step_input import StepInput, StepPlan
 from jtp.demo import ensure_demo_checkpoint
@@ -43,7 +44,8 @@ def prefill_plan(ids: list[int], block_size: int) -> StepPlan:
 def test_close_frees_weights_cache_and_sampled_tokens(tp):
     path = ensure_demo_checkpoint()
     baseline = live_bytes()
-    runner = ModelRunner(path, tp, num_blocks=16, block_size=16, max_seqs=4)
+    runner = ModelRunner.from_args(EngineArgs(
+        model=path, tensor_parallel_size=tp, num_blocks=16, block_size=16, max_num_seqs=4))
     # After a step the cache and the sampled tokens are the step's outputs (the inputs were donated).
     result = jax.device_get(runner.dispatch(StepInput(prefill_plan(list(range(1, 20)), 16), pack_sampling([], 1, [], []))))
     assert result.tokens.shape == (1, 1)  # [steps, rows]

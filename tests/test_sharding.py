@@ -4,6 +4,7 @@ all-reduces in the compiled serving step (two per layer), each device reading on
 import numpy as np
 import pytest
 
+from jtp.config.engine_args import EngineArgs
 from jtp.config.model_config import ModelConfig
 from jtp.errors import ShardingError
 from jtp.loading.weights import SafetensorsCheckpoint
@@ -43,9 +44,9 @@ def greedy(runner: ModelRunner, prompt, n: int) -> StepOutput:
 def test_tp_invariance(checkpoint):
     kind, path = checkpoint
     prompt = np.random.default_rng(0).integers(0, 128, 19).tolist()
-    base = greedy(ModelRunner(path, 1, num_blocks=16, block_size=4), prompt, 12)
+    base = greedy(ModelRunner.from_args(EngineArgs(model=path, num_blocks=16, block_size=4)), prompt, 12)
     for tp in (2, 4, 8):
-        runner = ModelRunner(path, tp, num_blocks=16, block_size=4)
+        runner = ModelRunner.from_args(EngineArgs(model=path, tensor_parallel_size=tp, num_blocks=16, block_size=4))
         assert kv_head_replicas(runner.cfg, tp) == max(1, tp // 2)
         assert_same_outputs(greedy(runner, prompt, 12), base, atol=1e-5, msg=f"{kind} tp={tp}")
 
@@ -54,8 +55,9 @@ def test_tp_invariance(checkpoint):
 def test_decode_step_has_two_all_reduces_per_layer(checkpoint, tp):
     _, path = checkpoint
     plan = one_row_plan([1], 5, [0, 1, 2], 4)  # one decode token
-    assert_step_collectives(ModelRunner(path, tp, num_blocks=8, block_size=4), plan)
-    assert_step_collectives(ModelRunner(path, 1, num_blocks=8, block_size=4), plan)
+    assert_step_collectives(ModelRunner.from_args(EngineArgs(
+        model=path, tensor_parallel_size=tp, num_blocks=8, block_size=4)), plan)
+    assert_step_collectives(ModelRunner.from_args(EngineArgs(model=path, num_blocks=8, block_size=4)), plan)
 
 
 def test_each_device_reads_only_its_slice(checkpoint, monkeypatch):
@@ -69,7 +71,7 @@ def test_each_device_reads_only_its_slice(checkpoint, monkeypatch):
         return out
 
     monkeypatch.setattr(SafetensorsCheckpoint, "read", spy)
-    ModelRunner(path, 4, num_blocks=4, block_size=4)
+    ModelRunner.from_args(EngineArgs(model=path, tensor_parallel_size=4, num_blocks=4, block_size=4))
     cfg = ModelConfig.from_dir(path)
     q_reads = [shape for name, shape in reads if name == "model.layers.0.self_attn.q_proj.weight"]
     assert q_reads == [(cfg.q_size // 4, cfg.hidden_size)] * 4  # column-parallel: a quarter each
@@ -84,6 +86,6 @@ def test_each_device_reads_only_its_slice(checkpoint, monkeypatch):
 def test_indivisible_tp_is_a_clear_error(tmp_path):
     _, path = make_hf_checkpoint("qwen3", tmp_path / "m", num_attention_heads=6, num_key_value_heads=2)
     with pytest.raises(ShardingError, match="num_attention_heads"):
-        ModelRunner(path, 4, num_blocks=4)
+        ModelRunner.from_args(EngineArgs(model=path, tensor_parallel_size=4, num_blocks=4))
     with pytest.raises(ShardingError, match="device"):
-        ModelRunner(path, 16, num_blocks=4)
+        ModelRunner.from_args(EngineArgs(model=path, tensor_parallel_size=16, num_blocks=4))

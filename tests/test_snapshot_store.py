@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
+from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
 from jtp.engine.engine import Engine
 from jtp.engine.snapshot_store import load_snapshots, read_metadata, save_snapshots
@@ -16,12 +17,12 @@ from jtp.errors import ConfigError, RequestError
 from jtp.worker.kv_cache import METADATA_FILE
 
 KW = dict(dtype="float32", num_blocks=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
-          tokenizer=False)
+          skip_tokenizer_init=True)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def make_engine(path, **over) -> Engine:
-    engine = Engine(path, **{**KW, **over})
+    engine = Engine.from_args(EngineArgs(model=path, **{**KW, **over}))
     if getattr(engine, "model_dir", None) is None:  # until Engine records it itself
         engine.model_dir = path
     return engine

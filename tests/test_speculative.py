@@ -19,7 +19,7 @@ from jtp.core.sampling_params import SamplingParams
 from jtp.engine.engine import Engine
 from jtp.errors import ConfigError
 
-KW = dict(dtype="float32", tokenizer=False, num_blocks=160, block_size=4, max_num_seqs=8,
+KW = dict(dtype="float32", skip_tokenizer_init=True, num_blocks=160, block_size=4, max_num_seqs=8,
           max_num_batched_tokens=64, max_model_len=160)
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
 
@@ -153,12 +153,12 @@ def test_speculation_keeps_every_output(request, family, tp):
     tokens still equal the non-speculative run's. (One tp per hybrid: each compiles ~2 minutes
     of step variants on a CI core; the state slots are per row, so tp does not touch the rollback.)"""
     path = checkpoint_path(request, family)
-    reference = Engine(path, **KW)
+    reference = Engine.from_args(EngineArgs(model=path, **KW))
     prompts, params = workload(reference.cfg.vocab_size, seed=tp)
     expected = outputs(run_staggered(reference, prompts, params))
     reference.close()
 
-    engine = Engine(path, tp, **KW, speculative_config=NGRAM)
+    engine = Engine.from_args(EngineArgs(model=path, tensor_parallel_size=tp, **KW, speculative_config=NGRAM))
     if engine.states is not None:
         # Tiny random hybrids never repeat themselves, so every n-gram draft would be rejected at
         # once: draft the reference's own next tokens instead, with one made wrong half the time,
@@ -171,7 +171,7 @@ def test_speculation_keeps_every_output(request, family, tp):
 
     def step():  # the pool holds exactly each request's computed tokens, plus the drafts in flight
         events = original_step()
-        in_flight = {row.request.id: len(row.drafts) for row in (engine._inflight or ([], None))[0]}
+        in_flight = {row.request.id: len(row.drafts) for row in engine.inflight_rows}
         for r in engine.scheduler.running:
             pool_sizes.append((engine.pool._seqs[r.id].num_tokens, r.num_computed + in_flight.get(r.id, 0)))
         return events
@@ -210,7 +210,7 @@ def test_speculation_keeps_every_output(request, family, tp):
 def test_rows_that_cannot_speculate_never_draft(dense_path):
     """Opted-out and penalised requests run as plain decode rows, and a request's last token is
     never drafted (max_tokens bounds the drafts)."""
-    engine = Engine(dense_path, **KW, speculative_config=NGRAM)
+    engine = Engine.from_args(EngineArgs(model=dense_path, **KW, speculative_config=NGRAM))
     seen = []
     schedule = engine.scheduler.schedule
 
@@ -247,7 +247,8 @@ def test_server_speculates_and_reports_it(dense_path):
     proc, url, log = start_serve(1, "--speculative-config", NGRAM)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        engine = Engine(dense_path, **(KW | dict(tokenizer=True)))  # for the prompt only: the model's own continuation, repeated
+        # A tokenizer for the prompt only: the model's own continuation, repeated
+        engine = Engine.from_args(EngineArgs(model=dense_path, **(KW | dict(skip_tokenizer_init=False))))
         start = engine.tokenizer.encode("Once upon a time")
         again = start + engine.generate([start], SamplingParams(max_tokens=12, temperature=0))[0].token_ids + start
         engine.close()
@@ -274,7 +275,7 @@ def test_warmup_compiles_the_verify_steps(dense_path):
     """After warm-up a speculating workload (no penalties or logprobs, which compile on first use)
     compiles nothing more: the verify steps' [1 + k, B] sampling shapes are warmed too."""
     small = KW | dict(max_num_batched_tokens=16, max_model_len=64, block_size=16, num_blocks=64)  # few shapes
-    engine = Engine(dense_path, **small, speculative_config=NGRAM)
+    engine = Engine.from_args(EngineArgs(model=dense_path, **small, speculative_config=NGRAM))
     engine.warmup()
     before = engine.runner.compilations
     prompts, params = workload(engine.cfg.vocab_size, seed=5)
@@ -296,7 +297,7 @@ def test_seeded_sampling_keeps_its_distribution(dense_path):
 
     small = KW | dict(max_num_batched_tokens=128, max_num_seqs=16, block_size=16, num_blocks=128)
     n, steps, T = 240, 4, 3.0
-    engine = Engine(dense_path, **small)
+    engine = Engine.from_args(EngineArgs(model=dense_path, **small))
     # A text, what the model samples after it, and the text again: prompt lookup then drafts what
     # followed the text the first time, which the model often samples again.
     greedy = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=20, temperature=0))[0].token_ids
@@ -306,7 +307,7 @@ def test_seeded_sampling_keeps_its_distribution(dense_path):
     engine.close()
 
     def sample(seeds, speculative):
-        engine = Engine(dense_path, **small, speculative_config=NGRAM if speculative else None)
+        engine = Engine.from_args(EngineArgs(model=dense_path, **small, speculative_config=NGRAM if speculative else None))
         params = [SamplingParams(max_tokens=steps, temperature=T, top_k=4, seed=s, ignore_eos=True) for s in seeds]
         tokens = np.array([c.token_ids for c in engine.generate([prompt] * n, params)])
         stats = engine.stats()

@@ -14,7 +14,7 @@ def engine_step_input(engine, prompts, params):
     """The StepInput the engine's real scheduler builds for the first step of these prompts."""
     for p in prompts:
         engine.submit(p, params)
-    engine._drain_inbox()
+    engine.apply_inbox()
     rows = engine.scheduler.schedule()
     plan = engine.scheduler.build_plan(rows)
     B = len(plan.context_lens)
@@ -33,11 +33,13 @@ def assert_same(a: StepInput, b: StepInput):
 
 @pytest.fixture(scope="module")
 def engine():
+    from jtp.config.engine_args import EngineArgs
     from jtp.demo import ensure_demo_checkpoint
     from jtp.engine.engine import Engine
 
-    return Engine(ensure_demo_checkpoint(), dtype="float32", num_blocks=64, block_size=4, max_num_seqs=4,
-                  max_num_batched_tokens=32, max_model_len=64, tokenizer=False)
+    return Engine.from_args(EngineArgs(
+        model=ensure_demo_checkpoint(), dtype="float32", num_blocks=64, block_size=4, max_num_seqs=4,
+        max_num_batched_tokens=32, max_model_len=64, skip_tokenizer_init=True))
 
 
 def test_round_trip_and_the_decoded_input_runs_the_same_step(engine):

@@ -6,6 +6,7 @@ occurrence of the stop string, is what the stopped request must return and strea
 
 import pytest
 
+from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
 from jtp.demo import ensure_demo_checkpoint
 from jtp.engine.engine import Engine
@@ -13,7 +14,8 @@ from jtp.engine.engine import Engine
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    return Engine(ensure_demo_checkpoint(tmp_path_factory.mktemp("demo") / "d"), num_blocks=128, max_num_seqs=4)
+    demo = ensure_demo_checkpoint(tmp_path_factory.mktemp("demo") / "d")
+    return Engine.from_args(EngineArgs(model=str(demo), num_blocks=128, max_num_seqs=4))
 
 
 def streamed(engine, prompt, params):

@@ -48,10 +48,12 @@ class EngineArgs:
     enable_prefix_caching: bool = True  # reuse the KV (and recurrent state) of earlier prompts' prefixes
     num_state_slots: int | None = None  # hybrid models: recurrent-state slots (None = 2 x max_num_seqs + 8)
     max_snapshots: int = 64  # explicit snapshots kept (LRU beyond it)
+    snapshot_budget_bytes: int | None = None  # device bytes snapshots may pin (None = half the KV pool)
     num_scheduler_steps: int = 1  # decode steps one dispatch may run on the device (multi-step decode)
     enable_expert_parallel: bool = False  # MoE: whole experts per device instead of a slice of each
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
-    speculative_config: str | None = None  # JSON, as vLLM spells it: '{"method": "ngram", "num_speculative_tokens": 4}'
+    speculative_config: str | dict | None = None  # JSON, as vLLM spells it: '{"method": "ngram", "num_speculative_tokens": 4}'
+    skip_tokenizer_init: bool = False  # no tokenizer: token ids in and out, no text or stop strings
     # Multi-process groups (jtp/distributed/launcher.py): one JAX process per host or device group.
     num_processes: int = 1
     process_id: int | None = None  # None: spawn the followers on this host (or ask the cluster)
@@ -91,6 +93,8 @@ class EngineArgs:
             f"must exceed --max-num-seqs ({self.max_num_seqs}): every running request needs a slot, and checkpoints more",
         )
         need(self.max_snapshots >= 0, "max_snapshots", "must be at least 0")
+        need(self.snapshot_budget_bytes is None or self.snapshot_budget_bytes >= 0, "snapshot_budget_bytes",
+             "must be at least 0")
         need(1 <= self.num_scheduler_steps <= 64, "num_scheduler_steps", "must be in 1..64")
         SpeculativeConfig.parse(self.speculative_config)  # raises ConfigError naming the bad key or value
         need(self.num_processes >= 1, "num_processes", "must be at least 1")
@@ -176,8 +180,7 @@ class EngineArgs:
         p.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
                        help="decode steps one dispatch runs on the device when every row decodes, so the host's cost "
                             "per call is paid once for up to this many tokens; for host-bound setups (1: one "
-                            "step per call; on one H200 the device step, not the host, bounds small models: "
-                            "docs/bench/h200-speed2.md)")
+                            "step per call; docs/bench/h200-speed2.md measures when the host bounds the step)")
         p.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 3}\' (prompt-lookup drafts verified in one step) or '

@@ -55,7 +55,7 @@ class Request:
     stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V (and recurrent state) are in the cache
-    pending: int = 0  # tokens sampled by a dispatched step that the host has not seen yet
+    num_unseen_tokens: int = 0  # tokens sampled by a dispatched step that the host has not seen yet
     seq_slot: int = -1  # row of the device's sampled-token buffer while running
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -80,11 +80,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Tokens that exist, on the host or (pending) on the device."""
-        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_unseen_tokens
 
     @property
     def num_generated(self) -> int:
-        return len(self.output_ids) + self.pending
+        return len(self.output_ids) + self.num_unseen_tokens
 
     @property
     def max_total_tokens(self) -> int:
@@ -168,7 +168,9 @@ class ScheduledRow:
     request: Request
     start: int  # first position fed this step
     num_tokens: int
-    samples: bool = dataclasses.field(init=False)  # frozen now: the request grows once dispatched
+    # This row's last logits pick the request's next token (a prefill chunk short of the prompt's
+    # end does not). Computed at construction: the request grows once the row is dispatched.
+    picks_next_token: bool = dataclasses.field(init=False)
     state_read: int = -1  # recurrent-state slots (hybrid models)
     state_write: int = -1
     state_keep: int = -1  # a speculating row's state before its drafts (see Scheduler.accepted)
@@ -177,7 +179,7 @@ class ScheduledRow:
 
     def __post_init__(self):
         # The row reaches the end of the known tokens, so its last logits pick the next one.
-        self.samples = self.start + self.num_tokens - len(self.drafts) == self.request.num_tokens
+        self.picks_next_token = self.start + self.num_tokens - len(self.drafts) == self.request.num_tokens
 
 
 class Scheduler:
@@ -234,7 +236,7 @@ class Scheduler:
         if request.status is Status.RUNNING:
             self.running.remove(request)
             if self.caching:
-                self._register(request)
+                self.register_computed(request)
             self.pool.free(request.id)
             self.free_seq_slots.append(request.seq_slot)
             request.seq_slot = -1
@@ -256,7 +258,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRow]:
         if self.caching:
             for r in self.running:
-                self._register(r)
+                self.register_computed(r)
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         # A request whose last token is already pending has nothing left to run.
@@ -294,7 +296,7 @@ class Scheduler:
             # A speculating row's drafts count as computed only once accepted (`accepted`).
             r, end = row.request, row.start + row.num_tokens - len(row.drafts) + row.steps - 1
             r.num_computed = end
-            r.pending += row.samples * row.steps
+            r.num_unseen_tokens += row.picks_next_token * row.steps
             self.prompt_tokens_computed += max(0, min(end, len(r.prompt_ids)) - row.start)
             if self.states is not None and self.caching and not row.drafts:  # drafts: once accepted
                 self._checkpoint(r)
@@ -340,7 +342,7 @@ class Scheduler:
         models the row needs its own state slot (the state before the drafts goes there) and a
         spare one (for the state after them), else it does not draft."""
         spec = self.speculative
-        if (spec is None or r.pending or r.num_computed < len(r.prompt_ids) or not r.params.speculate
+        if (spec is None or r.num_unseen_tokens or r.num_computed < len(r.prompt_ids) or not r.params.speculate
                 or r.params.has_penalties):
             return ()
         k = min(spec.num_speculative_tokens, room, r.params.max_tokens - r.num_generated - 1)
@@ -365,7 +367,7 @@ class Scheduler:
         further than the next block boundary (where a row's state checkpoint is taken)."""
         if self.num_scheduler_steps == 1 or not rows:
             return 1
-        if any(row.num_tokens != 1 or not row.samples or row.request.params.has_penalties for row in rows):
+        if any(row.num_tokens != 1 or not row.picks_next_token or row.request.params.has_penalties for row in rows):
             return 1
         steps = min(self.num_scheduler_steps, *(r.request.params.max_tokens - r.request.num_generated for r in rows))
         if self.states is not None and self.caching:
@@ -451,7 +453,13 @@ class Scheduler:
             keys.append(chain_key(keys[-1] if keys else self.cache_root, [r.token(p) for p in range(start, start + bs)]))
         return keys
 
-    def _register(self, r: Request) -> None:
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block and state checkpoint that nothing holds; how many blocks."""
+        if self.states is not None:
+            self.states.reset_cache()
+        return self.pool.reset_cache()
+
+    def register_computed(self, r: Request) -> None:
         """Offer the request's computed full blocks (and frozen state checkpoints) to the cache,
         as far as their tokens are known on the host (a pending token's block waits a step)."""
         keys = self._keys(r)

@@ -25,7 +25,6 @@ import enum
 import hashlib
 import hmac
 import os
-import secrets
 import socket
 import struct
 import threading
@@ -55,10 +54,6 @@ class ChannelError(ConnectionError):
 
 class AuthenticationError(ChannelError):
     """The peer does not hold this launch's secret."""
-
-
-def new_secret() -> bytes:
-    return secrets.token_bytes(32)
 
 
 class Channel:

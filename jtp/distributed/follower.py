@@ -22,7 +22,8 @@ import sys
 import threading
 import time
 
-from jtp.config.engine_args import EngineArgs, resolve_state_slots
+from jtp.config.engine_args import EngineArgs
+from jtp.config.engine_config import EngineConfig
 from jtp.distributed.control import Channel, ChannelError, Kind, connect_handshake
 from jtp.distributed.launcher import (
     LaunchSpec,
@@ -69,20 +70,12 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
 
     devices = join_group(spec, args.tensor_parallel_size // spec.num_processes, args.heartbeat_timeout)
 
-    from jtp.config.speculative import SpeculativeConfig
     from jtp.core.step_input import StepInput
     from jtp.distributed.group import tokens_digest
     from jtp.worker.runner import ModelRunner
 
-    speculative = SpeculativeConfig.parse(args.speculative_config)  # the leader's: MTP changes the step
-
-    runner = ModelRunner(
-        args.model_dir(), args.tensor_parallel_size, None if args.dtype == "auto" else args.dtype,
-        block_size=args.block_size, max_seqs=args.max_num_seqs, devices=devices,
-        num_state_slots=resolve_state_slots(args.max_num_seqs, args.num_state_slots),
-        num_scheduler_steps=args.num_scheduler_steps, expert_parallel=args.enable_expert_parallel,
-        mtp_drafts=speculative.mtp_drafts if speculative else 0, load_format=args.load_format,
-    )
+    # Resolved as the leader resolves the same args: the same model, dtype, slots and MTP head.
+    runner = ModelRunner(EngineConfig.from_args(args), devices)
     channel.send(Kind.READY, json.dumps(describe_mesh(devices)).encode())
     log.info("follower %d ready: %d devices", spec.process_id, len(devices))
     step = 0

@@ -44,7 +44,7 @@ from jtp.distributed.launcher import (
     spawn_followers,
     split_address,
 )
-from jtp.errors import ConfigError
+from jtp.errors import ConfigError, WorkerGroupError
 from jtp.worker.runner import ModelRunner, is_ready
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,6 @@ def tokens_digest(tokens) -> str:
     import numpy as np
 
     return hashlib.sha256(np.ascontiguousarray(tokens, np.int32).tobytes()).hexdigest()[:32]
-
-
-class WorkerGroupFailed(RuntimeError):
-    """The group lost a follower (or diverged); this process can no longer run steps."""
 
 
 class _Follower:
@@ -184,7 +180,7 @@ class WorkerGroup:
 
     def check(self) -> None:
         if self.failure is not None:
-            raise WorkerGroupFailed(self.failure)
+            raise WorkerGroupError(self.failure)  # this process can run no more steps
 
     def dispatched(self, step: int, result) -> None:
         """The leader dispatched `step` (the monitor watches its deadline and digest)."""

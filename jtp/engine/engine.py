@@ -1,6 +1,6 @@
 """Engine: the public face of continuous batching.
 
-    engine = Engine("checkpoints/demo-qwen3")
+    engine = Engine.from_args(EngineArgs(model="checkpoints/demo-qwen3"))   # or Engine(EngineConfig)
     rid = engine.submit(prompt_ids, SamplingParams(max_tokens=32))
     for event in engine.stream(rid): ...          # tokens as they are sampled
     engine.abort(rid)                             # frees the request's blocks at once
@@ -17,281 +17,107 @@ by `stream` / `astream` / `result`; a consumer that stops early aborts it.
 Threads: `submit` and `abort` only append to an inbox (a short lock, never held across device
 work or compilation); whoever steps (the loop thread, or the caller in manual mode) drains
 the inbox at the start of each step. So no caller waits on the device.
+
+This module is intake and the step loop; the rest is beside it: output_processor.py (streams,
+detokenising, stop strings, logprobs), snapshot_manager.py (pinned prefixes), snapshot_store.py
+(snapshots on disk), warmup.py (compiling the step shapes), memory.py (KV pool size), stats.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import dataclasses
+import contextlib
 import itertools
 import logging
-import random
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import jax
 
-from jtp.config.engine_args import resolve_state_slots
-from jtp.config.speculative import SpeculativeConfig
-from jtp.core.block_hash import block_keys, root_key
-from jtp.core.page_pool import PagePool
-from jtp.core.sampling_params import (
-    SamplingParams,
-    pack_penalty_tokens,
-    pack_sampling,
-    request_seed,
-)
+from jtp.config.engine_args import EngineArgs
+from jtp.config.engine_config import EngineConfig
+from jtp.core.block_hash import root_key
+from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling
 from jtp.core.scheduler import Request, ScheduledRow, Scheduler, Status
-from jtp.core.snapshots import Snapshot, SnapshotRegistry
-from jtp.core.state_pool import StatePool
 from jtp.core.step_input import StepInput, pack_stop_ids
-from jtp.engine.tokenizer import Tokenizer
-from jtp.errors import (
-    ContextLengthError,
-    EngineClosedError,
-    QueueFullError,
-    RequestError,
-    WorkerGroupError,
+from jtp.engine import snapshot_store
+from jtp.engine.input_processor import InputProcessor
+from jtp.engine.memory import allocate_pools
+from jtp.engine.output_processor import (
+    Completion,
+    OutputProcessor,
+    RequestStream,
+    TokenEvent,
 )
+from jtp.engine.snapshot_manager import SnapshotManager
+from jtp.engine.stats import EngineStats, collect_stats
+from jtp.engine.tokenizer import Tokenizer
+from jtp.engine.warmup import compile_step_shapes
+from jtp.errors import EngineClosedError, QueueFullError, RequestError, WorkerGroupError
 from jtp.worker.runner import ModelRunner, is_ready
 
-if TYPE_CHECKING:
-    from jtp.config.engine_args import EngineArgs
-
 log = logging.getLogger(__name__)
-
-CPU_KV_BUDGET_BYTES = 256 << 20  # without device memory stats (CPU), size the pool to this
 
 __all__ = ["Engine", "EngineStats", "TokenEvent", "Completion", "RequestError"]
 
 
-@dataclasses.dataclass
-class TokenEvent:
-    request_id: str
-    token_ids: list[int]  # new tokens
-    text: str  # new text (complete UTF-8 characters; stop strings held back until resolved)
-    logprobs: list[float] | None = None
-    top_logprobs: list[dict[int, float]] | None = None
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None  # set when finish_reason == "error"
-    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (finished event)
-    retryable: bool = False  # an "error" the same request may succeed on later (worker group restart)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prefix_cache_queries: int = 0  # prompt tokens of admitted requests (with prefix caching on)
-    prefix_cache_hits: int = 0  # of those, tokens whose KV (and state) came from the cache
-    prefix_cache_blocks: int = 0  # KV blocks registered in the prefix cache
-    prompt_tokens_computed: int = 0  # prompt tokens prefilled (the work the cache saves)
-    num_snapshots: int = 0
-    spec_decode_num_drafts: int = 0  # speculating rows verified
-    spec_decode_num_draft_tokens: int = 0  # tokens drafted for them
-    spec_decode_num_accepted_tokens: int = 0  # of those, tokens the target model sampled too
-    spec_decode_num_state_rollbacks: int = 0  # hybrid rows whose recurrent state went back before a rejected draft
-
-    @property
-    def spec_decode_acceptance_rate(self) -> float:
-        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens if self.spec_decode_num_draft_tokens else 0.0
-
-    @property
-    def spec_decode_mean_accepted_length(self) -> float:
-        """Tokens a verified row emits on average: its accepted drafts plus the target's own token."""
-        return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts if self.spec_decode_num_drafts else 0.0
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-
-@dataclasses.dataclass
-class Completion:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[float] | None = None
-    top_logprobs: list[dict[int, float]] | None = None
-    error: str | None = None
-
-
-class _Output:
-    """Per-request host-side output state: detokenization, stop strings, the event queue."""
-
-    def __init__(self, request: Request, tokenizer: Tokenizer | None):
-        self.request = request
-        self.detok = tokenizer.incremental_decoder() if tokenizer else None
-        self.text = ""
-        self.emitted = 0  # chars of text already streamed
-        self._events: collections.deque[TokenEvent] = collections.deque()
-        self._ready = threading.Condition()
-        self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[dict[int, float]] = []
-        self.done = threading.Event()
-        self.error: str | None = None
-        self.retryable = False
-        self.stopped_by_string = False
-        self.orphaned = False  # its consumer went away before the end
-        stops = request.params.stop
-        self.holdback = max((len(s) for s in stops), default=1) - 1
-
-    def add_token(self, token: int) -> bool:
-        """Append the token's text; True if a stop string now ends the output."""
-        if self.detok is None:
-            return False
-        self.text += self.detok.add(token)
-        for stop in self.request.params.stop:
-            # Only the tail can hold a new match; search from where it could start.
-            at = self.text.find(stop, max(0, self.emitted - len(stop)))
-            if at >= 0:
-                self.text = self.text[:at]
-                self.stopped_by_string = True
-                return True
-        return False
-
-    def put(self, event: TokenEvent) -> None:
-        with self._ready:
-            self._events.append(event)
-            self._ready.notify_all()
-            wakers = list(self._wakers)
-        for loop, flag in wakers:
-            try:
-                loop.call_soon_threadsafe(flag.set)
-            except RuntimeError:  # that consumer's event loop is closed
-                pass
-
-    def get(self, timeout: float | None = None) -> TokenEvent | None:
-        """The next event, waiting up to `timeout` (None: forever); None if none came."""
-        with self._ready:
-            if not self._ready.wait_for(lambda: self._events, timeout):
-                return None
-            return self._events.popleft()
-
-    def has_events(self) -> bool:
-        with self._ready:
-            return bool(self._events)
-
-    def get_nowait(self) -> TokenEvent | None:
-        with self._ready:
-            return self._events.popleft() if self._events else None
-
-    def add_waker(self, loop: asyncio.AbstractEventLoop, flag: asyncio.Event) -> None:
-        with self._ready:
-            self._wakers.append((loop, flag))
-
-    def take_text(self, finished: bool) -> str:
-        if finished and self.detok is not None and not self.stopped_by_string:
-            self.text += self.detok.flush()
-        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.holdback)
-        delta, self.emitted = self.text[self.emitted : end], end
-        return delta
-
-
 def _drafts_of(row) -> list[int]:
     """A row's MTP drafts up to the first -1 (a chain that ran out of allocated pages)."""
-    out = []
-    for d in row:
-        if d < 0:
-            break
-        out.append(int(d))
-    return out
+    return [int(d) for d in itertools.takewhile(lambda d: d >= 0, row)]
 
 
 class Engine:
-    def __init__(
-        self,
-        model_dir: str | Path,
-        tensor_parallel_size: int = 1,
-        dtype: str | None = None,
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 512,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        memory_utilization: float = 0.9,
-        max_model_len: int | None = None,
-        tokenizer: Tokenizer | None | bool = True,
-        max_waiting_requests: int | None = None,
-        seed: int | None = None,
-        enable_prefix_caching: bool = True,
-        num_state_slots: int | None = None,
-        max_snapshots: int = 64,
-        snapshot_budget_bytes: int | None = None,
-        num_scheduler_steps: int = 1,
-        speculative_config: str | dict | SpeculativeConfig | None = None,
-        enable_expert_parallel: bool = False,
-        load_format: str = "auto",
-        group=None,
-        devices=None,
-    ):
-        speculative = SpeculativeConfig.parse(speculative_config)  # a bad config fails before the load
-        # A multi-process group (jtp/distributed/group.py): the runner sends each collective call to the followers.
-        runner_args = dict(block_size=block_size, max_seqs=max_num_seqs, devices=devices,
-                           num_state_slots=resolve_state_slots(max_num_seqs, num_state_slots),
-                           num_scheduler_steps=num_scheduler_steps, expert_parallel=enable_expert_parallel,
-                           mtp_drafts=speculative.mtp_drafts if speculative else 0, load_format=load_format)
+    def __init__(self, config: EngineConfig, *, group=None, devices=None):
+        """Load `config`'s model and build the pools, the scheduler and the tokenizer.
+
+        `group` / `devices`: a multi-process worker group this process leads and the mesh's
+        devices (`from_args` starts both from the args); the runner then sends each collective
+        call to the followers (jtp/distributed/group.py).
+        """
+        if config.is_multiprocess and group is None:
+            raise ValueError("a multi-process engine needs its worker group: build it with Engine.from_args")
+        self.config = config
         if group is None:
-            self.runner = ModelRunner(model_dir, tensor_parallel_size, dtype, **runner_args)
+            self.runner = ModelRunner(config, devices)
         else:
             from jtp.distributed.group import GroupRunner
 
-            self.runner = GroupRunner(group, model_dir, tensor_parallel_size, dtype, **runner_args)
+            self.runner = GroupRunner(group, config, devices)
         self.group = group
         self.failure: str | None = None  # why the worker group failed (then this engine runs no more steps)
         self.failed = threading.Event()
-        self.model_dir = Path(model_dir)
+        self.model_dir = Path(config.model)
         cfg = self.cfg = self.runner.cfg
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        hybrid = self.runner.bytes_per_state_slot() > 0
-        self.speculative = speculative
-        num_blocks = num_blocks or self._blocks_for_memory(memory_utilization, max_num_seqs)
-        self.runner.allocate_cache(num_blocks)
-        self.pool = PagePool(num_blocks, block_size)
-        log.info(
-            "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB per device)",
-            num_blocks, block_size, num_blocks * block_size, num_blocks * self.runner.bytes_per_block() / 2**20,
-        )
-        self.states = StatePool(self.runner.num_state_slots) if hybrid else None
-        if hybrid:
-            log.info("recurrent-state slots: %d (%.1f MiB per device)", self.runner.num_state_slots,
-                     self.runner.num_state_slots * self.runner.bytes_per_state_slot() / 2**20)
+        self.max_model_len = config.max_model_len
+        self.speculative = config.speculative_config
+        self.pool, self.states = allocate_pools(self.runner, config)
         # The prefix cache's keys start from the model's identity: a key names one model's KV.
-        self.cache_identity = f"{cfg!r}|{self.runner.dtype}|block_size={block_size}|tp={self.runner.tp}"
+        self.cache_identity = f"{cfg!r}|{self.runner.dtype}|block_size={config.block_size}|tp={self.runner.tp}"
         self.scheduler = Scheduler(
-            self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
+            self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             bucket_blocks=self.runner.attention.impl != "kernel",
-            states=self.states, cache_root=root_key(self.cache_identity) if enable_prefix_caching else None,
-            num_scheduler_steps=num_scheduler_steps, speculative=speculative,
+            states=self.states, cache_root=root_key(self.cache_identity) if config.enable_prefix_caching else None,
+            num_scheduler_steps=config.num_scheduler_steps, speculative=self.speculative,
         )
-        self.snapshots = SnapshotRegistry(
-            max_snapshots,
-            snapshot_budget_bytes if snapshot_budget_bytes is not None else num_blocks * self.runner.bytes_per_block() // 2,
+        per_block, budget = self.runner.bytes_per_block(), config.snapshot_budget_bytes
+        self.snapshots = SnapshotManager(
+            config.max_snapshots, budget if budget is not None else self.pool.total_blocks * per_block // 2,
+            self.scheduler, self.pool, self.states, per_block, self.runner.bytes_per_state_slot(),
         )
-        if tokenizer is True:
-            tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
-        self.tokenizer = tokenizer or None
+        has_tokenizer = not config.skip_tokenizer_init and (self.model_dir / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer.from_dir(self.model_dir) if has_tokenizer else None
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else cfg.eos_token_ids)
-        self.max_waiting_requests = max_waiting_requests
-        self._seeds = random.Random(seed) if seed is not None else None
+        self.inputs = InputProcessor(cfg, self.max_model_len, self.pool, self.eos_ids, config.seed)
         self.ready = threading.Event()  # set once warmed up (or at once without warm-up): servers' readiness
+        # Whether a dispatched step has finished on the device: the step loop asks it to choose
+        # between handing out the finished step's tokens first and overlapping (tests replace it).
+        self.step_done = is_ready
 
         # Intake, shared with caller threads under a short lock that is never held across device work.
         self._intake = threading.Condition()
         self._inbox: collections.deque[tuple[str, Request | str]] = collections.deque()
-        self._outputs: dict[str, _Output] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self._intake, self._pump, self.abort)
         self._ids = itertools.count()
         self._closed = False
 
@@ -305,63 +131,21 @@ class Engine:
             group.on_failure(self._on_group_failure)
 
     @classmethod
-    def from_args(cls, args: "EngineArgs") -> "Engine":
-        args.validate()
-        args.validate_model()
+    def from_args(cls, args: EngineArgs) -> "Engine":
+        """Resolve `args` (ConfigError naming a bad setting) and build the engine; a multi-process
+        configuration first forms its worker group, as leader."""
+        config = EngineConfig.from_args(args)
         group = devices = None
-        if args.is_multiprocess:
+        if config.is_multiprocess:
             from jtp.distributed.group import start_leader
 
             group, devices = start_leader(args)
         try:
-            return cls(
-                args.model_dir(),
-                args.tensor_parallel_size,
-                None if args.dtype == "auto" else args.dtype,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                block_size=args.block_size,
-                num_blocks=args.num_blocks,
-                memory_utilization=args.gpu_memory_utilization,
-                max_model_len=args.max_model_len,
-                max_waiting_requests=args.max_waiting_requests,
-                seed=args.seed,
-                enable_prefix_caching=args.enable_prefix_caching,
-                num_state_slots=args.num_state_slots,
-                max_snapshots=args.max_snapshots,
-                num_scheduler_steps=args.num_scheduler_steps,
-                speculative_config=args.speculative_config,
-                enable_expert_parallel=args.enable_expert_parallel,
-                load_format=args.load_format,
-                group=group,
-                devices=devices,
-            )
+            return cls(config, group=group, devices=devices)
         except BaseException:
             if group is not None:  # its followers must not outlive a start-up that failed
                 group.close(kill=True)
             raise
-
-    # ------------------------------------------------------------------ sizing
-
-    def _blocks_for_memory(self, utilization: float, max_num_seqs: int) -> int:
-        per_block = self.runner.bytes_per_block()
-        stats = self.runner.memory_stats()
-        if stats and "bytes_limit" in stats:
-            free = stats["bytes_limit"] * utilization - stats.get("bytes_in_use", 0)
-            free -= self.runner.num_state_slots * self.runner.bytes_per_state_slot()
-            blocks = int(free // per_block)
-            log.info("KV pool sized from device memory: %.1f GiB free x %.2f", free / 2**30, utilization)
-            if blocks < 1:
-                raise RuntimeError(
-                    f"no device memory left for the KV cache: {per_block} bytes per block, {free / 2**30:.2f} GiB "
-                    f"free at --gpu-memory-utilization {utilization} (raise it, or lower --max-num-seqs)"
-                )
-            return blocks
-        # No allocator stats (CPU): enough for every row at full length, within a host budget, but
-        # never less than one request of max_model_len, so the configured context is really served.
-        want = -(-max_num_seqs * self.max_model_len // self.runner.block_size)
-        one_request = -(-self.max_model_len // self.runner.block_size)
-        return max(min(want, CPU_KV_BUDGET_BYTES // per_block), one_request)
 
     def _num_waiting(self) -> int:
         """Requests not yet admitted: in the scheduler's queue or still in the inbox (intake lock held)."""
@@ -370,22 +154,7 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._intake:
             waiting = self._num_waiting()
-        sched = self.scheduler
-        return EngineStats(
-            num_running=len(sched.running),
-            num_waiting=waiting,
-            kv_blocks_used=self.pool.num_used_blocks,
-            kv_blocks_total=self.pool.total_blocks,
-            prefix_cache_queries=sched.prefix_queries,
-            prefix_cache_hits=sched.prefix_hits,
-            prefix_cache_blocks=self.pool.num_cached_blocks,
-            prompt_tokens_computed=sched.prompt_tokens_computed,
-            num_snapshots=len(self.snapshots),
-            spec_decode_num_drafts=sched.spec_verified_rows,
-            spec_decode_num_draft_tokens=sched.spec_draft_tokens,
-            spec_decode_num_accepted_tokens=sched.spec_accepted_tokens,
-            spec_decode_num_state_rollbacks=sched.spec_state_rollbacks,
-        )
+        return collect_stats(self.scheduler, self.pool, waiting, len(self.snapshots))
 
     # ------------------------------------------------------------------ requests
 
@@ -393,10 +162,7 @@ class Engine:
         """Queue a request and return its id at once (validation only; no device work, no waiting)."""
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
-        self._validate(prompt_ids, params)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_ids
+        self.inputs.validate(prompt_ids, params)
         with self._intake:
             if self.failure is not None:
                 raise WorkerGroupError(self.failure)
@@ -404,43 +170,19 @@ class Engine:
                 raise EngineClosedError("the engine is closed and accepts no new requests")
             if self._draining:
                 raise EngineClosedError("the engine is shutting down (draining) and accepts no new requests")
-            waiting = self._num_waiting()
-            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
-                raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting_requests}); retry later")
+            waiting, limit = self._num_waiting(), self.config.max_waiting_requests
+            if limit is not None and waiting >= limit:
+                raise QueueFullError(f"{waiting} requests are already waiting (limit {limit}); retry later")
             rid = request_id
-            while rid is None or (request_id is None and rid in self._outputs):
+            while rid is None or (request_id is None and rid in self.outputs):
                 rid = f"req-{next(self._ids)}"  # never collides with a caller-chosen id
-            if rid in self._outputs:
+            if rid in self.outputs:
                 raise RequestError(f"request id {rid!r} is already in use")
-            # An engine seed makes the seeds of requests that bring none reproducible too.
-            seed = self._seeds.randrange(2**32) if params.seed is None and self._seeds else request_seed(params)
-            req = Request(rid, prompt_ids, params, seed, frozenset(stop_ids))
-            self._outputs[rid] = _Output(req, self.tokenizer)
+            req = self.inputs.make_request(rid, prompt_ids, params)
+            self.outputs.add(req)
             self._inbox.append(("add", req))
             self._intake.notify_all()
         return rid
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        try:
-            params.validate(self.cfg.vocab_size)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
-        if not prompt_ids:
-            raise RequestError("the prompt is empty: at least one token is needed")
-        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ContextLengthError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"the model's context length ({self.max_model_len})"
-            )
-        if not self.pool.can_ever_fit(total):
-            raise ContextLengthError(
-                f"prompt + max_tokens = {total} tokens needs {self.pool.blocks_needed(total)} KV blocks but the "
-                f"whole pool has {self.pool.total_blocks}; lower max_tokens or give the engine more blocks"
-            )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it already finished or is unknown.
@@ -449,7 +191,7 @@ class Engine:
         running they are freed at the start of the next step.
         """
         with self._intake:
-            out = self._outputs.get(request_id)
+            out = self.outputs.get(request_id)
             if out is None or out.request.status is Status.FINISHED:
                 return False
             # Whoever aborts gives the request up: it is released once finished. A consumer already
@@ -459,18 +201,19 @@ class Engine:
             self._intake.notify_all()
         if self._loop is None:
             with self._lock:
-                self._drain_inbox()
+                self.apply_inbox()
         return True
 
-    def _drain_inbox(self) -> None:
-        """Hand queued submits to the scheduler and carry out queued aborts (step lock held)."""
+    def apply_inbox(self) -> None:
+        """Hand queued submits to the scheduler and carry out queued aborts (step lock held; the
+        step does it first)."""
         with self._intake:
             work, self._inbox = list(self._inbox), collections.deque()
         for kind, item in work:
             if kind == "add":
                 self.scheduler.add(item)
             else:
-                out = self._outputs.get(item)
+                out = self.outputs.get(item)
                 if out is not None and out.request.status is not Status.FINISHED:
                     self._finish(out, "abort")
 
@@ -481,35 +224,39 @@ class Engine:
             queued = bool(self._inbox)
         return queued or self.scheduler.has_work() or self._inflight is not None
 
+    @property
+    def inflight_rows(self) -> list[ScheduledRow]:
+        """The rows of the step dispatched and not yet processed (none between lockstep steps)."""
+        inflight = self._inflight
+        return list(inflight[0]) if inflight is not None else []
+
     def step(self) -> list[TokenEvent]:
         """Dispatch the next step, then process the previous one's tokens while it runs.
 
         Overlapping keeps the device busy: the host schedules and builds step N+1 (whose decode
         rows feed step N's sampled tokens straight from device memory) before it waits for step
         N's results. A stop found in step N's tokens therefore costs one discarded token of
-        compute. When step N has already finished (the host, not the device, is the bottleneck:
-        small batches of a large model spend ~10 ms of host time per step against ~6 ms on an
-        H200) its tokens are processed first, so they go out a host step earlier (a cached
-        prompt's first token among them) at no cost to the idle device. Penalties need the exact
-        token history, so batches that use them run in lockstep.
+        compute. When step N has already finished (the host, not the device, is the bottleneck)
+        its tokens are processed first, so they go out a host step earlier (a cached prompt's
+        first token among them) at no cost to the idle device. Penalties need the exact token
+        history, so batches that use them run in lockstep.
         Returns the events of the step whose results were processed.
         """
         with self._lock:
-            self._drain_inbox()
+            self.apply_inbox()
             previous, self._inflight = self._inflight, None
             events = []
             # Penalties need the exact token history, and n-gram drafts the last token: lockstep.
             if previous is not None and (
-                self._step_done(previous[1]) or self.speculative is not None
+                self.step_done(previous[1]) or self.speculative is not None
                 or any(r.params.has_penalties for r in self.scheduler.running)
             ):
                 events, previous = self._process(*previous), None
             rows = self.scheduler.schedule()
             while not rows and self.scheduler.waiting and not self.scheduler.running and len(self.snapshots):
                 # Snapshots are a cache: they never hold a request back for good.
-                victim = next(iter(self.snapshots))
-                log.warning("evicting snapshot %s: the next request does not fit beside the snapshots", victim.id)
-                self._unpin(self.snapshots.pop(victim.id))
+                victim = self.snapshots.evict_oldest()
+                log.warning("evicted snapshot %s: the next request does not fit beside the snapshots", victim.id)
                 rows = self.scheduler.schedule()
             if rows:
                 self._inflight = (rows, self._dispatch(rows))
@@ -517,21 +264,16 @@ class Engine:
                 events = self._process(*previous)
             return events
 
-    @staticmethod
-    def _step_done(result) -> bool:
-        """Whether a dispatched step's results are ready (the device is waiting for the host)."""
-        return is_ready(result)
-
     def _dispatch(self, rows: list[ScheduledRow]):
         plan = self.scheduler.build_plan(rows)
         B = len(plan.context_lens)
-        sampling_rows = [r.request.params if r.samples else None for r in rows]
+        sampling_rows = [r.request.params if r.picks_next_token else None for r in rows]
         seeds = [r.request.seed for r in rows]
         steps = [r.request.num_generated for r in rows]
         sampling = pack_sampling(sampling_rows, B, seeds, steps)
         penalty = None
         if sampling.static_flags().needs_penalties:
-            reqs = [r.request if r.samples else None for r in rows]
+            reqs = [r.request if r.picks_next_token else None for r in rows]
             penalty = pack_penalty_tokens(
                 [q.prompt_ids if q else None for q in reqs], [q.output_ids if q else None for q in reqs], B
             )
@@ -547,7 +289,7 @@ class Engine:
         now = time.monotonic()
         for b, row in enumerate(rows):
             req = row.request
-            if not row.samples:
+            if not row.picks_next_token:
                 continue
             if row.drafts:
                 events += self._accept(row, per_step, b, now)
@@ -555,10 +297,11 @@ class Engine:
             if result.draft is not None:  # MTP: the head's drafts after the row's newest token
                 req.mtp_drafts = _drafts_of(per_step[row.steps - 1].draft[b])
             for i in range(row.steps):
-                req.pending -= 1
+                req.num_unseen_tokens -= 1
                 if req.status is Status.RUNNING:  # else finished or aborted meanwhile: discard
                     req.first_token_time = req.first_token_time or now
                     events.append(self._append(req, int(per_step[i].tokens[b]), per_step[i], b))
+        self.outputs.publish()  # the step's events: one wake-up per request
         return events
 
     def _accept(self, row: ScheduledRow, per_step, b: int, now: float) -> list[TokenEvent]:
@@ -570,7 +313,7 @@ class Engine:
         self.scheduler.accepted(row, accepted)
         if per_step[0].draft is not None:  # MTP: its drafts from the last accepted position on
             req.mtp_drafts = _drafts_of(per_step[0].draft[b])
-        req.pending -= 1
+        req.num_unseen_tokens -= 1
         events = []
         for j in range(accepted + 1):
             if req.status is not Status.RUNNING:  # a stop among the accepted tokens, or an abort
@@ -580,58 +323,48 @@ class Engine:
         return events
 
     def _append(self, req: Request, token: int, result, b: int) -> TokenEvent:
-        out = self._outputs[req.id]
-        req.output_ids.append(token)
-        logprob = top = None
-        if req.params.logprobs is not None:
-            logprob = [float(result.logprob[b])]
-            out.logprobs += logprob
-            n = req.params.logprobs
-            top = [{int(i): float(v) for i, v in zip(result.top_ids[b][:n], result.top_logprobs[b][:n])}] if n else None
-            if top:
-                out.top_logprobs += top
-        reason = None
-        if token in req.stop_ids:
-            reason = "stop"
-        hit_stop_string = out.add_token(token) if token not in req.stop_ids else False
-        if hit_stop_string:
-            reason = "stop"
-        elif reason is None and len(req.output_ids) >= req.params.max_tokens:
-            reason = "length"
-        event = TokenEvent(req.id, [token], "", logprob, top)
+        event, reason = self.outputs.append_token(req, token, result, b)
         if reason:
-            self._finish(out, reason, event)
-        else:
-            event.text = out.take_text(False)
-            out.put(event)
+            self._finish(self.outputs.get(req.id), reason, event)
         return event
 
-    def _finish(self, out: _Output, reason: str, event: TokenEvent | None = None, touch_scheduler: bool = True) -> None:
+    def _finish(self, out: RequestStream, reason: str, event: TokenEvent | None = None,
+                touch_scheduler: bool = True) -> None:
         if out.done.is_set():  # already ended (a worker-group failure ends requests from another thread)
             return
-        req = out.request
         if touch_scheduler:
-            self.scheduler.remove(req)
+            self.scheduler.remove(out.request)
         else:
-            req.status = Status.FINISHED
-        req.finish_reason = reason
-        event = event or TokenEvent(req.id, [], "", error=out.error, retryable=out.retryable)
-        event.cached_tokens = req.cached_tokens
-        event.text += out.take_text(True)
-        event.finished, event.finish_reason = True, reason
-        out.put(event)
-        out.done.set()
-        if out.orphaned:
-            self.release(req.id)
+            out.request.status = Status.FINISHED
+        self.outputs.finish(out, reason, event)
+
+    def _finish_inflight_step(self) -> None:
+        """Process the in-flight step, if any, so nothing is pending on the device (step lock held)."""
+        previous, self._inflight = self._inflight, None
+        if previous is not None:
+            self._process(*previous)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Hold the step lock with no step in flight: the pools, the prefix cache and the device
+        cache stay as they are inside (snapshots on disk, warm-up). Blocks other steppers, never
+        `submit` / `abort`."""
+        with self._lock:
+            self._finish_inflight_step()
+            yield self
 
     # ------------------------------------------------------------------ consuming
 
-    def _output(self, request_id: str) -> _Output:
-        with self._intake:
-            out = self._outputs.get(request_id)
-        if out is None:
-            raise KeyError(f"unknown request id {request_id!r} (never submitted, or already consumed)")
-        return out
+    def request(self, request_id: str) -> Request:
+        """A live request (submitted, not yet released): its status, tokens, timings."""
+        return self.outputs.stream(request_id).request
+
+    def _pump(self) -> bool:
+        """Run a step when no loop thread does (manual mode); whether one ran."""
+        if self._loop is not None:
+            return False
+        self.step()
+        return True
 
     def stream(self, request_id: str, timeout: float | None = None):
         """Yield TokenEvents of one request until its finished event, then release the request.
@@ -640,67 +373,19 @@ class Engine:
         reaches this consumer as a finished event. Closing the generator before the end (a
         consumer that goes away) aborts the request. `timeout` bounds each wait (TimeoutError).
         """
-        return self._stream(request_id, self._output(request_id), timeout)
+        return self.outputs.events(request_id, timeout)
 
-    def _stream(self, request_id: str, out: _Output, timeout: float | None):
-        finished = False
-        try:
-            while not finished:
-                if self._loop is None:
-                    while not out.has_events():
-                        self.step()
-                event = out.get(timeout)
-                if event is None:
-                    raise TimeoutError(f"no event for request {request_id!r} within {timeout} s")
-                finished = event.finished
-                yield event
-        finally:
-            self._end_consumer(request_id, finished)
-
-    async def astream(self, request_id: str):
+    def astream(self, request_id: str):
         """`stream` for asyncio: waits without blocking the event loop (needs the loop thread)."""
-        out = self._output(request_id)
-        flag = asyncio.Event()
-        out.add_waker(asyncio.get_running_loop(), flag)
-        finished = False
-        try:
-            while not finished:
-                event = out.get_nowait()
-                if event is None:
-                    await flag.wait()
-                    flag.clear()
-                    continue
-                finished = event.finished
-                yield event
-        finally:
-            self._end_consumer(request_id, finished)
-
-    def _end_consumer(self, request_id: str, finished: bool) -> None:
-        if not finished:
-            self.abort(request_id)  # marks it orphaned: released once its abort is carried out
-        self.release(request_id)
+        return self.outputs.aevents(request_id)
 
     def result(self, request_id: str, timeout: float | None = None) -> Completion:
         """Wait for a request to finish and return it whole; releases the request."""
-        out = self._output(request_id)
-        if self._loop is None:
-            while not out.done.is_set():
-                self.step()
-        if not out.done.wait(timeout):
-            raise TimeoutError(f"request {request_id!r} did not finish within {timeout} s")
-        req = out.request
-        self.release(request_id)
-        return Completion(
-            req.id, req.prompt_ids, list(req.output_ids), out.text, req.finish_reason,
-            out.logprobs or None, out.top_logprobs or None, out.error,
-        )
+        return self.outputs.result(request_id, timeout)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (the consumers above do it; idempotent)."""
-        with self._intake:
-            out = self._outputs.get(request_id)
-            if out is not None and out.request.status is Status.FINISHED:
-                del self._outputs[request_id]
+        self.outputs.release(request_id)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
         """Offline batch: submit everything at once, run until all finish, results in input order."""
@@ -730,77 +415,30 @@ class Engine:
         """
         if (request_id is None) == (tokens is None):
             raise RequestError("snapshot() takes a request id or tokens, not both or neither")
-        if self.scheduler.cache_root is None:
-            raise RequestError("snapshots need prefix caching (the engine runs with enable_prefix_caching=False)")
-        if request_id is not None:
-            with self._lock:
-                req = self._output(request_id).request
-                if req.status is Status.RUNNING:
-                    self.scheduler._register(req)  # what the last steps computed
-                seq = req.prompt_ids + req.output_ids
-                return self._pin(seq)
-        seq = [int(t) for t in tokens]
-        if not seq:
-            raise RequestError("cannot snapshot an empty token sequence")
         with self._lock:
-            snap_id = self._pin(seq, partial_ok=False)
+            if request_id is not None:
+                return self.snapshots.pin_request(self.request(request_id))
+            seq = [int(t) for t in tokens]
+            snap_id = self.snapshots.pin_tokens(seq)
         if snap_id is None:  # not cached yet: prefill it (one sampled token, discarded), then pin
             self.result(self.submit(seq, SamplingParams(max_tokens=1, temperature=0.0)))
             with self._lock:
-                snap_id = self._pin(seq)
+                snap_id = self.snapshots.pin(seq)
         return snap_id
-
-    def _pin(self, seq: list[int], partial_ok: bool = True) -> str | None:
-        """Pin the cached prefix of `seq` as a new snapshot (step lock held). None when
-        `partial_ok` is False and less than every cacheable token is cached."""
-        sched, bs = self.scheduler, self.pool.block_size
-        keys = block_keys(sched.cache_root, seq, bs)
-        blocks, slot = sched.restorable(self.pool.lookup(keys), keys)
-        # Hybrid: the last state checkpoint of a prompt sits a block before its end.
-        full = len(keys) if self.states is None else (len(seq) - 1) // bs
-        if not partial_ok and len(blocks) < full:
-            return None
-        nbytes = len(blocks) * self.runner.bytes_per_block() + (self.runner.bytes_per_state_slot() if slot >= 0 else 0)
-        if nbytes > self.snapshots.budget_bytes or self.snapshots.max_entries == 0:
-            raise RequestError(
-                f"a snapshot of {len(blocks) * bs} cached tokens needs {nbytes} bytes; the snapshot budget is "
-                f"{self.snapshots.budget_bytes} bytes and {self.snapshots.max_entries} entries"
-            )
-        for victim in self.snapshots.victims(nbytes):
-            self._unpin(self.snapshots.pop(victim.id))
-        if slot >= 0 and not self.states.refs(slot) and self.states.available() < 1:
-            raise RequestError("no spare recurrent-state slot to pin a snapshot now (running requests hold "
-                               "them); drop snapshots or retry when fewer requests run")
-        snap = Snapshot(self.snapshots.new_id(), list(seq), len(blocks) * bs, blocks, slot, nbytes)
-        if not self.pool.reserve(snap.pool_id, snap.num_cached_tokens, blocks):
-            raise RequestError(
-                f"the KV pool cannot pin {len(blocks)} more blocks now ({self.pool.num_available_blocks} available); "
-                "drop snapshots or retry when fewer requests run"
-            )
-        if slot >= 0:
-            self.states.acquire(slot)
-        self.snapshots.add(snap)
-        return snap.id
-
-    def _unpin(self, snap: Snapshot) -> None:
-        self.pool.free(snap.pool_id)
-        if snap.state_slot >= 0:
-            self.states.release(snap.state_slot)
 
     def restore(self, snapshot_id: str, prompt_ids=(), params: SamplingParams | None = None, request_id=None) -> str:
         """Continue generation from a snapshot: submit its tokens plus `prompt_ids` (new turn, if
         any) as a request; only the tokens past the pinned prefix are prefilled."""
         with self._lock:
-            snap = self.snapshots.get(snapshot_id)
-            seq = snap.tokens + [int(t) for t in prompt_ids]
+            seq = self.snapshots.get(snapshot_id).tokens + [int(t) for t in prompt_ids]
         return self.submit(seq, params, request_id)
 
     def drop(self, snapshot_id: str) -> None:
         """Let go of a snapshot: its blocks and state return to the ordinary (evictable) cache."""
         with self._lock:
-            self._unpin(self.snapshots.pop(snapshot_id))
+            self.snapshots.drop(snapshot_id)
 
-    def list_snapshots(self) -> list[Snapshot]:
+    def list_snapshots(self) -> list:
         """Every snapshot, least recently used first."""
         with self._lock:
             return list(self.snapshots)
@@ -808,69 +446,31 @@ class Engine:
     def save_snapshots(self, path, snapshot_ids=None, overwrite: bool = False, include_prefix_cache: bool = False):
         """Write snapshots (default: all; with `include_prefix_cache` also the rest of the prefix
         cache) to `path` with orbax; see jtp/engine/snapshot_store.py."""
-        from jtp.engine.snapshot_store import save_snapshots
-
-        return save_snapshots(self, path, snapshot_ids, overwrite=overwrite, include_prefix_cache=include_prefix_cache)
+        return snapshot_store.save_snapshots(self, path, snapshot_ids, overwrite=overwrite, include_prefix_cache=include_prefix_cache)
 
     def load_snapshots(self, path, include_prefix_cache: bool = True) -> list[str]:
         """Load snapshots (and any saved prefix-cache entries, as fit) saved by an engine of the same
         model, config, dtype and mesh; their ids."""
-        from jtp.engine.snapshot_store import load_snapshots
-
-        return load_snapshots(self, path, include_prefix_cache=include_prefix_cache)
+        return snapshot_store.load_snapshots(self, path, include_prefix_cache=include_prefix_cache)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block and state checkpoint that nothing holds; returns how many blocks."""
         with self._lock:
-            return self._reset_prefix_cache()
-
-    def _reset_prefix_cache(self) -> int:
-        if self.states is not None:
-            self.states.reset_cache()
-        return self.pool.reset_cache()
+            return self.scheduler.reset_prefix_cache()
 
     # ------------------------------------------------------------------ warm-up
 
     def warmup(self, progress: bool = False) -> int:
-        """Compile the step for every shape the scheduler can produce, then set `ready`.
-
-        Runs all-padding steps (nothing is written to the KV cache or the state slots) for each
-        (tokens, rows, tokens-per-row, blocks-per-row) bucket the scheduler can pick, with the
-        two common sampling variants (plain and top-k/top-p/min-p); penalties and logprobs
-        compile on first use. Returns how many step variants were compiled (0 when all came
-        from the persistent compilation cache or an earlier warm-up).
-        """
-        from tqdm import tqdm
-
-        shapes = self.scheduler.buckets.shapes()
-        variants = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)]
-        before = self.runner.compilations
-        bar = tqdm(total=len(shapes) * len(variants), desc="warm-up: compiling step shapes", unit="shape",
-                   disable=not progress, mininterval=1.0)
-        with self._lock, bar:
-            self._settle()
-            for shape in shapes:
-                if self._stopping:  # stop() / close() during warm-up (Ctrl-C): give up at once
-                    return self.runner.compilations - before
-                _, B, max_row_len, _ = shape
-                # Rows of several tokens may be speculating rows: their verify steps sample [1 + k, B].
-                verify = (False, True) if self.speculative is not None and max_row_len > 1 else (False,)
-                plans = [self.scheduler.padding_plan(*shape, verify=v) for v in verify]
-                for params in variants:
-                    sampling = pack_sampling([params] * B, B, [0] * B, [0] * B)
-                    for plan in plans:
-                        jax.block_until_ready(self.runner.dispatch(StepInput(plan, sampling)))
-                    bar.update()
+        """Compile the step for every shape the scheduler can produce (jtp/engine/warmup.py), then
+        set `ready`. Returns how many step variants were compiled."""
+        with self.paused():
+            compiled = compile_step_shapes(self.scheduler, self.runner, self.speculative, lambda: self._stopping,
+                                           progress)
+            if self._stopping:  # stop() / close() during warm-up (Ctrl-C): gave up
+                return compiled
         self.ready.set()
-        compiled = self.runner.compilations - before
-        log.info("warm-up: %d step shapes x %d sampling variants, %d compiled", len(shapes), len(variants), compiled)
+        log.info("warm-up: %d step shapes, %d compiled", len(self.scheduler.buckets.shapes()), compiled)
         return compiled
-
-    def _settle(self) -> None:
-        """Process the in-flight step, if any, so nothing is pending on the device (step lock held)."""
-        previous, self._inflight = self._inflight, None
-        if previous is not None:
-            self._process(*previous)
 
     # ------------------------------------------------------------------ background loop, shutdown
 
@@ -896,12 +496,12 @@ class Engine:
             return
         with self._lock:
             try:
-                self._settle()
+                self._finish_inflight_step()
             except Exception:  # noqa: BLE001 - the device step failed; the requests end below anyway
                 log.exception("the last in-flight step failed while stopping")
-            self._drain_inbox()
+            self.apply_inbox()
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                self._finish(self._outputs[req.id], "abort")
+                self._finish(self.outputs.get(req.id), "abort")
             self._stopping = False  # the loop and any warm-up have seen it (they give up the lock first)
 
     def close(self) -> None:
@@ -946,7 +546,7 @@ class Engine:
         locked = self._lock.acquire(timeout=2.0)
         try:
             with self._intake:
-                outs = [out for out in self._outputs.values() if not out.done.is_set()]
+                outs = self.outputs.unfinished()
             for out in outs:
                 out.error, out.retryable = message, True
                 self._finish(out, "error", touch_scheduler=locked)
@@ -975,7 +575,7 @@ class Engine:
                 with self._lock:
                     self._inflight = None
                     for req in list(self.scheduler.running):
-                        out = self._outputs[req.id]
+                        out = self.outputs.get(req.id)
                         out.error = f"{type(e).__name__}: {e}"
                         self._finish(out, "error")
-                    self._reset_prefix_cache()  # what the failed step was to write is not trustworthy
+                    self.scheduler.reset_prefix_cache()  # what the failed step was to write is not trustworthy

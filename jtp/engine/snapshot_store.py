@@ -51,7 +51,7 @@ import jax
 import numpy as np
 
 from jtp.core.block_hash import block_keys
-from jtp.core.snapshots import Snapshot
+from jtp.engine.snapshot_manager import LoadedSnapshots
 from jtp.errors import ConfigError, RequestError
 from jtp.loading.fingerprint import weights_fingerprint, weights_identity  # noqa: F401 - part of this module's API
 from jtp.worker.kv_cache import (
@@ -70,12 +70,9 @@ FORMAT = "jtp-snapshots"
 FORMAT_VERSION = 1
 
 
-
 def _model_dir(engine: "Engine", model_dir: str | Path | None) -> Path:
-    found = model_dir or getattr(engine, "model_dir", None) or getattr(engine.runner, "model_dir", None)
-    if found is None:
-        raise ValueError("the engine does not record its model directory: pass model_dir=... (the weights are fingerprinted)")
-    return Path(found)
+    """The directory whose weights are fingerprinted: the engine's own unless given."""
+    return Path(model_dir or engine.config.model)
 
 
 def _mesh_info(engine: "Engine") -> dict[str, Any]:
@@ -154,7 +151,7 @@ def save_snapshots(
     registers them as ordinary evictable cache entries. The pages are copied on device first (as
     a snapshot's are): the save needs free device memory for as many pages as it writes.
 
-    The pages and states are copied on device under the step lock (after the in-flight step is
+    The pages and states are copied on device with the engine paused (after the in-flight step is
     processed); the write to disk happens outside it, so serving goes on meanwhile. The directory
     appears only once complete. `model_dir`: the engine's model directory, for the weights
     fingerprint (default: `engine.model_dir`). An existing `path` raises FileExistsError unless
@@ -166,73 +163,75 @@ def save_snapshots(
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
     identity = _identity(engine, _model_dir(engine, model_dir))
-    lock = engine._lock
-    lock.acquire()
-    try:
+    # One process writes while serving goes on; in a group every process must meet the write's
+    # collectives in the same order as the steps', so the write happens paused too.
+    in_group = engine.group is not None
+    with engine.paused():
         if engine.runner.cache is None:
             raise RequestError("the engine is closed: its cache is gone")
-        engine._settle()
-        snaps = list(engine.snapshots)
-        if snapshot_ids is not None:
-            by_id = {s.id: s for s in snaps}
-            missing = [i for i in snapshot_ids if i not in by_id]
-            if missing:
-                raise KeyError(f"unknown snapshot {missing[0]!r} (never made, dropped, or evicted)")
-            snaps = [by_id[i] for i in dict.fromkeys(snapshot_ids)]
-        root, bs = engine.scheduler.cache_root, engine.pool.block_size
-        block_rows: dict[int, int] = {}  # engine block -> row in the saved arrays
-        block_keys_hex: list[str] = []
-        slot_rows: dict[int, int] = {}
-        slot_keys_hex: list[str] = []
-        entries = []
-        for snap in snaps:
-            n = len(snap.blocks)
-            keys = block_keys(root, snap.tokens, bs)[:n] if n else []
-            rows = []
-            for block, key in zip(snap.blocks, keys):
-                if block not in block_rows:
-                    block_rows[block] = len(block_keys_hex)
-                    block_keys_hex.append(key.hex())
-                elif block_keys_hex[block_rows[block]] != key.hex():  # the pool keys a block once
-                    raise AssertionError(f"block {block} is pinned under two keys")
-                rows.append(block_rows[block])
-            state = -1
-            if snap.state_slot >= 0:
-                if snap.state_slot not in slot_rows:
-                    slot_rows[snap.state_slot] = len(slot_keys_hex)
-                    slot_keys_hex.append(keys[-1].hex())
-                state = slot_rows[snap.state_slot]
-            entries.append({
-                "id": snap.id,
-                "tokens": list(snap.tokens),
-                "num_cached_tokens": snap.num_cached_tokens,
-                "blocks": rows,
-                "state": state,
-                "created": snap.created,
-            })
-        if include_prefix_cache:  # the rest of the cache, least recently used first
-            for block, key in engine.pool.cached_blocks().items():
-                if block not in block_rows:
-                    block_rows[block] = len(block_keys_hex)
-                    block_keys_hex.append(key.hex())
-            if engine.states is not None:
-                for slot, key in engine.states.cached_slots().items():
-                    if slot not in slot_rows:
-                        slot_rows[slot] = len(slot_keys_hex)
-                        slot_keys_hex.append(key.hex())
-        kv, state_layers = cache_views(engine.runner.cache)
-        arrays = engine.runner.gather_pages(np.asarray(list(block_rows), np.int32), np.asarray(list(slot_rows), np.int32))
-        if getattr(engine, "group", None) is None:  # one process: write while serving goes on
-            lock.release()
-            lock = None
-        # else: every process must meet the write's collectives in the same order as the steps'
-        metadata = _metadata(engine, identity, kv, state_layers, block_keys_hex, slot_keys_hex, entries,
-                             include_prefix_cache)
+        arrays, metadata = _gather(engine, identity, snapshot_ids, include_prefix_cache)
+        if in_group:
+            engine.runner.write_pages(path, arrays, metadata, overwrite)
+    if not in_group:
         engine.runner.write_pages(path, arrays, metadata, overwrite)
-    finally:
-        if lock is not None:
-            lock.release()
     return path
+
+
+def _gather(engine: "Engine", identity, snapshot_ids, include_prefix_cache):
+    """The saved rows' pages copied on the device, and the metadata naming them (engine paused)."""
+    snaps = list(engine.snapshots)
+    if snapshot_ids is not None:
+        by_id = {s.id: s for s in snaps}
+        missing = [i for i in snapshot_ids if i not in by_id]
+        if missing:
+            raise KeyError(f"unknown snapshot {missing[0]!r} (never made, dropped, or evicted)")
+        snaps = [by_id[i] for i in dict.fromkeys(snapshot_ids)]
+    root, bs = engine.scheduler.cache_root, engine.pool.block_size
+    block_rows: dict[int, int] = {}  # engine block -> row in the saved arrays
+    block_keys_hex: list[str] = []
+    slot_rows: dict[int, int] = {}
+    slot_keys_hex: list[str] = []
+    entries = []
+    for snap in snaps:
+        n = len(snap.blocks)
+        keys = block_keys(root, snap.tokens, bs)[:n] if n else []
+        rows = []
+        for block, key in zip(snap.blocks, keys):
+            if block not in block_rows:
+                block_rows[block] = len(block_keys_hex)
+                block_keys_hex.append(key.hex())
+            elif block_keys_hex[block_rows[block]] != key.hex():  # the pool keys a block once
+                raise AssertionError(f"block {block} is pinned under two keys")
+            rows.append(block_rows[block])
+        state = -1
+        if snap.state_slot >= 0:
+            if snap.state_slot not in slot_rows:
+                slot_rows[snap.state_slot] = len(slot_keys_hex)
+                slot_keys_hex.append(keys[-1].hex())
+            state = slot_rows[snap.state_slot]
+        entries.append({
+            "id": snap.id,
+            "tokens": list(snap.tokens),
+            "num_cached_tokens": snap.num_cached_tokens,
+            "blocks": rows,
+            "state": state,
+            "created": snap.created,
+        })
+    if include_prefix_cache:  # the rest of the cache, least recently used first
+        for block, key in engine.pool.cached_blocks().items():
+            if block not in block_rows:
+                block_rows[block] = len(block_keys_hex)
+                block_keys_hex.append(key.hex())
+        if engine.states is not None:
+            for slot, key in engine.states.cached_slots().items():
+                if slot not in slot_rows:
+                    slot_rows[slot] = len(slot_keys_hex)
+                    slot_keys_hex.append(key.hex())
+    kv, state_layers = cache_views(engine.runner.cache)
+    arrays = engine.runner.gather_pages(np.asarray(list(block_rows), np.int32), np.asarray(list(slot_rows), np.int32))
+    metadata = _metadata(engine, identity, kv, state_layers, block_keys_hex, slot_keys_hex, entries,
+                         include_prefix_cache)
+    return arrays, metadata
 
 
 def _metadata(engine, identity, kv, state_layers, block_keys_hex, slot_keys_hex, entries, include_prefix_cache):
@@ -269,17 +268,6 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     if meta.get("version") != FORMAT_VERSION:
         raise ConfigError(f"{file}: format version {meta.get('version')}, this jtp reads version {FORMAT_VERSION}")
     return meta
-
-
-class LoadedSnapshots(list):
-    """What `load_snapshots` returns: the loaded snapshots' ids (a plain list of str otherwise),
-    and how many of the saved prefix-cache entries (`include_prefix_cache`) this engine's cache
-    now holds, written by the load or already there; the rest did not fit."""
-
-    cache_blocks_saved: int = 0
-    cache_blocks_loaded: int = 0
-    cache_states_saved: int = 0
-    cache_states_loaded: int = 0
 
 
 def load_snapshots(
@@ -358,17 +346,17 @@ def load_snapshots(
     def read():
         return engine.runner.read_pages(path, meta) if (snap_rows or cache_rows or cache_state_rows) else {}
 
-    # One process reads while serving goes on; a group reads in step order, under the lock below.
-    in_group = getattr(engine, "group", None) is not None
+    # One process reads while serving goes on; a group reads in step order, paused below.
+    in_group = engine.group is not None
     arrays = None if in_group else read()
-    with engine._lock:
+    with engine.paused():
         if engine.runner.cache is None:
             raise RequestError("the engine is closed: its cache is gone")
-        engine._settle()
         if arrays is None:
             arrays = read()
-        loaded = _install(
-            engine, entries, sizes, block_keys_saved, state_keys_saved, arrays, cache_rows, cache_state_rows
+        loaded = engine.snapshots.install(
+            entries, sizes, block_keys_saved, state_keys_saved, arrays, cache_rows, cache_state_rows,
+            engine.runner.scatter_pages,
         )
     if cache_rows or cache_state_rows:
         log.info(
@@ -379,180 +367,3 @@ def load_snapshots(
             else " (the rest did not fit)",
         )
     return loaded
-
-
-def _install(
-    engine: "Engine", entries, sizes, block_keys_saved, state_keys_saved, arrays, cache_rows, cache_state_rows
-) -> LoadedSnapshots:
-    """Allocate, write and pin (step lock held). Every check that can fail comes before the first
-    change that cannot be undone; a device failure undoes the host bookkeeping. The snapshots go
-    all or nothing; then the cache entries (`cache_rows` / `cache_state_rows`, least recently
-    used first) take what is left, the most recently used first, and are registered unpinned."""
-    pool, states, bs = engine.pool, engine.states, engine.pool.block_size
-    stamp = (id(entries), time.monotonic_ns())
-    load_id, cache_id = ("snapshot-load", *stamp), ("cache-load", *stamp)
-    snap_rows = sorted({r for e in entries for r in e["blocks"]})
-    snap_state_rows = sorted({e["state"] for e in entries if e["state"] >= 0})
-
-    # Blocks: what the prefix cache already holds is shared; the rest is written to fresh blocks.
-    held = {i: blocks[0] for i in snap_rows if (blocks := pool.lookup([block_keys_saved[i]]))}
-    fresh = [i for i in snap_rows if i not in held]
-    total = len(snap_rows)
-    if total > pool.total_blocks:
-        raise RequestError(f"the snapshots need {total} KV blocks but the engine's whole pool has {pool.total_blocks}")
-
-    # State checkpoints likewise. Acquired / reserved first: the pool's block allocation below may
-    # evict cached blocks, which cannot be undone, so everything that can refuse goes before it.
-    acquired: list[int] = []  # the load's own holds on slots, let go at the end (in this order)
-    reserved = 0
-    slot_of: dict[int, int] = {}
-
-    def undo_states():
-        for _ in range(reserved):
-            states.unreserve()
-        for slot in acquired:
-            states.release(slot)
-
-    fresh_states = []
-    for j in snap_state_rows:
-        slot = states.lookup(state_keys_saved[j])
-        if slot is None:
-            fresh_states.append(j)
-            continue
-        if not states.refs(slot) and states.available() < 1:  # every spare slot is promised to a request
-            undo_states()
-            raise RequestError("no spare recurrent-state slot to pin a loaded snapshot now (running requests hold "
-                               "them); drop snapshots or retry when fewer requests run")
-        states.acquire(slot)
-        acquired.append(slot)
-        slot_of[j] = slot
-    for _ in fresh_states:
-        if not states.reserve():
-            undo_states()
-            raise RequestError(
-                f"no state slots for {len(fresh_states)} snapshot checkpoints ({reserved} available); "
-                "drop snapshots or retry when fewer requests run"
-            )
-        reserved += 1
-
-    cached_blocks = [held[i] for i in snap_rows if i in held]
-    if not pool.reserve(load_id, total * bs, cached_blocks):
-        undo_states()
-        raise RequestError(
-            f"the KV pool cannot take {len(fresh)} more blocks now ({pool.num_available_blocks} available); "
-            "drop snapshots or retry when fewer requests run"
-        )
-    # From here on nothing refuses: the cache entries take what is left, and the only failure is the device's.
-
-    # Cache entries already cached here are kept through the load (revived by its temporary
-    # sequence, so its own allocations cannot evict them); the others get fresh blocks, as many as
-    # are available, the most recently used first.
-    c_keep = [(r, blocks[0]) for r in cache_rows if (blocks := pool.lookup([block_keys_saved[r]]))]
-    c_fresh = [r for r in cache_rows if not pool.lookup([block_keys_saved[r]])]
-    keep = [b for _, b in c_keep]
-    available = pool.num_available_blocks
-    revived = 0
-    if keep and pool.reserve(cache_id, len(keep) * bs, keep):  # what keeping them costs (revived blocks)
-        revived = available - pool.num_available_blocks
-        pool.free(cache_id)
-    else:
-        keep = []
-    n = max(0, min(len(c_fresh), available - revived))
-    if not pool.reserve(cache_id, (len(keep) + n) * bs, keep):  # n + revived <= available: fits
-        raise AssertionError("reserving the available blocks failed")
-    # Table order: most recently used first, so freeing it (tail first) leaves them in their saved LRU order.
-    c_chosen = c_fresh[len(c_fresh) - n:][::-1]
-
-    pool.append_slots(load_id, total * bs)
-    pool.append_slots(cache_id, (len(keep) + n) * bs)
-    fresh_blocks = pool.block_table(load_id)[len(cached_blocks):]
-    c_fresh_blocks = pool.block_table(cache_id)[len(keep):]
-    block_of = dict(held) | dict(zip(fresh, fresh_blocks))
-    new_slots = []
-    for j in fresh_states:
-        slot = states.allocate()  # against the reservation made above
-        reserved -= 1
-        new_slots.append(slot)
-        slot_of[j] = slot
-    acquired += new_slots
-
-    # State checkpoints of the cache: only where their KV block is cached (else no hit can end
-    # there); those already here are held through the load when that takes no promised slot.
-    c_new_slots, c_states = [], []  # most recently used first
-    if cache_state_rows:
-        cached_keys = {block_keys_saved[r] for r in snap_rows} | {block_keys_saved[r] for r in c_chosen}
-        wanted = []
-        for j in cache_state_rows:
-            key = state_keys_saved[j]
-            if key not in cached_keys and not pool.lookup([key]):
-                continue
-            slot = states.lookup(key)
-            if slot is None:
-                wanted.append(j)
-            elif states.refs(slot) or states.available() >= 1:
-                states.acquire(slot)
-                acquired.append(slot)
-        for j in reversed(wanted):
-            if not states.reserve():
-                break
-            reserved += 1
-            c_new_slots.append(states.allocate())
-            reserved -= 1
-            c_states.append(j)
-
-    try:
-        b_ids, b_rows = fresh_blocks + c_fresh_blocks, fresh + c_chosen
-        s_ids, s_rows = new_slots + c_new_slots, fresh_states + c_states
-        if b_ids or s_ids:
-            engine.runner.scatter_pages(
-                np.asarray(b_ids, np.int32), np.asarray(b_rows, np.int32), np.asarray(s_ids, np.int32),
-                np.asarray(s_rows, np.int32), arrays,
-            )
-    except BaseException:
-        pool.free(load_id)  # fresh blocks have no key yet: plainly free again
-        pool.free(cache_id)
-        for slot in c_new_slots:
-            states.release(slot)
-        undo_states()
-        raise
-
-    # The pages are in place: register them in the prefix cache, pin each snapshot, let go of the load's hold.
-    for k, row in enumerate(fresh):
-        pool.cache_block(load_id, len(cached_blocks) + k, block_keys_saved[row])
-    for k, row in enumerate(c_chosen):
-        pool.cache_block(cache_id, len(keep) + k, block_keys_saved[row])
-    for j, slot in zip(fresh_states, new_slots):
-        states.cache(slot, state_keys_saved[j])
-    for j, slot in zip(c_states, c_new_slots):
-        states.cache(slot, state_keys_saved[j])
-    acquired += c_new_slots[::-1]  # released least recently used first: evicted in their saved order
-    ids = LoadedSnapshots()
-    registry = engine.snapshots
-    try:
-        for e, nbytes in zip(entries, sizes):
-            sid = e["id"] if e["id"] not in registry else registry.new_id()
-            blocks = [block_of[r] for r in e["blocks"]]
-            slot = slot_of[e["state"]] if e["state"] >= 0 else -1
-            for victim in registry.victims(nbytes):
-                engine._unpin(registry.pop(victim.id))
-            snap = Snapshot(sid, list(e["tokens"]), e["num_cached_tokens"], blocks, slot, nbytes)
-            if not pool.reserve(snap.pool_id, snap.num_cached_tokens, blocks):  # held blocks: cannot fail
-                raise AssertionError("pinning held blocks failed")
-            if slot >= 0:
-                states.acquire(slot)
-            snap.created = e.get("created", snap.created)
-            registry.add(snap)
-            ids.append(sid)
-    except BaseException:
-        for sid in ids:
-            engine._unpin(registry.pop(sid))
-        raise
-    finally:
-        pool.free(cache_id)
-        pool.free(load_id)
-        for slot in acquired:
-            states.release(slot)
-    ids.cache_blocks_saved, ids.cache_states_saved = len(cache_rows), len(cache_state_rows)
-    ids.cache_blocks_loaded = sum(1 for r in cache_rows if pool.lookup([block_keys_saved[r]]))
-    ids.cache_states_loaded = sum(1 for j in cache_state_rows if states.lookup(state_keys_saved[j]) is not None)
-    return ids

@@ -264,9 +264,6 @@ class IncrementalDetokenizer:
             return full[len(emitted) :]
         return ""
 
-    def add_many(self, token_ids: Iterable[int]) -> str:
-        return "".join(self.add(t) for t in token_ids)
-
     def flush(self) -> str:
         """End of stream: return whatever is still held back (a genuinely broken tail stays U+FFFD)."""
         emitted, full = self._pending_text()

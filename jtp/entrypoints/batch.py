@@ -250,7 +250,7 @@ def _row_id(raw: bytes):
 # ----------------------------------------------------------------------------- the run
 
 
-class _Output:
+class _JsonlWriter:
     """Append-only JSONL writer; each row is flushed so a kill loses nothing written."""
 
     def __init__(self, f, stats: Stats):
@@ -326,7 +326,7 @@ def run(
 
     bar = _Progress(total, stats, progress, progress_every)
     with open(output_path, "a", encoding="utf-8") as f, open(input_path, "rb") as lines, bar:
-        out = _Output(f, stats)
+        out = _JsonlWriter(f, stats)
 
         def finished(row: dict) -> None:
             out.write(row)

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtp.config.model_config import ModelConfig
+from jtp.config.engine_args import EngineArgs
+from jtp.config.engine_config import EngineConfig
 from jtp.core.sampling_params import MAX_LOGPROBS, pack_sampling
 from jtp.core.step_input import SamplingBatch, StepInput, StepPlan, pack_stop_ids
 from jtp.loading.weights import load_params, resolve_dtype
@@ -53,41 +54,32 @@ def is_ready(result) -> bool:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model_dir: str | Path,
-        tensor_parallel_size: int = 1,
-        dtype: str | None = None,
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        max_seqs: int = 64,
-        devices=None,
-        num_state_slots: int | None = None,
-        num_scheduler_steps: int = 1,
-        expert_parallel: bool = False,
-        mtp_drafts: int = 0,
-        load_format: str = "auto",
-    ):
-        self.cfg = ModelConfig.from_dir(model_dir)
-        self.mesh = make_mesh(tensor_parallel_size, devices)
-        self.dtype = resolve_dtype(self.cfg, dtype)
+    def __init__(self, config: EngineConfig, devices=None):
+        """Load `config`'s model onto `devices` (default: the first tensor_parallel_size of this process).
+
+        No KV cache yet: the engine sizes the pool (from the memory the weights left unless
+        `config.num_blocks`) and calls `allocate_cache`, which a group's followers then repeat.
+        """
+        self.config = config
+        self.cfg = config.model_config
+        self.mesh = make_mesh(config.tensor_parallel_size, devices)
+        self.dtype = resolve_dtype(self.cfg, config.dtype)
         # mtp_drafts > 0: load the checkpoint's MTP head; every step then also drafts that many tokens per row.
+        self.mtp_drafts = mtp_drafts = config.mtp_drafts
         self.params = load_params(
-            model_dir, self.cfg, self.mesh, self.dtype, expert_parallel, mtp_drafts > 0, load_format
+            config.model, self.cfg, self.mesh, self.dtype, config.enable_expert_parallel, mtp_drafts > 0,
+            config.load_format,
         )
-        self.mtp_drafts = mtp_drafts
-        self.load_format = load_format  # "dummy": no files to fingerprint (snapshots, launcher)
-        self.block_size = block_size
-        self.max_seqs = max_seqs
-        self.num_state_slots = num_state_slots or max_seqs  # recurrent-state slots (hybrid models)
+        self.load_format = config.load_format  # "dummy": no files to fingerprint (snapshots, launcher)
+        self.block_size = block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.num_state_slots = config.num_state_slots  # recurrent-state slots (hybrid models)
         self.family = family_of(self.cfg)
         self.num_blocks = 0
         self.cache = None
-        if num_blocks is not None:
-            self.allocate_cache(num_blocks)
         # Chosen once here, so tracing the step reads no globals or environment.
         self.attention = choose_attention(self.mesh)
-        self.experts = choose_experts(self.mesh, expert_parallel)
+        self.experts = choose_experts(self.mesh, config.enable_expert_parallel)
         self._step_fn = jax.jit(
             functools.partial(_step, self.family, self.cfg, self.attention, self.experts, self.mtp_drafts),
             donate_argnums=(1, 2),
@@ -95,7 +87,7 @@ class ModelRunner:
         )
         # Pure decode steps loop on the device: up to num_scheduler_steps tokens per row per dispatch,
         # so the host's cost of a call (launch, arguments, Python) is paid once for several tokens.
-        self.num_scheduler_steps = num_scheduler_steps
+        self.num_scheduler_steps = num_scheduler_steps = config.num_scheduler_steps
         self._decode_fn = jax.jit(
             functools.partial(
                 _decode_steps, self.family, self.cfg, self.attention, self.experts, self.mtp_drafts, block_size,
@@ -107,7 +99,15 @@ class ModelRunner:
         self.compilations = 0  # traces of the step function: bounded by the bucket sets
         # The last token sampled for each state slot, kept on device: a plan can name it (token id -1)
         # before the host has seen it, so step N+1 is dispatched while step N still runs.
-        self.sampled = jax.device_put(np.zeros(max_seqs, np.int32), replicated(self.mesh))
+        self.sampled = jax.device_put(np.zeros(config.max_num_seqs, np.int32), replicated(self.mesh))
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, devices=None) -> "ModelRunner":
+        """A runner alone (tests, tools), its cache allocated when `args.num_blocks` is set."""
+        runner = cls(EngineConfig.from_args(args), devices)
+        if args.num_blocks is not None:
+            runner.allocate_cache(args.num_blocks)
+        return runner
 
     @property
     def tp(self) -> int:

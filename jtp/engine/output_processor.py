@@ -1,0 +1,287 @@
+"""Output processing: sampled tokens -> per-request streams of `TokenEvent`s and a `Completion`.
+
+The engine's step hands each sampled token to `OutputProcessor.append_token`, which detokenises it,
+checks the stop strings, collects logprobs and queues the event on the request's `RequestStream`.
+Consumers (`stream`, `astream`, `result`) read from those streams on their own threads. Events of
+one step are delivered together by `publish()`: one lock and one wake-up per request per step
+(a multi-step or speculative step yields several tokens per request), not one per token. A
+request's finished event is delivered at once, with whatever the step had queued before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import threading
+from typing import Callable
+
+from jtp.core.scheduler import Request, Status
+from jtp.engine.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    request_id: str
+    token_ids: list[int]  # new tokens
+    text: str  # new text (complete UTF-8 characters; stop strings held back until resolved)
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None  # set when finish_reason == "error"
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (finished event)
+    retryable: bool = False  # an "error" the same request may succeed on later (worker group restart)
+
+
+@dataclasses.dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+
+
+class RequestStream:
+    """One request's output: its detokeniser and stop strings, and the queue its consumer reads."""
+
+    def __init__(self, request: Request, tokenizer: Tokenizer | None):
+        self.request = request
+        self.detok = tokenizer.incremental_decoder() if tokenizer else None
+        self.text = ""
+        self.emitted = 0  # chars of text already streamed
+        self._events: collections.deque[TokenEvent] = collections.deque()
+        self._unpublished: list[TokenEvent] = []  # this step's events, delivered by publish()
+        self._ready = threading.Condition()
+        self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+        self.done = threading.Event()
+        self.error: str | None = None
+        self.retryable = False
+        self.stopped_by_string = False
+        self.orphaned = False  # its consumer went away before the end
+        stops = request.params.stop
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+
+    def add_token(self, token: int) -> bool:
+        """Append the token's text; True if a stop string now ends the output."""
+        if self.detok is None:
+            return False
+        self.text += self.detok.add(token)
+        for stop in self.request.params.stop:
+            # Only the tail can hold a new match; search from where it could start.
+            at = self.text.find(stop, max(0, self.emitted - len(stop)))
+            if at >= 0:
+                self.text = self.text[:at]
+                self.stopped_by_string = True
+                return True
+        return False
+
+    def take_text(self, finished: bool) -> str:
+        if finished and self.detok is not None and not self.stopped_by_string:
+            self.text += self.detok.flush()
+        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.holdback)
+        delta, self.emitted = self.text[self.emitted : end], end
+        return delta
+
+    def queue(self, event: TokenEvent) -> bool:
+        """Hold `event` for the next publish(); True if it is the first one held."""
+        self._unpublished.append(event)
+        return len(self._unpublished) == 1
+
+    def publish(self) -> None:
+        """Deliver the held events to the consumer: one lock, one wake-up."""
+        if not self._unpublished:
+            return
+        events, self._unpublished = self._unpublished, []
+        with self._ready:
+            self._events.extend(events)
+            self._ready.notify_all()
+            wakers = list(self._wakers)
+        for loop, flag in wakers:
+            try:
+                loop.call_soon_threadsafe(flag.set)
+            except RuntimeError:  # that consumer's event loop is closed
+                pass
+
+    def get(self, timeout: float | None = None) -> TokenEvent | None:
+        """The next event, waiting up to `timeout` (None: forever); None if none came."""
+        with self._ready:
+            if not self._ready.wait_for(lambda: self._events, timeout):
+                return None
+            return self._events.popleft()
+
+    def has_events(self) -> bool:
+        with self._ready:
+            return bool(self._events)
+
+    def get_nowait(self) -> TokenEvent | None:
+        with self._ready:
+            return self._events.popleft() if self._events else None
+
+    def add_waker(self, loop: asyncio.AbstractEventLoop, flag: asyncio.Event) -> None:
+        with self._ready:
+            self._wakers.append((loop, flag))
+
+
+class OutputProcessor:
+    """Every live request's stream, by id, and the consumers that read them. The dict is guarded
+    by the engine's intake lock (`lock`); the streams' text and event state by whoever steps (the
+    step lock). `pump()` runs an engine step when no loop thread does (manual mode) and says
+    whether it did; `abort(request_id)` is the engine's."""
+
+    def __init__(self, tokenizer: Tokenizer | None, lock: threading.Condition, pump: Callable[[], bool],
+                 abort: Callable[[str], bool]):
+        self.tokenizer = tokenizer
+        self.lock = lock
+        self.pump, self.abort = pump, abort
+        self._streams: dict[str, RequestStream] = {}
+        self._to_publish: list[RequestStream] = []
+
+    # --------------------------------------------------------------- the registry (intake lock held)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def add(self, request: Request) -> RequestStream:
+        stream = self._streams[request.id] = RequestStream(request, self.tokenizer)
+        return stream
+
+    def get(self, request_id: str) -> RequestStream | None:
+        return self._streams.get(request_id)
+
+    def unfinished(self) -> list[RequestStream]:
+        return [s for s in self._streams.values() if not s.done.is_set()]
+
+    # --------------------------------------------------------------- (takes the intake lock)
+
+    def stream(self, request_id: str) -> RequestStream:
+        with self.lock:
+            out = self._streams.get(request_id)
+        if out is None:
+            raise KeyError(f"unknown request id {request_id!r} (never submitted, or already consumed)")
+        return out
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (idempotent)."""
+        with self.lock:
+            out = self._streams.get(request_id)
+            if out is not None and out.request.status is Status.FINISHED:
+                del self._streams[request_id]
+
+    # --------------------------------------------------------------- the step's side (step lock held)
+
+    def append_token(self, req: Request, token: int, result, b: int) -> tuple[TokenEvent, str | None]:
+        """Add a sampled token (row `b` of a step's `result`) to the request: its event, and the
+        finish reason it brings (the caller then finishes the request with that event), else None
+        and the event is queued for publish()."""
+        out = self._streams[req.id]
+        req.output_ids.append(token)
+        logprob = top = None
+        if req.params.logprobs is not None:
+            logprob = [float(result.logprob[b])]
+            out.logprobs += logprob
+            n = req.params.logprobs
+            top = [{int(i): float(v) for i, v in zip(result.top_ids[b][:n], result.top_logprobs[b][:n])}] if n else None
+            if top:
+                out.top_logprobs += top
+        reason = None
+        if token in req.stop_ids:
+            reason = "stop"
+        elif out.add_token(token):  # a stop string
+            reason = "stop"
+        elif len(req.output_ids) >= req.params.max_tokens:
+            reason = "length"
+        event = TokenEvent(req.id, [token], "", logprob, top)
+        if reason is None:
+            event.text = out.take_text(False)
+            if out.queue(event):
+                self._to_publish.append(out)
+        return event, reason
+
+    def finish(self, out: RequestStream, reason: str, event: TokenEvent | None = None) -> None:
+        """End the request's stream with its finished event, delivered at once (the request's
+        status is already FINISHED)."""
+        req = out.request
+        req.finish_reason = reason
+        event = event or TokenEvent(req.id, [], "", error=out.error, retryable=out.retryable)
+        event.cached_tokens = req.cached_tokens
+        event.text += out.take_text(True)
+        event.finished, event.finish_reason = True, reason
+        out.queue(event)
+        out.publish()
+        out.done.set()
+        if out.orphaned:
+            self.release(req.id)
+
+    def publish(self) -> None:
+        """Deliver the events queued since the last call, one wake-up per request."""
+        pending, self._to_publish = self._to_publish, []
+        for out in pending:
+            out.publish()
+
+    # --------------------------------------------------------------- consumers (any thread)
+
+    def events(self, request_id: str, timeout: float | None = None):
+        """Yield the request's events up to its finished one, then release it; closing early aborts it."""
+        out = self.stream(request_id)  # claimed now: an abort after this still reaches the consumer
+        return self._events(out, timeout)
+
+    def _events(self, out: RequestStream, timeout: float | None):
+        finished = False
+        try:
+            while not finished:
+                while not out.has_events() and self.pump():
+                    pass
+                event = out.get(timeout)
+                if event is None:
+                    raise TimeoutError(f"no event for request {out.request.id!r} within {timeout} s")
+                finished = event.finished
+                yield event
+        finally:
+            self._end_consumer(out.request.id, finished)
+
+    async def aevents(self, request_id: str):
+        """`events` for asyncio: waits without blocking the event loop (a loop thread steps)."""
+        out = self.stream(request_id)
+        flag = asyncio.Event()
+        out.add_waker(asyncio.get_running_loop(), flag)
+        finished = False
+        try:
+            while not finished:
+                event = out.get_nowait()
+                if event is None:
+                    await flag.wait()
+                    flag.clear()
+                    continue
+                finished = event.finished
+                yield event
+        finally:
+            self._end_consumer(request_id, finished)
+
+    def _end_consumer(self, request_id: str, finished: bool) -> None:
+        if not finished:
+            self.abort(request_id)  # marks it orphaned: released once its abort is carried out
+        self.release(request_id)
+
+    def result(self, request_id: str, timeout: float | None = None) -> Completion:
+        """Wait for the request to finish and return it whole; releases it."""
+        out = self.stream(request_id)
+        while not out.done.is_set() and self.pump():
+            pass
+        if not out.done.wait(timeout):
+            raise TimeoutError(f"request {request_id!r} did not finish within {timeout} s")
+        self.release(request_id)
+        req = out.request
+        return Completion(
+            req.id, req.prompt_ids, list(req.output_ids), out.text, req.finish_reason,
+            out.logprobs or None, out.top_logprobs or None, out.error,
+        )
