@@ -38,16 +38,12 @@ from jtp.config.engine_args import resolve_state_slots
 from jtp.config.speculative import SpeculativeConfig
 from jtp.core.block_hash import block_keys, root_key
 from jtp.core.page_pool import PagePool
-from jtp.core.sampling_params import (
-    SamplingParams,
-    pack_penalty_tokens,
-    pack_sampling,
-    request_seed,
-)
+from jtp.core.sampling_params import SamplingParams, pack_sampling, request_seed
 from jtp.core.scheduler import Request, ScheduledRow, Scheduler, Status
 from jtp.core.snapshots import Snapshot, SnapshotRegistry
 from jtp.core.state_pool import StatePool
-from jtp.core.step_input import StepInput, pack_stop_ids
+from jtp.core.step_input import StepInput
+from jtp.engine.step_timing import StepTiming
 from jtp.engine.tokenizer import Tokenizer
 from jtp.errors import (
     ContextLengthError,
@@ -56,6 +52,7 @@ from jtp.errors import (
     RequestError,
     WorkerGroupError,
 )
+from jtp.worker.input_batch import InputBatch
 from jtp.worker.runner import ModelRunner, is_ready
 
 if TYPE_CHECKING:
@@ -212,6 +209,11 @@ def _drafts_of(row) -> list[int]:
 
 
 class Engine:
+    # Called after every step with its `StepTiming` (host time by phase), when set.
+    step_timings = None
+    _input_batch: InputBatch | None = None  # built at the first step
+    _timing: StepTiming | None = None  # the current step's
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -487,13 +489,14 @@ class Engine:
         Overlapping keeps the device busy: the host schedules and builds step N+1 (whose decode
         rows feed step N's sampled tokens straight from device memory) before it waits for step
         N's results. A stop found in step N's tokens therefore costs one discarded token of
-        compute. When step N has already finished (the host, not the device, is the bottleneck:
-        small batches of a large model spend ~10 ms of host time per step against ~6 ms on an
-        H200) its tokens are processed first, so they go out a host step earlier (a cached
-        prompt's first token among them) at no cost to the idle device. Penalties need the exact
-        token history, so batches that use them run in lockstep.
+        compute. When step N has already finished (the host, not the device, is the bottleneck)
+        its tokens are processed first, so they go out a host step earlier (a cached prompt's
+        first token among them) at no cost to the idle device. Penalties need the exact token
+        history, so batches that use them run in lockstep.
         Returns the events of the step whose results were processed.
         """
+        timing = self._timing = StepTiming()
+        start = time.perf_counter()
         with self._lock:
             self._drain_inbox()
             previous, self._inflight = self._inflight, None
@@ -504,6 +507,7 @@ class Engine:
                 or any(r.params.has_penalties for r in self.scheduler.running)
             ):
                 events, previous = self._process(*previous), None
+            t = time.perf_counter()
             rows = self.scheduler.schedule()
             while not rows and self.scheduler.waiting and not self.scheduler.running and len(self.snapshots):
                 # Snapshots are a cache: they never hold a request back for good.
@@ -511,11 +515,15 @@ class Engine:
                 log.warning("evicting snapshot %s: the next request does not fit beside the snapshots", victim.id)
                 self._unpin(self.snapshots.pop(victim.id))
                 rows = self.scheduler.schedule()
+            timing.schedule += time.perf_counter() - t
             if rows:
                 self._inflight = (rows, self._dispatch(rows))
             if previous is not None:
                 events = self._process(*previous)
-            return events
+        timing.total = time.perf_counter() - start
+        if self.step_timings is not None:
+            self.step_timings(timing)
+        return events
 
     @staticmethod
     def _step_done(result) -> bool:
@@ -523,26 +531,37 @@ class Engine:
         return is_ready(result)
 
     def _dispatch(self, rows: list[ScheduledRow]):
-        plan = self.scheduler.build_plan(rows)
-        B = len(plan.context_lens)
-        sampling_rows = [r.request.params if r.samples else None for r in rows]
-        seeds = [r.request.seed for r in rows]
-        steps = [r.request.num_generated for r in rows]
-        sampling = pack_sampling(sampling_rows, B, seeds, steps)
-        penalty = None
-        if sampling.static_flags().needs_penalties:
-            reqs = [r.request if r.samples else None for r in rows]
-            penalty = pack_penalty_tokens(
-                [q.prompt_ids if q else None for q in reqs], [q.output_ids if q else None for q in reqs], B
+        t0 = time.perf_counter()
+        out = self.scheduler.output(rows)
+        t1 = time.perf_counter()
+        batch = self._input_batch
+        if batch is None:
+            sched = self.scheduler
+            batch = self._input_batch = InputBatch(
+                sched.max_num_seqs, self.max_model_len, self.pool.block_size, sched.buckets,
+                self.speculative.verify_positions if self.speculative is not None else 0,
             )
-        stop_ids = pack_stop_ids([r.request.stop_ids for r in rows], B) if plan.max_row_len == 1 else None
-        result = self.runner.dispatch(StepInput(plan, sampling, penalty, stop_ids))
+        packed = batch.prepare(out)
+        t2 = time.perf_counter()
+        compilations = self.runner.compilations
+        result = self.runner.dispatch(packed)
         self.scheduler.dispatched(rows)
+        t3 = time.perf_counter()
+        timing = self._timing
+        timing.schedule += t1 - t0
+        timing.prepare += t2 - t1
+        timing.dispatch += t3 - t2
+        layout = packed.layout
+        timing.shape = (layout.num_tokens, layout.num_rows, layout.max_blocks)
+        timing.compiled = self.runner.compilations != compilations
         return result
 
     def _process(self, rows: list[ScheduledRow], result) -> list[TokenEvent]:
+        t0 = time.perf_counter()
         result = jax.device_get(result)  # waits for the device; fields are [steps, rows]
+        t1 = time.perf_counter()
         per_step = [jax.tree.map(lambda x, i=i: x[i], result) for i in range(len(result.tokens))]
+        tokens = result.tokens.tolist()
         events = []
         now = time.monotonic()
         for b, row in enumerate(rows):
@@ -558,7 +577,11 @@ class Engine:
                 req.pending -= 1
                 if req.status is Status.RUNNING:  # else finished or aborted meanwhile: discard
                     req.first_token_time = req.first_token_time or now
-                    events.append(self._append(req, int(per_step[i].tokens[b]), per_step[i], b))
+                    events.append(self._append(req, tokens[i][b], per_step[i], b))
+        timing = self._timing
+        if timing is not None:
+            timing.wait += t1 - t0
+            timing.process += time.perf_counter() - t0
         return events
 
     def _accept(self, row: ScheduledRow, per_step, b: int, now: float) -> list[TokenEvent]:
