@@ -95,15 +95,18 @@ def _fake_step(params, cache, sampled, *host, flags):
     depends on the last), shaped like the real step's results ([1, B])."""
     from jtp.worker.sampler import SampleResult
 
-    seq_slots = _rows(host)
+    seq_slots = _rows(host, flags)
     tokens = (sampled[jnp.maximum(seq_slots, 0)] * 31 + seq_slots + 7) % 1000 + 2
     sampled = sampled.at[jnp.where(seq_slots >= 0, seq_slots, sampled.shape[0])].set(tokens, mode="drop")
     zero = jnp.zeros(tokens.shape, jnp.float32)
     return SampleResult(tokens[None], zero[None], None, None), cache, sampled
 
 
-def _rows(host):
-    """The step's seq_slots array (i32[B]), however the host arrays are passed."""
+def _rows(host, static):
+    """The step's seq_slots array (i32[B]), however the host arrays are passed: two packed buffers
+    with a static layout, or (before them) the plan's arrays one by one."""
+    if hasattr(static, "views"):
+        return static.views(*host)["seq_slots"]
     return host[3]
 
 

@@ -22,7 +22,14 @@ from typing import NamedTuple
 import numpy as np
 
 from jtp.core.sampling_params import MAX_LOGPROBS
-from jtp.core.step_input import STOP_IDS_WIDTH, SamplingBatch, SamplingFlags, StepInput, StepPlan, pack_stop_ids
+from jtp.core.step_input import (
+    STOP_IDS_WIDTH,
+    SamplingBatch,
+    SamplingFlags,
+    StepInput,
+    StepPlan,
+    pack_stop_ids,
+)
 
 # Names of the plan's, then the sampling batch's, arrays in each buffer.
 _PLAN_INTS = ("token_ids", "positions", "slot_mapping", "token_rows", "block_tables", "context_lens",
@@ -66,7 +73,7 @@ def _size(shape) -> int:
     return n
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shapes(layout: StepLayout):
     T, B, M = layout.num_tokens, layout.num_rows, layout.max_blocks
     ints = {name: (T,) for name in _PLAN_INTS[:4]}
@@ -81,7 +88,7 @@ def _shapes(layout: StepLayout):
     return ints, {name: (B,) for name in _SAMPLING_FLOATS}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _offsets(layout: StepLayout):
     result, lengths = [], []
     for shapes in _shapes(layout):
