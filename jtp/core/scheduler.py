@@ -263,8 +263,10 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledRow]:
         if self.caching:
+            bs = self.pool.block_size
             for r in self.running:
-                self._register(r)
+                if r.pending_checkpoints or r.num_computed // bs > r.num_registered:  # else nothing to offer
+                    self._register(r)
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         # A request whose last token is already pending has nothing left to run.
