@@ -326,42 +326,29 @@ class StepTimer:
     """Splits each engine step into host work and waiting for the device.
 
     The engine dispatches step N+1 before it fetches step N's tokens, so a step's wall time is
-    host work (scheduling, plan building, dispatch, detokenizing) plus the time the host then
-    waits in `jax.device_get`. A wait > 0 means the device was still busy when the host was
-    ready: the host is not what bounds the step (no device idle gap).
+    host work (scheduling, step inputs, dispatch, detokenizing) plus the time the host then
+    waits for step N's results. A wait > 0 means the device was still busy when the host was
+    ready: the host is not what bounds the step (no device idle gap). The numbers come from the
+    engine's timing hook (`Engine.step_timings`, one `StepTiming` per step).
     """
 
-    def __init__(self, runner):
-        import jax
-
-        self.runner = runner
-        self.inner_dispatch = runner.dispatch
-        self.inner_get = jax.device_get
+    def __init__(self, engine):
         self.last_wait = 0.0
         self.compile_s = 0.0
         self.compile_calls = 0
-        self.shapes: dict[str, int] = {}  # "T x B x M" of each plan -> steps run with it
-        runner.dispatch = self.dispatch
-        jax.device_get = self.device_get
+        self.shapes: dict[str, int] = {}  # "T x B x M" of each dispatched step -> steps run with it
+        self.last_shape = None
+        engine.step_timings = self.record
 
-    def dispatch(self, step):
-        plan = step.plan
-        self.last_shape = (len(plan.token_ids), *plan.block_tables.shape)
-        key = "x".join(map(str, self.last_shape))
-        self.shapes[key] = self.shapes.get(key, 0) + 1
-        before = self.runner.compilations
-        t = time.perf_counter()
-        out = self.inner_dispatch(step)
-        if self.runner.compilations != before:
-            self.compile_s += time.perf_counter() - t
+    def record(self, timing) -> None:
+        self.last_wait += timing.wait
+        if timing.shape is not None:
+            self.last_shape = timing.shape
+            key = "x".join(map(str, timing.shape))
+            self.shapes[key] = self.shapes.get(key, 0) + 1
+        if timing.compiled:
+            self.compile_s += timing.dispatch
             self.compile_calls += 1
-        return out
-
-    def device_get(self, x):
-        t = time.perf_counter()
-        out = self.inner_get(x)
-        self.last_wait += time.perf_counter() - t
-        return out
 
     def take_wait(self) -> float:
         wait, self.last_wait = self.last_wait, 0.0
@@ -881,7 +868,7 @@ def main(argv=None) -> int:
     log(f"loaded in {load_s:.1f}s: {res['model']['params'] / 1e9:.3f} B params, KV pool {num_blocks} blocks")
     save()
 
-    timer = StepTimer(runner)
+    timer = StepTimer(engine)
     rng = np.random.default_rng(args.seed)
     res["decode"] = []
     for B in args.batch_sizes:

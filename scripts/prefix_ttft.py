@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jtp.config.engine_args import EngineArgs  # noqa: E402
 from jtp.core.block_hash import block_keys, root_key  # noqa: E402
 from jtp.core.sampling_params import SamplingParams  # noqa: E402
-from jtp.core.step_input import StepInput  # noqa: E402
 from jtp.engine.engine import Engine  # noqa: E402
 
 
@@ -46,26 +45,26 @@ def step_breakdown(engine: Engine, cached_prompt: list[int], n: int, vocab: int)
     plan dispatched again (device time, steady state), next to a fresh prompt of the tail's length."""
     import jax
 
-    from jtp.core.sampling_params import pack_sampling
-
     out = {}
     for name, prompt in (("cached_follow_up", cached_prompt), ("fresh_short", cached_prompt[-80:])):
         engine.reset_prefix_cache() if name == "fresh_short" else None
         rid = engine.submit(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        sent = []
+        inner = engine.runner.dispatch
+        engine.runner.dispatch = lambda step, sent=sent, inner=inner: sent.append(step) or inner(step)  # keep it
         t0 = time.perf_counter()
         engine.step()  # schedules and dispatches the prompt's row (the request was queued)
         t1 = time.perf_counter()
+        engine.runner.dispatch = inner
         rows, result = engine._inflight
         jax.block_until_ready(result)
         t2 = time.perf_counter()
-        plan = engine.scheduler.build_plan(rows)
-        B = len(plan.context_lens)
-        sampling = pack_sampling([SamplingParams(temperature=0.0)] * B, B, [0] * B, [0] * B)
-        jax.block_until_ready(engine.runner.dispatch(StepInput(plan, sampling)))
+        packed = sent[-1]
+        jax.block_until_ready(engine.runner.dispatch(packed))
         t3 = time.perf_counter()
         reps = 10
         for _ in range(reps):
-            r = engine.runner.dispatch(StepInput(plan, sampling))
+            r = engine.runner.dispatch(packed)
         jax.block_until_ready(r)
         t4 = time.perf_counter()
         out[name] = {"host_schedule_dispatch": 1e3 * (t1 - t0), "first_step_wait": 1e3 * (t2 - t1),

@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,42 +32,24 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 class PhaseTimer:
-    """Wraps the engine's calls for one step's phases (the calls themselves are unchanged)."""
+    """One step's host phases, from the engine's timing hook (`Engine.step_timings`)."""
 
-    PHASES = ("schedule", "build_plan", "dispatch", "wait", "step")
+    PHASES = ("schedule", "prepare", "dispatch", "wait", "step")
 
     def __init__(self, engine):
-        import jax
-
         self.totals = collections.defaultdict(list)
-        self._current = collections.Counter()
-        sched = engine.scheduler
-        self._wrap(sched, "schedule")
-        self._wrap(sched, "build_plan")
-        self._wrap(engine.runner, "dispatch")
-        self._inner_get = jax.device_get
-        jax.device_get = self._timed(self._inner_get, "wait")
+        self._last = None
+        engine.step_timings = self._record
 
-    def _timed(self, fn, phase):
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._current[phase] += time.perf_counter() - t
-
-        return timed
-
-    def _wrap(self, obj, name):
-        setattr(obj, name, self._timed(getattr(obj, name), name))
+    def _record(self, timing) -> None:
+        self._last = timing
 
     def step(self, engine):
-        self._current.clear()
-        t = time.perf_counter()
         events = engine.step()
-        self._current["step"] = time.perf_counter() - t
-        for phase in self.PHASES:
-            self.totals[phase].append(self._current[phase])
+        t = self._last
+        for phase, value in (("schedule", t.schedule), ("prepare", t.prepare), ("dispatch", t.dispatch),
+                             ("wait", t.wait), ("step", t.total)):
+            self.totals[phase].append(value)
         return events
 
     def medians_ms(self) -> dict:
@@ -139,7 +120,7 @@ def markdown(res: dict) -> str:
         "| host phase (median ms/step) | ms |",
         "|---|---:|",
     ]
-    for phase in ("schedule", "build_plan", "dispatch", "wait", "other", "step"):
+    for phase in ("schedule", "prepare", "dispatch", "wait", "other", "step"):
         lines.append(f"| {phase} | {h[phase]:.3f} |")
     t = res.get("trace")
     if t:

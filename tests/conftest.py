@@ -48,7 +48,7 @@ import pytest  # noqa: E402
 TIERS = ("unit", "integration", "parity", "distributed")
 MODULE_TIERS = {
     "unit": (
-        "test_attention", "test_layout", "test_page_pool", "test_sampling", "test_state_pool",
+        "test_attention", "test_input_batch", "test_layout", "test_page_pool", "test_sampling", "test_state_pool",
         "test_tokenizer",
     ),
     "parity": ("test_hf_parity", "test_qwen3_5"),

@@ -442,12 +442,10 @@ def test_compilation_count_is_bounded(qwen3):
     inner = runner.dispatch
 
     def dispatch(step):
-        plan, penalty = step.plan, step.penalty_tokens
-        flags = step.sampling.static_flags()
-        flags = flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
-        variants.add(flags)
-        pen_len = None if penalty is None else penalty[0].shape[1]
-        signatures.add((plan.token_ids.shape, plan.block_tables.shape, plan.max_row_len, flags, pen_len))
+        # The packed step's layout: its shapes (tokens, rows, blocks, row bucket, verify positions,
+        # penalty length) and sampling flags, everything that selects a compiled variant.
+        variants.add(step.layout.flags)
+        signatures.add(step.layout)
         return inner(step)
 
     runner.dispatch = dispatch

@@ -25,6 +25,7 @@ from jtp.core.page_pool import PagePool
 from jtp.core.sampling_params import SamplingParams
 from jtp.core.scheduler import Request, Scheduler, Status
 from jtp.core.state_pool import StatePool
+from jtp.worker.input_batch import InputBatch
 
 ENGINE_KW = dict(dtype="float32", num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=48, max_model_len=192)
 
@@ -151,6 +152,7 @@ class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
         self.sched = Scheduler(
             self.pool, max_seqs, max_seqs + extra_budget, self.max_model_len, states=self.states, cache_root=self.root
         )
+        self.batch = InputBatch(max_seqs, self.max_model_len, BS, self.sched.buckets)  # the worker's step layout
         self.ids = 0
         self.dev = {}  # request id -> every token on the device (prompt + sampled, pending included)
         self.kv = {}  # KV slot -> the token prefix whose K/V it holds
@@ -176,7 +178,7 @@ class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
 
     def _device(self, rows):
         """Run the step on the simulated device and dispatch it; returns its sampled tokens."""
-        plan = self.sched.build_plan(rows)
+        plan = self.batch.prepare(self.sched.output(rows)).to_step_input().plan
         step_slots, cursor = set(), 0
         reads = {row.state_read for row in rows if row.state_read >= 0}
         writes = [row.state_write for row in rows]

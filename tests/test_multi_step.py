@@ -29,7 +29,7 @@ class StepSpy:
 
         def dispatch(step_input):
             result = inner(step_input)
-            self.steps.append(step_input.plan.num_steps)
+            self.steps.append(step_input.num_steps)
             self.results.append(result)
             return result
 

@@ -266,9 +266,11 @@ def drive_scheduler(runner, prompts, arrivals, max_tokens, general: bool):
     from jtp.core.sampling_params import SamplingParams
     from jtp.core.scheduler import Request, Scheduler
     from jtp.core.state_pool import StatePool
+    from jtp.worker.input_batch import InputBatch
 
     sched = Scheduler(PagePool(runner.num_blocks, runner.block_size), 4, 16, max_model_len=64,
                       states=StatePool(runner.num_state_slots))
+    batch = InputBatch(4, 64, runner.block_size, sched.buckets)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     reqs = [Request(str(i), p, params, 0, frozenset()) for i, p in enumerate(prompts)]
     steps = []
@@ -277,7 +279,7 @@ def drive_scheduler(runner, prompts, arrivals, max_tokens, general: bool):
             if at == len(steps):
                 sched.add(r)
         rows = sched.schedule()
-        plan = sched.build_plan(rows)
+        plan = batch.prepare(sched.output(rows)).to_step_input().plan
         bound = plan.max_row_len
         if general:
             plan.max_row_len = None

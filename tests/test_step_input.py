@@ -8,6 +8,7 @@ import pytest
 
 from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling
 from jtp.core.step_input import StepInput
+from jtp.worker.input_batch import InputBatch
 
 
 def engine_step_input(engine, prompts, params):
@@ -16,7 +17,9 @@ def engine_step_input(engine, prompts, params):
         engine.submit(p, params)
     engine.apply_inbox()
     rows = engine.scheduler.schedule()
-    plan = engine.scheduler.build_plan(rows)
+    sched = engine.scheduler
+    batch = InputBatch(sched.max_num_seqs, engine.max_model_len, engine.pool.block_size, sched.buckets)
+    plan = batch.prepare(sched.output(rows)).to_step_input().plan
     B = len(plan.context_lens)
     sampling = pack_sampling([params] * len(rows), B, [r.request.seed for r in rows], [0] * len(rows))
     penalty = pack_penalty_tokens([r.request.prompt_ids for r in rows], [[] for _ in rows], B)

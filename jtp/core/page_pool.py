@@ -144,6 +144,13 @@ class PagePool:
     def num_tokens(self, seq_id: Hashable) -> int:
         return self._get(seq_id).num_tokens
 
+    def num_blocks(self, seq_id: Hashable) -> int:
+        return len(self._get(seq_id).table)
+
+    def blocks_from(self, seq_id: Hashable, start: int) -> list[int]:
+        """The sequence's blocks from index `start` on (a copy): what a mirror of its table lacks."""
+        return self._get(seq_id).table[start:]
+
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
         """Flat slot (block * block_size + offset) of each position in [start, end)."""
         seq = self._get(seq_id)

@@ -20,7 +20,8 @@ the host; on hybrid models a row that ends at a checkpoint position freezes its 
 (see `Scheduler._checkpoint`). At least one prompt token is always computed: its logits give
 the first output token.
 
-The result is a plain-numpy `StepPlan` padded to bucket sizes (see `Buckets`).
+What crosses to the worker is a `SchedulerOutput` (request-level numbers and diffs, see
+jtp/core/scheduler_output.py); the worker lays the step's arrays out, padded to `Buckets`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from jtp.config.speculative import SpeculativeConfig, propose_ngram
 from jtp.core.block_hash import chain_key
 from jtp.core.page_pool import PagePool
 from jtp.core.sampling_params import SamplingParams
+from jtp.core.scheduler_output import NewRequest, SchedulerOutput
 from jtp.core.state_pool import StatePool
 from jtp.core.step_input import StepPlan
 
@@ -76,6 +78,9 @@ class Request:
     # request goes back to if a draft is rejected (`Scheduler.accepted`).
     spec_state_kept: int = -1
     mtp_drafts: list[int] = dataclasses.field(default_factory=list)  # the MTP head's guesses after the last token
+    # What the worker's persistent batch holds of this request (see `Scheduler.output`).
+    num_sent_tokens: int = 0
+    num_sent_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -212,6 +217,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_seq_slots = list(range(max_num_seqs - 1, -1, -1))
         self._release_after_dispatch: list[int] = []  # state slots the scheduled step still reads
+        self._admitted: list[Request] = []  # admitted since the last `output`
+        self._finished_slots: list[int] = []  # slots given back since the last `output`
         # Counters: prompt tokens looked up / found in the prefix cache, prompt tokens computed.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -239,6 +246,7 @@ class Scheduler:
                 self.register_computed(request)
             self.pool.free(request.id)
             self.free_seq_slots.append(request.seq_slot)
+            self._finished_slots.append(request.seq_slot)
             request.seq_slot = -1
             if self.states is not None:
                 for _, slot in request.pending_checkpoints:  # their keys never became known
@@ -257,8 +265,10 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledRow]:
         if self.caching:
+            bs = self.pool.block_size
             for r in self.running:
-                self.register_computed(r)
+                if r.pending_checkpoints or r.num_computed // bs > r.num_registered:  # else nothing to offer
+                    self.register_computed(r)
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         # A request whose last token is already pending has nothing left to run.
@@ -280,6 +290,7 @@ class Scheduler:
                 break  # FCFS: the head waits for blocks (or a state slot), nobody overtakes it
             self.waiting.popleft()
             self.running.append(r)
+            self._admitted.append(r)
             rows.append(ScheduledRow(r, r.num_computed, self._chunk(r, budget)))
             budget -= rows[-1].num_tokens
         steps = self._decode_steps(rows)
@@ -322,6 +333,7 @@ class Scheduler:
             r.num_computed += num_accepted
             return  # finished or aborted meanwhile: `remove` gave everything back
         self.pool.truncate(r.id, r.num_computed + num_accepted)
+        r.num_sent_blocks = min(r.num_sent_blocks, self.pool.num_blocks(r.id))
         if self.states is None:
             r.num_computed += num_accepted
             return
@@ -528,60 +540,55 @@ class Scheduler:
             self._release_after_dispatch.append(r.state_slot)
         r.state_slot = row.state_write
 
-    def build_plan(self, rows: list[ScheduledRow]) -> StepPlan:
-        total = sum(r.num_tokens for r in rows)
-        longest = max(r.num_tokens for r in rows)
-        T, B, max_row_len = self.buckets.step_shape(total, len(rows), longest)
-        tables = [self.pool.block_table(r.request.id) for r in rows]
-        M = Buckets.pick(self.buckets.blocks, max(len(t) for t in tables))
-
-        token_ids = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slot_mapping = np.full(T, -1, np.int32)
-        token_rows = np.zeros(T, np.int32)
-        block_tables = np.zeros((B, M), np.int32)
-        context_lens = np.zeros(B, np.int32)
-        row_starts = np.full(B, total, np.int32)
-        row_lens = np.zeros(B, np.int32)
-        seq_slots = np.full(B, -1, np.int32)
-        state_reads = np.full(B, -1, np.int32)
-        state_writes = np.full(B, -1, np.int32)
-        state_keeps = np.full(B, -1, np.int32)
-        # A verify step samples each row at 1 + k positions ([1 + k, B]): a speculating row's last
-        # known token and each draft; every other row repeats its one position.
-        verify = any(r.drafts for r in rows)
-        logits_indices = np.zeros((self.speculative.verify_positions, B) if verify else B, np.int32)
-        cursor = 0
-        for b, (row, table) in enumerate(zip(rows, tables)):
-            req, end = row.request, row.start + row.num_tokens
-            span = slice(cursor, cursor + row.num_tokens)
-            token_ids[span] = [req.token(p) for p in range(row.start, end - len(row.drafts))] + list(row.drafts)
-            positions[span] = np.arange(row.start, end)
-            slot_mapping[span] = self.pool.slot_mapping(req.id, row.start, end)
-            token_rows[span] = b
-            block_tables[b, : len(table)] = table
-            context_lens[b] = end
-            row_starts[b], row_lens[b], seq_slots[b] = cursor, row.num_tokens, req.seq_slot
-            state_reads[b], state_writes[b], state_keeps[b] = row.state_read, row.state_write, row.state_keep
-            if verify:
-                last = cursor + row.num_tokens - 1 - len(row.drafts)
-                logits_indices[:, b] = np.minimum(last + np.arange(len(logits_indices)), cursor + row.num_tokens - 1)
-            else:
-                logits_indices[b] = cursor + row.num_tokens - 1
-            cursor += row.num_tokens
-        return StepPlan(
-            token_ids, positions, slot_mapping, token_rows, block_tables, context_lens,
-            row_starts, row_lens, seq_slots, state_reads, state_writes, state_keeps, logits_indices,
-            max_row_len=max_row_len, num_steps=rows[0].steps,
+    def output(self, rows: list[ScheduledRow]) -> SchedulerOutput:
+        """What the worker needs of this step (call once per scheduled step, before `dispatched`):
+        the requests admitted since the last call, the tokens and blocks each row's request gained
+        since the worker last heard of it, and the rows' request-level numbers."""
+        new = []
+        for r in self._admitted:
+            if r.status is Status.RUNNING:
+                known = r.prompt_ids + r.output_ids
+                new.append(NewRequest(r.seq_slot, known, len(r.prompt_ids), r.params, r.seed, r.stop_ids))
+                r.num_sent_tokens, r.num_sent_blocks = len(known), 0
+        self._admitted.clear()
+        finished, self._finished_slots = self._finished_slots, []
+        n = len(rows)
+        ints = np.empty((8, n), np.int32)
+        picks = np.empty(n, bool)
+        drafts: list[int] = []
+        tok_slot: list[int] = []
+        tok_pos: list[int] = []
+        tok_ids: list[int] = []
+        block_updates = []
+        pool = self.pool
+        for b, row in enumerate(rows):
+            r = row.request
+            slot = r.seq_slot
+            num_blocks = pool.num_blocks(r.id)
+            ints[:, b] = (slot, row.start, row.num_tokens, len(row.drafts), row.state_read, row.state_write,
+                          row.state_keep, num_blocks)
+            picks[b] = row.picks_next_token
+            if row.drafts:
+                drafts += row.drafts
+            sent, prompt = r.num_sent_tokens, len(r.prompt_ids)
+            if prompt + len(r.output_ids) > sent:  # outputs the host accepted since the last step
+                new_ids = r.output_ids[sent - prompt :]
+                tok_ids += new_ids
+                tok_pos += range(sent, sent + len(new_ids))
+                tok_slot += [slot] * len(new_ids)
+                r.num_sent_tokens = sent + len(new_ids)
+            if num_blocks > r.num_sent_blocks:
+                block_updates.append((slot, r.num_sent_blocks, pool.blocks_from(r.id, r.num_sent_blocks)))
+                r.num_sent_blocks = num_blocks
+        return SchedulerOutput(
+            rows=rows, new_requests=new, slots=ints[0], starts=ints[1], num_tokens=ints[2], num_drafts=ints[3],
+            picks_next_token=picks, state_reads=ints[4], state_writes=ints[5], state_keeps=ints[6], num_blocks=ints[7],
+            draft_tokens=np.asarray(drafts, np.int32), num_steps=rows[0].steps if rows else 1,
+            token_updates=(np.asarray(tok_slot, np.int32), np.asarray(tok_pos, np.int32), np.asarray(tok_ids, np.int32)),
+            block_updates=block_updates, finished_slots=finished,
         )
 
     def padding_plan(self, T: int, B: int, max_row_len: int, M: int, verify: bool = False) -> StepPlan:
         """A step of the given shape with nothing in it: no K/V or state is written (warm-up).
         `verify`: sample like a speculative verify step ([1 + k, B] logits indices)."""
-        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        logits_indices = zeros(self.speculative.verify_positions, B) if verify else zeros(B)
-        return StepPlan(
-            zeros(T), zeros(T), np.full(T, -1, np.int32), zeros(T), zeros(B, M), zeros(B),
-            zeros(B), zeros(B), *(np.full(B, -1, np.int32) for _ in range(4)), logits_indices,
-            max_row_len=max_row_len,
-        )
+        return StepPlan.padding(T, B, max_row_len, M, self.speculative.verify_positions if verify else 0)

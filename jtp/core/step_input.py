@@ -56,6 +56,17 @@ class StepPlan:
     # rows then each sample `num_steps` tokens in a row on the device; 1 otherwise).
     num_steps: int = 1
 
+    @classmethod
+    def padding(cls, T: int, B: int, max_row_len: int, M: int, verify_positions: int = 0) -> "StepPlan":
+        """A step of the given shape with nothing in it: no K/V or state is written (warm-up).
+        `verify_positions` > 0: sample like a speculative verify step ([verify_positions, B] logits indices)."""
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        return cls(
+            zeros(T), zeros(T), np.full(T, -1, np.int32), zeros(T), zeros(B, M), zeros(B),
+            zeros(B), zeros(B), *(np.full(B, -1, np.int32) for _ in range(4)),
+            zeros(verify_positions, B) if verify_positions else zeros(B), max_row_len=max_row_len,
+        )
+
 
 class SamplingFlags(NamedTuple):
     """Compile-time (static, hashable) facts about a batch."""

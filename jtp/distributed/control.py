@@ -1,7 +1,7 @@
 """The leader <-> follower control channel: framed binary messages over TCP, authenticated.
 
 Not a collective layer (the step's all-reduces are XLA's, over JAX's own runtime); this only
-carries what the leader decides: each step's `StepInput` bytes and the other operations every
+carries what the leader decides: each step's `PackedStep` bytes and the other operations every
 process must run in the same order, plus followers' heartbeats and token digests.
 
 Wire format, per message (after the handshake):
@@ -11,7 +11,7 @@ Wire format, per message (after the handshake):
 
 The sequence number is implicit (each side counts), so a frame cannot be replayed, reordered or
 moved to the other direction. No pickle: payloads are bytes the caller encodes (JSON or
-`StepInput.encode()`).
+`PackedStep.encode()`).
 
 Handshake (mutual, before anything else is read): the server sends a nonce; the client answers
 HMAC(secret, "client" | server nonce) and its own nonce; the server checks it and answers
@@ -40,7 +40,7 @@ class Kind(enum.IntEnum):
     WELCOME = 2  # leader -> follower: admitted, or refused with the reason (JSON)
     READY = 3  # follower -> leader: devices up, model loaded (JSON: its mesh description)
     ALLOCATE = 4  # leader -> follower: allocate the KV cache with this many blocks (JSON)
-    STEP = 5  # leader -> follower: one StepInput (StepInput.encode())
+    STEP = 5  # leader -> follower: one step's packed buffers (PackedStep.encode())
     DIGEST = 6  # follower -> leader: a digest of one step's sampled tokens (JSON)
     HEARTBEAT = 7  # follower -> leader: alive (empty)
     FAILED = 8  # follower -> leader: a local operation raised (JSON)

@@ -1,6 +1,7 @@
 """A follower process: joins the leader's group, then runs exactly the operations the leader
 sends, in order, on its own devices. It schedules nothing and samples nothing of its own: each
-step arrives as a `StepInput` and goes through the same `ModelRunner.dispatch` as the leader's.
+step arrives as a `PackedStep` (the leader's own packed buffers) and goes through the same
+`ModelRunner.dispatch` as the leader's.
 
     python -m jtp.entrypoints.follower     spawned by a local leader (reads $JTP_LAUNCH)
     jtp serve ... --process-id 1 ...       one host of a launch across machines
@@ -70,7 +71,7 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
 
     devices = join_group(spec, args.tensor_parallel_size // spec.num_processes, args.heartbeat_timeout)
 
-    from jtp.core.step_input import StepInput
+    from jtp.core.packed_step import PackedStep
     from jtp.distributed.group import tokens_digest
     from jtp.worker.runner import ModelRunner
 
@@ -84,7 +85,7 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
         while True:
             kind, payload = inbox.get()
             if kind is Kind.STEP:
-                result = runner.dispatch(StepInput.decode(payload))
+                result = runner.dispatch(PackedStep.decode(payload))
                 if args.digest_interval and step % args.digest_interval == 0:
                     threading.Thread(target=_send_digest, args=(channel, step, result, tokens_digest),
                                      daemon=True).start()

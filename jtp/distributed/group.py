@@ -27,6 +27,7 @@ import threading
 import time
 import weakref
 
+from jtp.core.packed_step import PackedStep
 from jtp.core.step_input import StepInput
 from jtp.distributed.control import (
     AuthenticationError,
@@ -317,7 +318,11 @@ class GroupRunner(ModelRunner):
         self.group.broadcast(Kind.ALLOCATE, json.dumps({"num_blocks": num_blocks}).encode())
         super().allocate_cache(num_blocks)
 
-    def dispatch(self, step: StepInput):
+    def dispatch(self, step: PackedStep | StepInput):
+        # Followers get the packed buffers the leader's own jitted call takes: the same bytes
+        # on every process, and no host work there but the call.
+        if isinstance(step, StepInput):
+            step = PackedStep.from_step_input(step)
         self.group.broadcast(Kind.STEP, step.encode())
         result = super().dispatch(step)
         self.group.dispatched(self.steps, result)

@@ -38,23 +38,19 @@ import jax
 from jtp.config.engine_args import EngineArgs
 from jtp.config.engine_config import EngineConfig
 from jtp.core.block_hash import root_key
-from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling
+from jtp.core.sampling_params import SamplingParams
 from jtp.core.scheduler import Request, ScheduledRow, Scheduler, Status
-from jtp.core.step_input import StepInput, pack_stop_ids
 from jtp.engine import snapshot_store
 from jtp.engine.input_processor import InputProcessor
 from jtp.engine.memory import allocate_pools
-from jtp.engine.output_processor import (
-    Completion,
-    OutputProcessor,
-    RequestStream,
-    TokenEvent,
-)
+from jtp.engine.output_processor import Completion, OutputProcessor, RequestStream, TokenEvent
 from jtp.engine.snapshot_manager import SnapshotManager
 from jtp.engine.stats import EngineStats, collect_stats
+from jtp.engine.step_timing import StepTiming
 from jtp.engine.tokenizer import Tokenizer
 from jtp.engine.warmup import compile_step_shapes
 from jtp.errors import EngineClosedError, QueueFullError, RequestError, WorkerGroupError
+from jtp.worker.input_batch import InputBatch
 from jtp.worker.runner import ModelRunner, is_ready
 
 log = logging.getLogger(__name__)
@@ -68,6 +64,10 @@ def _drafts_of(row) -> list[int]:
 
 
 class Engine:
+    # Called after every step with its `StepTiming` (host time by phase), when set.
+    step_timings = None
+    _timing: StepTiming | None = None  # the current step's
+
     def __init__(self, config: EngineConfig, *, group=None, devices=None):
         """Load `config`'s model and build the pools, the scheduler and the tokenizer.
 
@@ -100,6 +100,9 @@ class Engine:
             states=self.states, cache_root=root_key(self.cache_identity) if config.enable_prefix_caching else None,
             num_scheduler_steps=config.num_scheduler_steps, speculative=self.speculative,
         )
+        # The worker's persistent rows, updated each step from the scheduler's output.
+        self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size, self.scheduler.buckets,
+                                      self.speculative.verify_positions if self.speculative is not None else 0)
         per_block, budget = self.runner.bytes_per_block(), config.snapshot_budget_bytes
         self.snapshots = SnapshotManager(
             config.max_snapshots, budget if budget is not None else self.pool.total_blocks * per_block // 2,
@@ -242,6 +245,8 @@ class Engine:
         history, so batches that use them run in lockstep.
         Returns the events of the step whose results were processed.
         """
+        timing = self._timing = StepTiming()
+        start = time.perf_counter()
         with self._lock:
             self.apply_inbox()
             previous, self._inflight = self._inflight, None
@@ -252,39 +257,48 @@ class Engine:
                 or any(r.params.has_penalties for r in self.scheduler.running)
             ):
                 events, previous = self._process(*previous), None
+            t = time.perf_counter()
             rows = self.scheduler.schedule()
             while not rows and self.scheduler.waiting and not self.scheduler.running and len(self.snapshots):
                 # Snapshots are a cache: they never hold a request back for good.
                 victim = self.snapshots.evict_oldest()
                 log.warning("evicted snapshot %s: the next request does not fit beside the snapshots", victim.id)
                 rows = self.scheduler.schedule()
+            timing.schedule += time.perf_counter() - t
             if rows:
                 self._inflight = (rows, self._dispatch(rows))
             if previous is not None:
                 events = self._process(*previous)
-            return events
+        timing.total = time.perf_counter() - start
+        if self.step_timings is not None:
+            self.step_timings(timing)
+        return events
 
     def _dispatch(self, rows: list[ScheduledRow]):
-        plan = self.scheduler.build_plan(rows)
-        B = len(plan.context_lens)
-        sampling_rows = [r.request.params if r.picks_next_token else None for r in rows]
-        seeds = [r.request.seed for r in rows]
-        steps = [r.request.num_generated for r in rows]
-        sampling = pack_sampling(sampling_rows, B, seeds, steps)
-        penalty = None
-        if sampling.static_flags().needs_penalties:
-            reqs = [r.request if r.picks_next_token else None for r in rows]
-            penalty = pack_penalty_tokens(
-                [q.prompt_ids if q else None for q in reqs], [q.output_ids if q else None for q in reqs], B
-            )
-        stop_ids = pack_stop_ids([r.request.stop_ids for r in rows], B) if plan.max_row_len == 1 else None
-        result = self.runner.dispatch(StepInput(plan, sampling, penalty, stop_ids))
+        t0 = time.perf_counter()
+        out = self.scheduler.output(rows)
+        t1 = time.perf_counter()
+        packed = self.input_batch.prepare(out)
+        t2 = time.perf_counter()
+        compilations = self.runner.compilations
+        result = self.runner.dispatch(packed)
         self.scheduler.dispatched(rows)
+        t3 = time.perf_counter()
+        timing = self._timing
+        timing.schedule += t1 - t0
+        timing.prepare += t2 - t1
+        timing.dispatch += t3 - t2
+        layout = packed.layout
+        timing.shape = (layout.num_tokens, layout.num_rows, layout.max_blocks)
+        timing.compiled = self.runner.compilations != compilations
         return result
 
     def _process(self, rows: list[ScheduledRow], result) -> list[TokenEvent]:
+        t0 = time.perf_counter()
         result = jax.device_get(result)  # waits for the device; fields are [steps, rows]
+        t1 = time.perf_counter()
         per_step = [jax.tree.map(lambda x, i=i: x[i], result) for i in range(len(result.tokens))]
+        tokens = result.tokens.tolist()
         events = []
         now = time.monotonic()
         for b, row in enumerate(rows):
@@ -300,8 +314,12 @@ class Engine:
                 req.num_unseen_tokens -= 1
                 if req.status is Status.RUNNING:  # else finished or aborted meanwhile: discard
                     req.first_token_time = req.first_token_time or now
-                    events.append(self._append(req, int(per_step[i].tokens[b]), per_step[i], b))
+                    events.append(self._append(req, tokens[i][b], per_step[i], b))
         self.outputs.publish()  # the step's events: one wake-up per request
+        timing = self._timing
+        if timing is not None:
+            timing.wait += t1 - t0
+            timing.process += time.perf_counter() - t0
         return events
 
     def _accept(self, row: ScheduledRow, per_step, b: int, now: float) -> list[TokenEvent]:

@@ -1,5 +1,7 @@
 """ModelRunner: the device side of the engine. It owns the sharded weights, the paged KV
-cache and the one jitted step; it consumes plain-numpy `StepPlan`s and returns the sampled results.
+cache and the one jitted step; it consumes packed steps (`PackedStep`: two flat numpy buffers,
+laid out by the engine's `InputBatch`, or packed from an explicit `StepInput`) and returns the
+sampled results.
 
 Everything about *which* tokens run is decided on the host (scheduler); the runner only
 executes. Followers in a multi-process deployment run the very same calls on their devices.
@@ -18,8 +20,9 @@ import numpy as np
 
 from jtp.config.engine_args import EngineArgs
 from jtp.config.engine_config import EngineConfig
-from jtp.core.sampling_params import MAX_LOGPROBS, pack_sampling
-from jtp.core.step_input import SamplingBatch, StepInput, StepPlan, pack_stop_ids
+from jtp.core.sampling_params import pack_sampling
+from jtp.core.step_input import SamplingBatch, StepInput, StepPlan
+from jtp.core.packed_step import PackedStep, StepLayout
 from jtp.loading.weights import load_params, resolve_dtype
 from jtp.models import family_of, mtp
 from jtp.models.attention import AttentionMetadata, choose_attention, zeroed_layer_kv
@@ -29,23 +32,36 @@ from jtp.worker import kv_cache
 from jtp.worker.sampler import SampleResult, sample
 
 
-def plan_metadata(plan: StepPlan) -> AttentionMetadata:
-    """The plan's arrays the model and attention read (the kernels' view of the batch)."""
-    verify = plan.logits_indices.ndim == 2  # a row's first sampled position is its last known token
-    return AttentionMetadata(
-        positions=plan.positions,
-        slot_mapping=plan.slot_mapping,
-        token_rows=plan.token_rows,
-        block_tables=plan.block_tables,
-        context_lens=plan.context_lens,
-        row_starts=plan.row_starts,
-        row_lens=plan.row_lens,
-        state_reads=plan.state_reads,
-        state_writes=plan.state_writes,
-        query_bound=np.arange(plan.max_row_len or len(plan.token_ids), dtype=np.int32),
-        state_keeps=plan.state_keeps if verify else None,
-        keep_lens=(plan.logits_indices[0] - plan.row_starts + 1).astype(np.int32) if verify else None,
+def unpack(layout: StepLayout, ints, floats):
+    """The step's arrays, sliced out of the packed buffers (inside the jit: static offsets).
+
+    Returns (tokens, attention metadata, logits indices, seq_slots, sampling, penalty tokens or
+    None, stop ids, num_steps)."""
+    f = layout.views(ints, floats)
+    verify = layout.verify_positions > 0  # a row's first sampled position is its last known token
+    logits_indices = f["logits_indices"]
+    meta = AttentionMetadata(
+        positions=f["positions"],
+        slot_mapping=f["slot_mapping"],
+        token_rows=f["token_rows"],
+        block_tables=f["block_tables"],
+        context_lens=f["context_lens"],
+        row_starts=f["row_starts"],
+        row_lens=f["row_lens"],
+        state_reads=f["state_reads"],
+        state_writes=f["state_writes"],
+        query_bound=jnp.arange(layout.max_row_len or layout.num_tokens, dtype=jnp.int32),
+        state_keeps=f["state_keeps"] if verify else None,
+        keep_lens=(logits_indices[0] - f["row_starts"] + 1).astype(jnp.int32) if verify else None,
     )
+    sampling = SamplingBatch(
+        temperature=f["temperature"], top_p=f["top_p"], top_k=f["top_k"], min_p=f["min_p"],
+        repetition_penalty=f["repetition_penalty"], presence_penalty=f["presence_penalty"],
+        frequency_penalty=f["frequency_penalty"], seed=jax.lax.bitcast_convert_type(f["seed"], jnp.uint32),
+        step=f["step"], logprobs=f["logprobs"],
+    )
+    penalty = (f["penalty_ids"], f["penalty_is_output"].astype(bool)) if layout.penalty_len else None
+    return f["token_ids"], meta, logits_indices, f["seq_slots"], sampling, penalty, f["stop_ids"], f["num_steps"][0]
 
 
 def is_ready(result) -> bool:
@@ -83,7 +99,7 @@ class ModelRunner:
         self._step_fn = jax.jit(
             functools.partial(_step, self.family, self.cfg, self.attention, self.experts, self.mtp_drafts),
             donate_argnums=(1, 2),
-            static_argnames=("flags",),
+            static_argnames=("layout",),
         )
         # Pure decode steps loop on the device: up to num_scheduler_steps tokens per row per dispatch,
         # so the host's cost of a call (launch, arguments, Python) is paid once for several tokens.
@@ -94,7 +110,7 @@ class ModelRunner:
                 num_scheduler_steps,
             ),
             donate_argnums=(1, 2),
-            static_argnames=("flags",),
+            static_argnames=("layout",),
         )
         self.compilations = 0  # traces of the step function: bounded by the bucket sets
         # The last token sampled for each state slot, kept on device: a plan can name it (token id -1)
@@ -144,46 +160,41 @@ class ModelRunner:
         except Exception:  # noqa: BLE001 - some backends raise instead of returning None
             return None
 
-    def dispatch(self, step: StepInput) -> SampleResult:
+    def dispatch(self, step: PackedStep | StepInput) -> SampleResult:
         """Enqueue one step (forward + sampling) and return at once with device-side results.
 
         Token id -1 in the plan means "the token last sampled for this row's state slot".
         Every result field has a leading axis of decode steps: [1, B] for a plain step,
-        [num_scheduler_steps, B] for a pure decode step, whose rows sample `plan.num_steps`
+        [num_scheduler_steps, B] for a pure decode step, whose rows sample `num_steps`
         tokens each (fewer if every row sampled a stop token; later entries are then zero).
         `jax.device_get` on the result waits for the device; only sampled results come back.
         """
-        args, flags = self._step_args(step)
+        args, layout = self._step_args(step)
+        num_steps = args[-2][layout.offsets()[0]["num_steps"][0]]
         with _count_traces(self):
-            if self._loops(step.plan):
-                result, self.cache, self.sampled = self._decode_fn(*args, *self._loop_args(step), flags=flags)
+            if self._loops(layout):
+                if not 1 <= num_steps <= self.num_scheduler_steps:
+                    raise ValueError(f"num_steps {num_steps} is outside 1..{self.num_scheduler_steps} (--num-scheduler-steps)")
+                if num_steps > 1 and layout.penalty_len:
+                    raise ValueError("penalties need the token history of every step: they run one step per dispatch")
+                result, self.cache, self.sampled = self._decode_fn(*args, layout=layout)
             else:
-                if step.plan.num_steps != 1:
-                    raise ValueError(f"a step with prompt rows runs one step, not {step.plan.num_steps}")
-                result, self.cache, self.sampled = self._step_fn(*args, flags=flags)
+                if num_steps != 1:
+                    raise ValueError(f"a step with prompt rows runs one step, not {num_steps}")
+                result, self.cache, self.sampled = self._step_fn(*args, layout=layout)
         return result
 
-    def _loops(self, plan: StepPlan) -> bool:
-        """Whether this plan runs through the decode loop (every pure decode step, when enabled)."""
-        return self.num_scheduler_steps > 1 and plan.max_row_len == 1
-
-    def _loop_args(self, step: StepInput):
-        n = step.plan.num_steps
-        if not 1 <= n <= self.num_scheduler_steps:
-            raise ValueError(f"num_steps {n} is outside 1..{self.num_scheduler_steps} (--num-scheduler-steps)")
-        if n > 1 and step.penalty_tokens is not None:
-            raise ValueError("penalties need the token history of every step: they run one step per dispatch")
-        B = len(step.plan.context_lens)
-        stop_ids = step.stop_ids if step.stop_ids is not None else pack_stop_ids([], B)
-        return np.asarray(stop_ids, np.int32), np.int32(n)
+    def _loops(self, layout: StepLayout) -> bool:
+        """Whether this step runs through the decode loop (every pure decode step, when enabled)."""
+        return self.num_scheduler_steps > 1 and layout.max_row_len == 1
 
     def compiled_text(self, plan: StepPlan, sampling: SamplingBatch | None = None, penalty_tokens=None) -> str:
         """The optimized HLO of the serving step (what `dispatch` runs) for this plan's shapes, to
         inspect its collectives. Sampling defaults to greedy rows without logprobs."""
         if sampling is None:
             sampling = pack_sampling([], len(plan.context_lens), [], [])
-        args, flags = self._step_args(StepInput(plan, sampling, penalty_tokens))
-        return self._step_fn.lower(*args, flags=flags).compile().as_text()
+        args, layout = self._step_args(StepInput(plan, sampling, penalty_tokens))
+        return self._step_fn.lower(*args, layout=layout).compile().as_text()
 
     # Snapshot pages (jtp/engine/snapshot_store.py): device work every process of a group runs in step order.
 
@@ -211,28 +222,22 @@ class ModelRunner:
                 leaf.delete()
         self.params = self.cache = self.sampled = None
 
-    def _step_args(self, step: StepInput):
-        """The step's positional arguments and static sampling flags.
+    def _step_args(self, step: PackedStep | StepInput):
+        """The step's positional arguments and its static layout.
 
-        The plan goes as int32 numpy arrays: the jitted call's C++ path transfers them (replicated)
-        far faster than one `jax.device_put` per array (~0.2 ms each)."""
-        plan, sampling, penalty_tokens = step.plan, step.sampling, step.penalty_tokens
-        tokens, meta, idx, seq_slots = jax.tree.map(
-            lambda a: np.asarray(a, np.int32), (plan.token_ids, plan_metadata(plan), plan.logits_indices, plan.seq_slots)
-        )
-        flags = sampling.static_flags()
-        # Any top-n request computes the maximum n: one compiled variant instead of twenty.
-        flags = flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
-        return (self.params, self.cache, self.sampled, tokens, meta, idx, seq_slots, sampling, penalty_tokens), flags
+        The host arrays go as two numpy buffers: the jitted call's C++ path transfers them
+        (replicated) far faster than one `jax.device_put` per array, and two far faster than two dozen."""
+        if isinstance(step, StepInput):
+            step = PackedStep.from_step_input(step)
+        return (self.params, self.cache, self.sampled, step.ints, step.floats), step.layout
 
 
-def _step(
-    family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
-    sampling, penalty_tokens, flags,
-):
+def _step(family, cfg, attention, experts, mtp_drafts, params, cache, sampled, ints, floats, layout):
     """The serving step: forward over the ragged batch, logits at each row's index, sampling.
     Results get a leading axis of one step (the decode loop's results have several)."""
     _TRACES.count += 1
+    tokens, meta, logits_indices, seq_slots, sampling, penalty_tokens, _, _ = unpack(layout, ints, floats)
+    flags = layout.flags
     result, cache, sampled = _forward_and_sample(
         family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
         sampling, penalty_tokens, flags,
@@ -243,8 +248,7 @@ def _step(
 
 
 def _decode_steps(
-    family, cfg, attention, experts, mtp_drafts, block_size, max_steps, params, cache, sampled, tokens, meta,
-    logits_indices, seq_slots, sampling, penalty_tokens, stop_ids, num_steps, flags,
+    family, cfg, attention, experts, mtp_drafts, block_size, max_steps, params, cache, sampled, ints, floats, layout,
 ):
     """Up to `num_steps` decode steps of a pure decode batch (one token per row) in one call.
 
@@ -254,6 +258,8 @@ def _decode_steps(
     slot it wrote before. The loop ends early once every row has sampled one of its stop ids.
     """
     _TRACES.count += 1
+    tokens, meta, logits_indices, seq_slots, sampling, penalty_tokens, stop_ids, num_steps = unpack(layout, ints, floats)
+    flags = layout.flags
     real_token = meta.slot_mapping >= 0
     real_row = seq_slots >= 0
     B, n = seq_slots.shape[0], flags.num_logprobs

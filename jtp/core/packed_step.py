@@ -1,0 +1,190 @@
+"""A step's host arrays packed into two flat buffers: what the jitted step takes, and what the
+leader sends each follower.
+
+Every array a step needs (`StepPlan`'s, the sampling columns, stop ids, the penalty history) sits
+at a static offset of one int32 buffer or one float32 buffer. The offsets depend only on the
+step's `StepLayout` (its bucket shape and what it carries), which is a static argument of the
+jitted step: the step slices its arrays back out of the buffers, and the call transfers two
+arrays instead of two dozen. The compiled shapes are the buckets' as before; the layout adds no
+variant a `StepInput` would not have had.
+
+Wire format (`PackedStep.encode` / `decode`): magic, version, a length-prefixed JSON header (the
+layout), then the two buffers' raw bytes. No pickle, nothing executable. Imports numpy only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import struct
+from typing import NamedTuple
+
+import numpy as np
+
+from jtp.core.sampling_params import MAX_LOGPROBS
+from jtp.core.step_input import (
+    STOP_IDS_WIDTH,
+    SamplingBatch,
+    SamplingFlags,
+    StepInput,
+    StepPlan,
+    pack_stop_ids,
+)
+
+# Names of the plan's, then the sampling batch's, arrays in each buffer.
+_PLAN_INTS = ("token_ids", "positions", "slot_mapping", "token_rows", "block_tables", "context_lens",
+              "row_starts", "row_lens", "seq_slots", "state_reads", "state_writes", "state_keeps", "logits_indices")
+_SAMPLING_INTS = ("top_k", "seed", "step", "logprobs")
+_SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+class StepLayout(NamedTuple):
+    """The static facts of a packed step (hashable: the jitted step's static argument)."""
+
+    num_tokens: int  # T
+    num_rows: int  # B
+    max_blocks: int  # M: block-table width
+    max_row_len: int | None  # the tokens-per-row bucket (None: T)
+    verify_positions: int  # 1 + k in a speculative verify step ([1 + k, B] logits indices), else 0
+    penalty_len: int  # L of the [B, L] penalty history, 0 without one
+    flags: SamplingFlags
+
+    def shapes(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        return _shapes(self)
+
+    def offsets(self) -> tuple[dict[str, tuple[int, tuple[int, ...]]], dict[str, tuple[int, tuple[int, ...]]], int, int]:
+        """(int fields, float fields) as name -> (offset, shape), and the two buffers' lengths."""
+        return _offsets(self)
+
+    def views(self, ints, floats) -> dict:
+        """Every field as a view (numpy) or slice (traced) of the two buffers."""
+        int_fields, float_fields, _, _ = self.offsets()
+        out = {}
+        for buf, fields in ((ints, int_fields), (floats, float_fields)):
+            for name, (start, shape) in fields.items():
+                out[name] = buf[start : start + _size(shape)].reshape(shape)
+        return out
+
+
+def _size(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@functools.cache
+def _shapes(layout: StepLayout):
+    T, B, M = layout.num_tokens, layout.num_rows, layout.max_blocks
+    ints = {name: (T,) for name in _PLAN_INTS[:4]}
+    ints["block_tables"] = (B, M)
+    ints.update({name: (B,) for name in _PLAN_INTS[5:12]})
+    ints["logits_indices"] = (layout.verify_positions, B) if layout.verify_positions else (B,)
+    ints.update({name: (B,) for name in _SAMPLING_INTS})
+    ints["stop_ids"] = (B, STOP_IDS_WIDTH)
+    ints["num_steps"] = (1,)
+    if layout.penalty_len:
+        ints["penalty_ids"] = ints["penalty_is_output"] = (B, layout.penalty_len)
+    return ints, {name: (B,) for name in _SAMPLING_FLOATS}
+
+
+@functools.cache
+def _offsets(layout: StepLayout):
+    result, lengths = [], []
+    for shapes in _shapes(layout):
+        fields, cursor = {}, 0
+        for name, shape in shapes.items():
+            fields[name] = (cursor, shape)
+            cursor += _size(shape)
+        result.append(fields)
+        lengths.append(cursor)
+    return result[0], result[1], lengths[0], lengths[1]
+
+
+def static_flags(sampling: SamplingBatch) -> SamplingFlags:
+    """The sampling batch's compile-time flags, with any top-n request rounded up to MAX_LOGPROBS
+    (one compiled variant instead of twenty)."""
+    flags = sampling.static_flags()
+    return flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
+
+
+@dataclasses.dataclass
+class PackedStep:
+    layout: StepLayout
+    ints: np.ndarray  # i32[n]
+    floats: np.ndarray  # f32[m]
+
+    MAGIC = b"JTPP"
+    VERSION = 1
+
+    @classmethod
+    def empty(cls, layout: StepLayout) -> "PackedStep":
+        _, _, n_int, n_float = layout.offsets()
+        return cls(layout, np.zeros(n_int, np.int32), np.zeros(n_float, np.float32))
+
+    def fields(self) -> dict[str, np.ndarray]:
+        return self.layout.views(self.ints, self.floats)
+
+    @property
+    def num_steps(self) -> int:
+        int_fields = self.layout.offsets()[0]
+        return int(self.ints[int_fields["num_steps"][0]])
+
+    @classmethod
+    def from_step_input(cls, step: StepInput) -> "PackedStep":
+        """Pack an explicit `StepInput` (warm-up, tests, tools)."""
+        plan, sampling, penalty = step.plan, step.sampling, step.penalty_tokens
+        li = plan.logits_indices
+        layout = StepLayout(
+            len(plan.token_ids), *plan.block_tables.shape, plan.max_row_len, li.shape[0] if li.ndim == 2 else 0,
+            penalty[0].shape[1] if penalty is not None else 0, static_flags(sampling),
+        )
+        packed = cls.empty(layout)
+        f = packed.fields()
+        for name in _PLAN_INTS:
+            f[name][...] = getattr(plan, name)
+        for name in _SAMPLING_INTS + _SAMPLING_FLOATS:
+            value = np.asarray(getattr(sampling, name))
+            f[name][...] = value.view(np.int32) if value.dtype == np.uint32 else value
+        B = layout.num_rows
+        f["stop_ids"][...] = step.stop_ids if step.stop_ids is not None else pack_stop_ids([], B)
+        f["num_steps"][0] = plan.num_steps
+        if penalty is not None:
+            f["penalty_ids"][...], f["penalty_is_output"][...] = penalty
+        return packed
+
+    def to_step_input(self) -> StepInput:
+        """The explicit arrays again (copies): what tests and tools inspect."""
+        f = {k: np.array(v) for k, v in self.fields().items()}
+        plan = StepPlan(**{name: f[name] for name in _PLAN_INTS}, max_row_len=self.layout.max_row_len,
+                        num_steps=int(f["num_steps"][0]))
+        sampling = SamplingBatch(**{name: f[name] for name in _SAMPLING_INTS + _SAMPLING_FLOATS})
+        sampling = sampling._replace(seed=sampling.seed.view(np.uint32))
+        penalty = (f["penalty_ids"], f["penalty_is_output"].astype(bool)) if self.layout.penalty_len else None
+        return StepInput(plan, sampling, penalty, f["stop_ids"])
+
+    def encode(self) -> bytes:
+        header = json.dumps({"layout": [*self.layout[:6], list(self.layout.flags)]}).encode()
+        return b"".join([self.MAGIC, struct.pack("<HI", self.VERSION, len(header)), header,
+                         np.ascontiguousarray(self.ints, np.int32).tobytes(),
+                         np.ascontiguousarray(self.floats, np.float32).tobytes()])
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> "PackedStep":
+        data = memoryview(data)
+        if bytes(data[:4]) != cls.MAGIC:
+            raise ValueError("not a jtp packed step (bad magic)")
+        version, length = struct.unpack_from("<HI", data, 4)
+        if version != cls.VERSION:
+            raise ValueError(f"packed step version {version}, this jtp reads {cls.VERSION}")
+        fields = json.loads(bytes(data[10 : 10 + length]))["layout"]
+        flags = fields[6]
+        layout = StepLayout(*(int(x) if x is not None else None for x in fields[:6]),
+                            SamplingFlags(bool(flags[0]), bool(flags[1]), int(flags[2])))
+        _, _, n_int, n_float = layout.offsets()
+        start = 10 + length
+        if len(data) != start + 4 * (n_int + n_float):
+            raise ValueError(f"packed step of {len(data)} bytes, its layout needs {start + 4 * (n_int + n_float)}")
+        ints = np.frombuffer(data[start : start + 4 * n_int], np.int32).copy()
+        floats = np.frombuffer(data[start + 4 * n_int :], np.float32).copy()
+        return cls(layout, ints, floats)

@@ -1,0 +1,184 @@
+"""The persistent input batch: per-slot rows the worker keeps between steps, and each step's
+packed host arrays laid out from them with vectorised numpy.
+
+A slot's row is written once when its request is admitted (prompt tokens, sampling columns,
+stop ids) and then only changed by the diffs of each `SchedulerOutput` (tokens the host
+accepted, blocks its table gained). A step then costs a handful of array operations whatever its
+batch: token ids are one gather from the token table (-1 where the device's sampled-token buffer
+fills in a token the host has not seen), positions and slot mapping come from `np.repeat` of the
+rows' starts, sampling parameters are gathered by slot. The result is a `PackedStep`: two flat
+buffers at the static offsets of its `StepLayout` (jtp/core/packed_step.py).
+
+Numpy only (the device side is the runner's).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from jtp.core.packed_step import MAX_LOGPROBS, PackedStep, StepLayout
+from jtp.core.scheduler import Buckets
+from jtp.core.scheduler_output import SchedulerOutput
+from jtp.core.step_input import GREEDY_EPS, STOP_IDS_WIDTH, SamplingFlags
+
+# Sampling columns, in their packed order, and the value of a row that does not sample (greedy,
+# no penalties). "step" is the row's own (tokens it generated so far), computed every step.
+_FLOAT_COLUMNS = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+                  "presence_penalty": 0.0, "frequency_penalty": 0.0}
+_INT_COLUMNS = {"top_k": 0, "seed": 0, "step": 0, "logprobs": -1}
+PENALTY_MIN_LEN = 64  # the penalty history's length: a power of two >= this (few compiled lengths)
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, buckets: Buckets,
+                 verify_positions: int = 0):
+        """`verify_positions`: 1 + k of the speculative config (0: never a verify step)."""
+        self.buckets = buckets
+        self.block_size = block_size
+        self.verify_positions = verify_positions
+        S = max_num_seqs
+        # Zero pages cost nothing until written: the table only touches what prompts fill.
+        self.token_table = np.zeros((S, max_model_len), np.int32)
+        self.num_known = np.zeros(S, np.int32)  # tokens of the slot's request the host knows
+        self.num_prompt = np.zeros(S, np.int32)
+        self.block_table = np.zeros((S, max(buckets.blocks)), np.int32)
+        self.sampling_floats = np.tile(np.array(list(_FLOAT_COLUMNS.values()), np.float32), (S, 1))
+        self.sampling_ints = np.tile(np.array(list(_INT_COLUMNS.values()), np.int32), (S, 1))
+        self.stop_ids = np.full((S, STOP_IDS_WIDTH), -1, np.int32)
+        # Per-slot facts behind the step's static sampling flags.
+        self.truncates = np.zeros(S, bool)  # samples (not greedy) and uses top-k / top-p / min-p
+        self.penalised = np.zeros(S, bool)
+        self._arange = np.arange(max(buckets.tokens[-1], max(buckets.blocks), verify_positions, S) + 1, dtype=np.int32)
+        self._templates: dict[StepLayout, tuple[np.ndarray, np.ndarray]] = {}
+
+    # ------------------------------------------------------------------ diffs
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Apply the step's diffs: new requests' rows, accepted tokens, grown block tables."""
+        for new in out.new_requests:
+            s, p = new.slot, new.params
+            n = len(new.token_ids)
+            self.token_table[s, :n] = new.token_ids
+            self.num_known[s], self.num_prompt[s] = n, new.num_prompt
+            self.block_table[s] = 0
+            self.sampling_floats[s] = [getattr(p, name) for name in _FLOAT_COLUMNS]
+            seed = int(np.uint32(new.seed % 2**32).view(np.int32))
+            self.sampling_ints[s] = (max(p.top_k, 0), seed, 0, -1 if p.logprobs is None else p.logprobs)
+            stops = sorted(new.stop_ids)[:STOP_IDS_WIDTH]
+            self.stop_ids[s] = -1
+            self.stop_ids[s, : len(stops)] = stops
+            # From the float32 columns, as the device sees them.
+            temperature, top_p, min_p, rep, pres, freq = self.sampling_floats[s]
+            self.truncates[s] = temperature >= GREEDY_EPS and (p.top_k > 0 or top_p < 1.0 or min_p > 0.0)
+            self.penalised[s] = rep != 1.0 or pres != 0.0 or freq != 0.0
+        slots, positions, tokens = out.token_updates
+        if len(tokens):
+            self.token_table[slots, positions] = tokens
+            np.maximum.at(self.num_known, slots, positions + 1)
+        for slot, first, blocks in out.block_updates:
+            self.block_table[slot, first : first + len(blocks)] = blocks
+
+    # ------------------------------------------------------------------ the step's arrays
+
+    def prepare(self, out: SchedulerOutput) -> PackedStep:
+        """Apply the diffs, then lay the step out: a `PackedStep` padded to the buckets."""
+        self.update(out)
+        n = out.num_rows
+        slots, starts, lens = out.slots, out.starts, out.num_tokens
+        samples = out.picks_next_token
+        all_sample = bool(samples.all())
+        total = int(lens.sum())
+        T, B, max_row_len = self.buckets.step_shape(total, n, int(lens.max()))
+        M = Buckets.pick(self.buckets.blocks, int(out.num_blocks.max()))
+        verify = len(out.draft_tokens) > 0
+        sampling_slots = slots if all_sample else slots[samples]
+        flags = SamplingFlags(
+            needs_top_k_p_min_p=bool(self.truncates[sampling_slots].any()),
+            needs_penalties=bool(self.penalised[sampling_slots].any()),
+            num_logprobs=MAX_LOGPROBS if (self.sampling_ints[sampling_slots, 3] > 0).any() else 0,
+        )
+        penalty_len = 0
+        if flags.needs_penalties:
+            known = np.where(samples, self.num_known[slots], 0)
+            longest = int(known.max(initial=0))
+            penalty_len = max(PENALTY_MIN_LEN, 1 << max(0, longest - 1).bit_length())
+        layout = StepLayout(T, B, M, max_row_len, self.verify_positions if verify else 0, penalty_len, flags)
+        ints, floats = (buf.copy() for buf in self._template(layout))
+        packed = PackedStep(layout, ints, floats)
+        f = packed.fields()
+
+        # Tokens: row b's run starts at cu[b] - lens[b] in the flat batch.
+        cu = np.cumsum(lens, dtype=np.int32)
+        first = cu - lens
+        token_rows = np.repeat(self._arange[:n], lens)
+        positions = self._arange[:total] + (starts - first)[token_rows]
+        token_slots = slots[token_rows]
+        width = self.token_table.shape[1]
+        token_ids = self.token_table[token_slots, np.minimum(positions, width - 1)]
+        token_ids[positions >= self.num_known[token_slots]] = -1  # pending: the device fills it in
+        if verify:  # a row's drafts are its last num_drafts tokens
+            draft_from = (cu - out.num_drafts)[token_rows]
+            token_ids[self._arange[:total] >= draft_from] = out.draft_tokens
+        bs = self.block_size
+        f["token_ids"][:total] = token_ids
+        f["positions"][:total] = positions
+        f["slot_mapping"][:total] = self.block_table[token_slots, positions // bs] * bs + positions % bs
+        f["token_rows"][:total] = token_rows
+
+        # Rows (padding rows keep the template's values).
+        table = self.block_table[slots, :M]
+        table[self._arange[:M] >= out.num_blocks[:, None]] = 0  # blocks past the row's own: stale
+        f["block_tables"][:n] = table
+        f["context_lens"][:n] = starts + lens
+        f["row_starts"][:n] = first
+        f["row_starts"][n:] = total
+        f["row_lens"][:n] = lens
+        f["seq_slots"][:n] = slots
+        f["state_reads"][:n] = out.state_reads
+        f["state_writes"][:n] = out.state_writes
+        f["state_keeps"][:n] = out.state_keeps
+        last = cu - 1
+        if verify:
+            P = self.verify_positions
+            f["logits_indices"][:, :n] = np.minimum(last - out.num_drafts + self._arange[:P, None], last)
+        else:
+            f["logits_indices"][:n] = last
+        f["stop_ids"][:n] = self.stop_ids[slots]
+        f["num_steps"][0] = out.num_steps
+
+        # Sampling: the slot's columns for rows that sample (the template's neutral values elsewhere),
+        # written as the [columns, B] blocks they are in the buffers.
+        int_fields = layout.offsets()[0]
+        start = int_fields["top_k"][0]
+        sampling_ints = ints[start : start + 4 * B].reshape(4, B)
+        sampling_floats = floats.reshape(6, B)
+        rows = slice(None) if all_sample else samples
+        sampling_ints[:, :n][:, rows] = self.sampling_ints[slots[rows]].T
+        sampling_floats[:, :n][:, rows] = self.sampling_floats[slots[rows]].T
+        # A sampling row generates its token number (tokens so far) - (prompt).
+        sampling_ints[2, :n] = np.where(samples, starts + lens - out.num_drafts - self.num_prompt[slots], 0)
+        if penalty_len:
+            cols = np.arange(penalty_len, dtype=np.int32)[None, :]
+            history = np.zeros((n, penalty_len), np.int32)
+            w = min(penalty_len, width)
+            history[:, :w] = self.token_table[slots, :w]
+            in_history = cols < known[:, None]
+            f["penalty_ids"][:n] = np.where(in_history, history, -1)
+            f["penalty_is_output"][:n] = in_history & (cols >= self.num_prompt[slots][:, None])
+        return packed
+
+    def _template(self, layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
+        """Buffers of the layout holding a padding step's values (copied, then filled, each step)."""
+        template = self._templates.get(layout)
+        if template is None:
+            packed = PackedStep.empty(layout)
+            f = packed.fields()
+            for name in ("slot_mapping", "seq_slots", "state_reads", "state_writes", "state_keeps", "stop_ids"):
+                f[name][...] = -1
+            if layout.penalty_len:
+                f["penalty_ids"][...] = -1
+            for name, default in _INT_COLUMNS.items():
+                f[name][...] = default
+            for name, default in _FLOAT_COLUMNS.items():
+                f[name][...] = default
+            template = self._templates[layout] = (packed.ints, packed.floats)
+        return template
