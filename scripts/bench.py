@@ -295,7 +295,7 @@ def model_figures(runner, dtype_bytes: int) -> dict:
         lm_head_params=int(V * H),
         kv_bytes_per_token=int(attention_layers * 2 * cfg.num_kv_heads * D * dtype_bytes),
         # Read and written once per decode step by every running sequence (0 for Qwen3).
-        state_bytes_per_seq_step=int(2 * state_bytes // runner.max_seqs),
+        state_bytes_per_seq_step=int(2 * state_bytes // runner.max_num_seqs),
     )
 
 

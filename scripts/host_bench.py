@@ -52,7 +52,7 @@ class FakeRunner:
         self.dtype = "bfloat16"
         self.tp = 1
         self.block_size = config.block_size
-        self.max_num_seqs = self.max_seqs = config.max_num_seqs
+        self.max_num_seqs = config.max_num_seqs
         self.num_state_slots = config.num_state_slots
         self.compilations = 0
         self.load_format = "dummy"
@@ -62,7 +62,7 @@ class FakeRunner:
         L = self.cfg.num_layers
         self.params = [jax.device_put(np.zeros(1, np.float32)) for _ in range(11 * L + 2 + (not self.cfg.tie_word_embeddings))]
         self.cache = [jax.device_put(np.zeros(1, np.float32)) for _ in range(2 * L)]
-        self.sampled = jax.device_put(np.zeros(self.max_seqs, np.int32), replicated(self.mesh))
+        self.sampled = jax.device_put(np.zeros(self.max_num_seqs, np.int32), replicated(self.mesh))
         self._fn = jax.jit(_fake_step, donate_argnums=(1, 2), static_argnames=("flags",))
 
     def bytes_per_block(self) -> int:
