@@ -338,10 +338,21 @@ class StepTimer:
         self.compile_calls = 0
         self.shapes: dict[str, int] = {}  # "T x B x M" of each dispatched step -> steps run with it
         self.last_shape = None
+        self.phases = []  # every step's StepTiming since the last take_phases()
         engine.step_timings = self.record
+
+    def take_phases(self) -> dict:
+        """Median ms per step of each host phase (process without its wait) since the last call."""
+        steps, self.phases = self.phases, []
+        if not steps:
+            return {}
+        phase = {"schedule": lambda s: s.schedule, "prepare": lambda s: s.prepare, "dispatch": lambda s: s.dispatch,
+                 "process": lambda s: s.process - s.wait}
+        return {name: 1e3 * statistics.median(map(f, steps)) for name, f in phase.items()}
 
     def record(self, timing) -> None:
         self.last_wait += timing.wait
+        self.phases.append(timing)
         if timing.shape is not None:
             self.last_shape = timing.shape
             key = "x".join(map(str, timing.shape))
@@ -386,6 +397,7 @@ def run_decode(engine, timer, rng, batch: int, args, chunk: int) -> dict:
     spec_before = engine.stats()
     t_all = time.perf_counter()
     timer.take_wait()
+    timer.take_phases()
     for _ in range(args.decode_steps):
         t = time.perf_counter()
         events = engine.step()
@@ -418,6 +430,7 @@ def run_decode(engine, timer, rng, batch: int, args, chunk: int) -> dict:
         ms_per_step_mean=1e3 * total_s / args.decode_steps,
         wait_ms_per_step_median=1e3 * statistics.median(runner_s),
         host_ms_per_step_median=1e3 * statistics.median(s - r for s, r in zip(step_s, runner_s)),
+        host_phases_ms_median=timer.take_phases(),
         plan_shape_TxBxM=[T, B_pad, M],
         speculative=None if engine.speculative is None else speculation_counts(spec_before, spec),
     )

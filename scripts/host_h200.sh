@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$TREE JTP_COMPILATION_CACHE=""
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1 || true
-for spec in qwen3-0.6b:1,64 qwen3-8b:1,8,64 qwen3.5-9b:1,64 qwen3-30b-a3b:1,64; do
+for spec in ${PRESETS:-qwen3-0.6b:1,64 qwen3-8b:1,8,64 qwen3.5-9b:1,64 qwen3-30b-a3b:1,64}; do
   preset=${spec%%:*} batches=${spec#*:}
   python3 "$TREE/scripts/make_random_checkpoint.py" --preset "$preset" --out "/tmp/$preset" --config-only > /dev/null
   timeout ${BENCH_SECONDS:-170} python3 "$TREE/scripts/bench.py" --model "/tmp/$preset" --load-format dummy \
