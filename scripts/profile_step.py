@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import hashlib
 import json
 import os
 import statistics
@@ -115,7 +116,7 @@ def markdown(res: dict) -> str:
     lines = [
         f"# profile_step: {res['model']} tp={res['tp']} B={res['batch']} context {res['context']} ({res['device']})",
         "",
-        f"`{res['command']}`",
+        f"`{res['command']}`" + (f" with XLA_FLAGS=`{res['xla_flags']}`" if res.get("xla_flags") else ""),
         "",
         "| host phase (median ms/step) | ms |",
         "|---|---:|",
@@ -150,6 +151,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
     ap.add_argument("--top", type=int, default=12, help="kernels and host events listed")
+    ap.add_argument("--sync", action="store_true",
+                    help="let the device finish each timed step before the next: the host phases without any "
+                         "wait inside the driver for the step still running")
     ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                     help="dummy: random weights drawn on the devices from config.json alone")
     args = ap.parse_args(argv)
@@ -179,20 +183,26 @@ def main(argv=None) -> int:
         engine.step()
     for _ in range(args.steps):
         timer.step(engine)
+        if args.sync:
+            jax.block_until_ready(engine.runner.sampled)
     res = {
         "command": " ".join(["scripts/profile_step.py", *(argv if argv is not None else sys.argv[1:])]),
-        "model": Path(args.model).name, "tp": args.tp, "batch": args.batch, "context": args.context,
+        "model": Path(args.model).name, "tp": args.tp, "batch": args.batch, "context": args.context, "sync": args.sync,
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "jax": jax.__version__,
-        "host_ms": timer.medians_ms(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "host_ms": timer.medians_ms(),
     }
     with jax.profiler.trace(str(args.out), create_perfetto_trace=True):
         for _ in range(args.steps):
             engine.step()
+            if args.sync:
+                jax.block_until_ready(engine.runner.sampled)
         jax.block_until_ready(engine.runner.sampled)
     try:
         res["trace"] = summarize_trace(*trace_events(args.out), args.steps, args.top)
     except (FileNotFoundError, KeyError, ValueError) as e:
         res["trace_error"] = f"{type(e).__name__}: {e}"
+    # Greedy tokens of every request: equal across runs that change only how the step is launched.
+    res["tokens_sha256"] = hashlib.sha256(np.asarray([t for o in outs for t in o.request.output_ids], np.int64)).hexdigest()[:16]
     for r in rids:
         engine.abort(r)
     engine.close()
