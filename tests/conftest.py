@@ -8,13 +8,16 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "").split()
-# The tests compile hundreds of tiny step programs and run each a few times: at LLVM's -O0 a CPU
-# compile takes ~40% less CPU time (the warm-up of a demo engine: 114 s -> 70 s), and no test is
-# about codegen speed. Same tokens and logprobs within every test's tolerance; set
-# JTP_TEST_XLA_OPT=1 to test at XLA's default optimisation level instead.
-_opt = "--xla_backend_optimization_level=0"
-if os.environ.get("JTP_TEST_XLA_OPT") != "1" and not any(f.startswith("--xla_backend_optimization_level") for f in _flags):
-    _flags.append(_opt)
+# The tests compile hundreds of tiny step programs and run each a few times, and no test is about
+# codegen speed: LLVM's -O0, XLA's older loop emitters and one codegen unit per program compile a
+# step 2-3x faster on a CI core (docs/bench/ci-time.md), with the same tokens and logprobs within
+# every test's tolerance. JTP_TEST_XLA_OPT=1 tests with XLA's defaults instead.
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                 "--xla_cpu_parallel_codegen_split_count=1")
+if os.environ.get("JTP_TEST_XLA_OPT") != "1":
+    for _flag in _FAST_COMPILE:
+        if not any(f.startswith(_flag.split("=")[0] + "=") for f in _flags):
+            _flags.append(_flag)
 if not any(f.startswith("--xla_force_host_platform_device_count") for f in _flags):
     _flags.append("--xla_force_host_platform_device_count=8")
 os.environ["XLA_FLAGS"] = " ".join(_flags)
