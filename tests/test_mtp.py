@@ -84,9 +84,23 @@ class MTPCheckpoint:
             return self.head(inputs_embeds=x).logits[0, -1].numpy()
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """kind -> its MTPCheckpoint, built once per module."""
+    made = {}
+
+    def get(kind: str) -> MTPCheckpoint:
+        if kind not in made:
+            made[kind] = MTPCheckpoint(kind, tmp_path_factory.mktemp(kind))
+        return made[kind]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text"])
-def checkpoint(request, tmp_path_factory):
-    return MTPCheckpoint(request.param, tmp_path_factory.mktemp(request.param))
+def checkpoint(request, checkpoints):
+    """Both families' heads (their tensor names and configs differ): the drafting tests."""
+    return checkpoints(request.param)
 
 
 def generate_recording_drafts(path, monkeypatch, **kw):
@@ -131,8 +145,10 @@ def test_mtp_drafts_are_the_heads_guesses_and_keep_every_output(checkpoint, monk
     assert spec2 == plain and proposals2 == proposals
 
 
-def test_chained_mtp_drafts(checkpoint, monkeypatch):
-    """k = 3: the head chained on its own output; 16-token pages leave room for most chains."""
+def test_chained_mtp_drafts(checkpoints, monkeypatch):
+    """k = 3: the head chained on its own output; 16-token pages leave room for most chains. (One
+    family: chaining runs the same head code for both, which the k = 1 test loads from each.)"""
+    checkpoint = checkpoints("qwen3_5_text")
     kw = dict(block_size=16, num_blocks=48)
     plain, _, _ = generate_recording_drafts(checkpoint.path, monkeypatch, **kw)
     spec, proposals, stats = generate_recording_drafts(
@@ -151,10 +167,12 @@ def test_mtp_needs_a_head(tmp_path):
         Engine.from_args(EngineArgs(model=path, **KW, speculative_config=MTP))
 
 
-def test_snapshots_carry_the_heads_kv_and_say_so(checkpoint, tmp_path):
+def test_snapshots_carry_the_heads_kv_and_say_so(checkpoints, tmp_path):
     """With MTP on, a snapshot holds the head's K/V layer too: it loads into an engine drafting with
     MTP and continues as the live engine does, and an engine without the head refuses it (and the
-    other way round) with a message that says why, instead of misplacing a cache layer."""
+    other way round) with a message that says why, instead of misplacing a cache layer. (One family:
+    the head's K/V layer is the same in both.)"""
+    checkpoint = checkpoints("qwen3_5_text")
     kw = {**KW, "enable_prefix_caching": True}
     prefix = np.random.default_rng(3).integers(0, 128, 13).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=6)

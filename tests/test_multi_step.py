@@ -129,25 +129,33 @@ def hybrid_path(tmp_path_factory):
     return save(build_model("qwen3_5_text_hk4", seed=3), tmp_path_factory.mktemp("hk4-multistep"))
 
 
+def run_with_follow_ups(engine):
+    """The staggered workload, then a follow-up turn of four of its conversations: (outputs,
+    follow-up tokens, prefix-cache hits of the follow-ups)."""
+    prompts, params = workload(seed=2, vocab=128)
+    out = outputs(run_staggered(engine, prompts, params))
+    follow = [p + out[i][0] + [1, 2] for i, p in enumerate(prompts[:4])]
+    hits = engine.scheduler.prefix_hits
+    again = engine.generate(follow, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    return out, [c.token_ids for c in again], engine.scheduler.prefix_hits - hits
+
+
+@pytest.fixture(scope="module")
+def hybrid_one_step_per_dispatch(hybrid_path):
+    with Engine.from_args(EngineArgs(model=hybrid_path, **KW, num_scheduler_steps=1)) as engine:
+        return run_with_follow_ups(engine)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
-def test_hybrid_multi_step_equals_one_step_per_dispatch_with_checkpoints(hybrid_path, tp):
+def test_hybrid_multi_step_equals_one_step_per_dispatch_with_checkpoints(hybrid_path, hybrid_one_step_per_dispatch, tp):
     """DeltaNet state advances in place across the loop's steps; with prefix caching a dispatch
     stops at each block boundary so decode checkpoints are taken where one step per dispatch takes
     them: a follow-up turn that resends prompt + answer finds as many cached tokens."""
-    prompts, params = workload(seed=2, vocab=128)
-
-    def run(engine):
-        out = outputs(run_staggered(engine, prompts, params))
-        follow = [p + out[i][0] + [1, 2] for i, p in enumerate(prompts[:4])]
-        hits = engine.scheduler.prefix_hits
-        again = engine.generate(follow, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-        return out, [c.token_ids for c in again], engine.scheduler.prefix_hits - hits
-
-    expected = run(Engine.from_args(EngineArgs(model=hybrid_path, **KW, num_scheduler_steps=1)))
+    expected = hybrid_one_step_per_dispatch
     assert expected[2] > 0, "follow-ups hit decode checkpoints"
     engine = Engine.from_args(EngineArgs(model=hybrid_path, tensor_parallel_size=tp, **KW, num_scheduler_steps=4))
     spy = StepSpy(engine)
-    got = run(engine)
+    got = run_with_follow_ups(engine)
     assert_same_outputs(got[0], expected[0])
     assert got[1:] == expected[1:]
     assert max(spy.steps) > 1

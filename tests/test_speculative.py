@@ -146,17 +146,30 @@ def checkpoint_path(request, family: str):
     return request.getfixturevalue("dense_path" if family == "qwen3" else "moe_path")
 
 
+@pytest.fixture(scope="module")
+def reference_runs(request):
+    """family -> (prompts, params, outputs) of the workload without speculation, run once per
+    family and shared by its tp cases."""
+    runs = {}
+
+    def get(family):
+        if family not in runs:
+            with Engine.from_args(EngineArgs(model=checkpoint_path(request, family), **KW)) as reference:
+                prompts, params = workload(reference.cfg.vocab_size, seed=1)
+                runs[family] = prompts, params, outputs(run_staggered(reference, prompts, params))
+        return runs[family]
+
+    return get
+
+
 @pytest.mark.parametrize("family, tp", [("qwen3", 1), ("qwen3", 2), ("qwen3_moe", 1), ("qwen3_moe", 2),
                                         ("qwen3_5_text", 1), ("qwen3_next", 2)])
-def test_speculation_keeps_every_output(request, family, tp):
+def test_speculation_keeps_every_output(request, reference_runs, family, tp):
     """Hybrids too: a rejected draft rolls the Gated DeltaNet state back (counted), and the next
     tokens still equal the non-speculative run's. (One tp per hybrid: each compiles ~2 minutes
     of step variants on a CI core; the state slots are per row, so tp does not touch the rollback.)"""
     path = checkpoint_path(request, family)
-    reference = Engine.from_args(EngineArgs(model=path, **KW))
-    prompts, params = workload(reference.cfg.vocab_size, seed=tp)
-    expected = outputs(run_staggered(reference, prompts, params))
-    reference.close()
+    prompts, params, expected = reference_runs(family)
 
     engine = Engine.from_args(EngineArgs(model=path, tensor_parallel_size=tp, **KW, speculative_config=NGRAM))
     if engine.states is not None:
@@ -173,7 +186,7 @@ def test_speculation_keeps_every_output(request, family, tp):
         events = original_step()
         in_flight = {row.request.id: len(row.drafts) for row in engine.inflight_rows}
         for r in engine.scheduler.running:
-            pool_sizes.append((engine.pool._seqs[r.id].num_tokens, r.num_computed + in_flight.get(r.id, 0)))
+            pool_sizes.append((engine.pool.num_tokens(r.id), r.num_computed + in_flight.get(r.id, 0)))
         return events
 
     engine.step = step

@@ -1,18 +1,15 @@
-"""The one object a step needs, as plain numpy: `StepInput`.
+"""A step's arrays one by one, as plain numpy: `StepInput`.
 
-What the scheduler decided (`StepPlan`: token ids, positions, KV slots, block tables, rows,
-state slots), the rows' sampling parameters (`SamplingBatch`) and, for penalties, their token
-histories. The engine builds one per step and hands it to `ModelRunner.dispatch`; in a
-multi-process deployment it is what the leader sends every follower, so it serialises to framed
-bytes (`encode` / `decode`: a length-prefixed JSON header naming each array's dtype and shape,
-then the raw arrays; no pickle, nothing executable). Imports numpy only.
+What a step computes (`StepPlan`: token ids, positions, KV slots, block tables, rows, state
+slots), the rows' sampling parameters (`SamplingBatch`) and, for penalties, their token
+histories. The serving path packs these into two buffers (`jtp.core.packed_step.PackedStep`, also
+the followers' wire format); this explicit form is what the warm-up's padding steps and tools
+build, and what `PackedStep.to_step_input` gives back for inspection. Imports numpy only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import struct
 from typing import NamedTuple
 
 import numpy as np
@@ -112,53 +109,3 @@ class StepInput:
     # i32[B, STOP_IDS_WIDTH]: tokens that end each row (-1 = none). A multi-step decode stops early
     # once every row has sampled one; rows with more stop ids than fit are only checked on the host.
     stop_ids: np.ndarray | None = None
-
-    MAGIC = b"JTPS"
-    VERSION = 3
-
-    def encode(self) -> bytes:
-        """Framed bytes: magic, version, header length, JSON header, then the arrays back to back."""
-        arrays: list[tuple[str, np.ndarray]] = [
-            (f"plan.{f.name}", getattr(self.plan, f.name))
-            for f in dataclasses.fields(StepPlan) if f.name not in ("max_row_len", "num_steps")
-        ]
-        arrays += [(f"sampling.{name}", value) for name, value in zip(SamplingBatch._fields, self.sampling)]
-        if self.penalty_tokens is not None:
-            arrays += [("penalty.ids", self.penalty_tokens[0]), ("penalty.is_output", self.penalty_tokens[1])]
-        if self.stop_ids is not None:
-            arrays.append(("stop_ids", self.stop_ids))
-        arrays = [(name, np.ascontiguousarray(a)) for name, a in arrays]
-        header = json.dumps({
-            "max_row_len": self.plan.max_row_len,
-            "num_steps": self.plan.num_steps,
-            "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays],
-        }).encode()
-        return b"".join([self.MAGIC, struct.pack("<HI", self.VERSION, len(header)), header]
-                        + [a.tobytes() for _, a in arrays])
-
-    @classmethod
-    def decode(cls, data: bytes | memoryview) -> "StepInput":
-        data = memoryview(data)
-        if bytes(data[:4]) != cls.MAGIC:
-            raise ValueError("not a jtp step input (bad magic)")
-        version, length = struct.unpack_from("<HI", data, 4)
-        if version != cls.VERSION:
-            raise ValueError(f"step input version {version}, this jtp reads {cls.VERSION}")
-        header = json.loads(bytes(data[10 : 10 + length]))
-        offset, fields = 10 + length, {}
-        for name, dtype, shape in header["arrays"]:
-            dt = np.dtype(dtype)
-            if dt.hasobject:
-                raise ValueError(f"array {name}: object dtypes are not allowed")
-            size = dt.itemsize * int(np.prod(shape, dtype=np.int64))
-            if offset + size > len(data):
-                raise ValueError(f"array {name} runs past the end of the message")
-            fields[name] = np.frombuffer(data[offset : offset + size], dt).reshape(shape).copy()
-            offset += size
-        if offset != len(data):
-            raise ValueError(f"{len(data) - offset} bytes left over after the arrays")
-        plan = StepPlan(**{k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("plan.")},
-                        max_row_len=header["max_row_len"], num_steps=int(header["num_steps"]))
-        sampling = SamplingBatch(*(fields[f"sampling.{n}"] for n in SamplingBatch._fields))
-        penalty = (fields["penalty.ids"], fields["penalty.is_output"]) if "penalty.ids" in fields else None
-        return cls(plan, sampling, penalty, fields.get("stop_ids"))

@@ -1,4 +1,4 @@
-"""StepInput: the one numpy-only object a step needs, and its framed binary encoding."""
+"""PackedStep: a step packed into two buffers, and the framed bytes the leader sends its followers."""
 import subprocess
 import sys
 
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling
+from jtp.core.packed_step import PackedStep
 from jtp.core.step_input import StepInput
 from jtp.worker.input_batch import InputBatch
 
@@ -45,13 +46,15 @@ def engine():
         max_num_batched_tokens=32, max_model_len=64, skip_tokenizer_init=True))
 
 
-def test_round_trip_and_the_decoded_input_runs_the_same_step(engine):
+def test_round_trip_and_the_decoded_step_runs_the_same(engine):
     params = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, repetition_penalty=1.2, seed=3)
     step, _ = engine_step_input(engine, [[1, 2, 3, 4, 5], [9, 8, 7]], params)
-    data = step.encode()
-    assert isinstance(data, bytes) and data[:4] == b"JTPS"
-    decoded = StepInput.decode(data)
-    assert_same(step, decoded)
+    packed = PackedStep.from_step_input(step)
+    data = packed.encode()
+    assert isinstance(data, bytes) and data[:4] == PackedStep.MAGIC
+    decoded = PackedStep.decode(data)
+    assert decoded.layout == packed.layout
+    assert_same(step, decoded.to_step_input())
     # The runner consumes the decoded copy exactly like the original: same sampled tokens.
     cache_before = jax.tree.map(np.asarray, engine.runner.cache)
     first = jax.device_get(engine.runner.dispatch(step))
@@ -63,16 +66,16 @@ def test_round_trip_and_the_decoded_input_runs_the_same_step(engine):
 def test_without_penalties_and_bad_messages(engine):
     step, _ = engine_step_input(engine, [[4, 4, 4]], SamplingParams(max_tokens=2))
     step = StepInput(step.plan, step.sampling)
-    assert StepInput.decode(step.encode()).penalty_tokens is None
-    data = step.encode()
+    data = PackedStep.from_step_input(step).encode()
+    assert PackedStep.decode(data).to_step_input().penalty_tokens is None
     with pytest.raises(ValueError, match="magic"):
-        StepInput.decode(b"XXXX" + data[4:])
-    with pytest.raises(ValueError, match="past the end"):
-        StepInput.decode(data[:-4])
-    with pytest.raises(ValueError, match="left over"):
-        StepInput.decode(data + b"\0")
+        PackedStep.decode(b"XXXX" + data[4:])
+    with pytest.raises(ValueError, match="its layout needs"):
+        PackedStep.decode(data[:-4])
+    with pytest.raises(ValueError, match="its layout needs"):
+        PackedStep.decode(data + b"\0")
 
 
 def test_imports_numpy_only():
-    code = "import sys, jtp.core.step_input; sys.exit('jax' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "jtp.core.step_input imported jax"
+    code = "import sys, jtp.core.packed_step; sys.exit('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "jtp.core.packed_step imported jax"
