@@ -120,7 +120,7 @@ def arrival_gaps(n: int, rate: float, arrival: str, rng: random.Random) -> list[
 # ----------------------------------------------------------------------------- one request
 
 
-def _cached_tokens(usage: dict) -> int:
+def cached_tokens(usage: dict) -> int:
     """usage.prompt_tokens_details.cached_tokens; 0 where a server leaves any of it out (or null)."""
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -163,7 +163,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, headers: dict, r
                 if data.get("usage"):
                     result.prompt_tokens = data["usage"].get("prompt_tokens", 0)
                     result.output_tokens = data["usage"].get("completion_tokens", 0)
-                    result.cached_tokens = _cached_tokens(data["usage"])
+                    result.cached_tokens = cached_tokens(data["usage"])
                 text = _chunk_text(data)
                 if text:
                     if last is None:

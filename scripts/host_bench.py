@@ -78,10 +78,10 @@ class FakeRunner:
         self.num_blocks = num_blocks
 
     def dispatch(self, step):
-        from jtp.worker.runner import ModelRunner
+        from jtp.worker.runner import host_buffers
 
-        args, flags = ModelRunner._step_args(self, step)
-        result, self.cache, self.sampled = self._fn(*args, flags=flags)
+        ints, floats, layout = host_buffers(step)
+        result, self.cache, self.sampled = self._fn(self.params, self.cache, self.sampled, ints, floats, flags=layout)
         return result
 
     def close(self) -> None:

@@ -56,8 +56,8 @@ def step_breakdown(engine: Engine, cached_prompt: list[int], n: int, vocab: int)
         engine.step()  # schedules and dispatches the prompt's row (the request was queued)
         t1 = time.perf_counter()
         engine.runner.dispatch = inner
-        rows, result = engine._inflight
-        jax.block_until_ready(result)
+        rows = engine.inflight_rows
+        jax.block_until_ready(engine.runner.sampled)  # the step just dispatched
         t2 = time.perf_counter()
         packed = sent[-1]
         jax.block_until_ready(engine.runner.dispatch(packed))
@@ -86,7 +86,7 @@ def profile_host(args) -> None:
 
     engine = Engine.from_args(EngineArgs(
         model=args.model, dtype="bfloat16", max_num_seqs=16, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=16384))
+        max_model_len=args.max_model_len))
     rng = random.Random(0)
     profiler = cProfile.Profile()
     for i in range(6):
@@ -98,7 +98,7 @@ def profile_host(args) -> None:
         t1 = time.perf_counter()
         if i:
             profiler.disable()
-        jax.block_until_ready(engine._inflight[1])
+        jax.block_until_ready(engine.runner.sampled)
         print(f"step {i}: host {1e3 * (t1 - t0):.2f} ms, then device {1e3 * (time.perf_counter() - t1):.2f} ms")
         engine.result(rid)
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
@@ -112,6 +112,7 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=32)
     ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--json-out")
@@ -124,7 +125,7 @@ def main() -> None:
     for cache in (True, False):
         engine = Engine.from_args(EngineArgs(
             model=args.model, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=16384,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=cache))
         vocab = engine.cfg.vocab_size
         rows = []

@@ -77,7 +77,7 @@ def test_summary_by_turn():
     ({"prompt_tokens_details": {"cached_tokens": 48}}, 48),
 ])
 def test_cached_tokens_read_robustly(usage, cached):
-    assert bench._cached_tokens(usage) == cached
+    assert bench.cached_tokens(usage) == cached
 
 
 def test_arrival_gaps():
@@ -307,4 +307,4 @@ def test_prompt_and_cached_tokens_match_jtp_serve(jtp_server, tmp_path):
                   if line.startswith("data:") and line != "data: [DONE]"]
     usage = chunks[-1]["usage"]
     assert isinstance(usage["prompt_tokens_details"]["cached_tokens"], int)  # the field the bench reads
-    assert bench._cached_tokens(usage) == usage["prompt_tokens_details"]["cached_tokens"]
+    assert bench.cached_tokens(usage) == usage["prompt_tokens_details"]["cached_tokens"]

@@ -223,13 +223,18 @@ class ModelRunner:
         self.params = self.cache = self.sampled = None
 
     def _step_args(self, step: PackedStep | StepInput):
-        """The step's positional arguments and its static layout.
+        """The step's positional arguments and its static layout."""
+        ints, floats, layout = host_buffers(step)
+        return (self.params, self.cache, self.sampled, ints, floats), layout
 
-        The host arrays go as two numpy buffers: the jitted call's C++ path transfers them
-        (replicated) far faster than one `jax.device_put` per array, and two far faster than two dozen."""
-        if isinstance(step, StepInput):
-            step = PackedStep.from_step_input(step)
-        return (self.params, self.cache, self.sampled, step.ints, step.floats), step.layout
+
+def host_buffers(step: PackedStep | StepInput):
+    """(ints, floats, layout): a step's host arrays as the two numpy buffers the jitted step takes.
+    The jitted call's C++ path transfers them (replicated) far faster than one `jax.device_put` per
+    array, and two far faster than two dozen."""
+    if isinstance(step, StepInput):
+        step = PackedStep.from_step_input(step)
+    return step.ints, step.floats, step.layout
 
 
 def _step(family, cfg, attention, experts, mtp_drafts, params, cache, sampled, ints, floats, layout):
