@@ -103,7 +103,10 @@ def _check_api_key(request: Request, api_key: str | None) -> None:
         return
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    # Starlette decodes header bytes as latin-1; re-encode to get the bytes sent, so a UTF-8 key
+    # compares as the UTF-8 bytes it is.
+    token_bytes = token.strip().encode("latin-1")
+    if scheme.lower() != "bearer" or not token_bytes or not hmac.compare_digest(token_bytes, api_key.encode()):
         raise APIError("missing or wrong API key: send 'Authorization: Bearer <key>'", 401,
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 

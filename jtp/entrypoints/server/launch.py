@@ -48,6 +48,9 @@ class ServerArgs:
     drain_timeout: float = 30.0
 
     def validate(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError(f"--api-key (or ${API_KEY_ENV}) is empty: an empty key would let every client in; "
+                              f"give a real key or leave both unset")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: must be in [0, 65535] (0 picks a free port)")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
@@ -64,8 +67,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     d = ServerArgs()
     p.add_argument("--host", default=d.host, help=f"address to listen on (default: {d.host}, this machine only)")
     p.add_argument("--port", type=int, default=d.port, help=f"port to listen on (default: {d.port})")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none); "
+                        f"prefer setting ${API_KEY_ENV}, since a key in argv is readable by every local user in ps")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                    help="on SIGTERM, seconds the running requests get to finish before they are aborted")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
