@@ -285,13 +285,18 @@ def open_fds() -> int:
 
 
 def closed_by_server(sock: socket.socket, timeout: float) -> bool:
-    sock.settimeout(timeout)
+    """True once the server closes the socket (whatever it still sends first) within `timeout`."""
+    deadline = time.monotonic() + timeout
     try:
-        return sock.recv(1024) == b""
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if sock.recv(4096) == b"":
+                return True
     except ConnectionResetError:
         return True
     except TimeoutError:
-        return False
+        pass
+    return False
 
 
 def test_slowloris_sockets_are_closed_and_others_are_served(dense):
@@ -452,12 +457,20 @@ def test_lone_surrogates_are_400s(dense):
     assert greedy(dense, "Hello, world")
 
 
+def raw_status(url: str, request: bytes) -> int:
+    """The status of a request sent byte for byte (clients refuse to send some headers as they are)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(request)
+        return int(s.recv(4096).split(b" ", 2)[1])
+
+
 def test_api_key_bytes_empty_tokens_and_empty_keys(dense):
     body = {"prompt": "Hi", "max_tokens": 1}
     assert post(dense, "/v1/completions", body).status_code == 200  # the UTF-8 key matches
-    for auth in (b"Bearer ", b"Bearer", b"bearer  ", b"Bearer " + KEY.encode()[:-1], KEY.encode()):
-        r = httpx.post(dense.url + "/v1/completions", json=body, headers={"Authorization": auth})
-        assert_error(r, 401, "invalid_api_key")
+    for auth in (b"Bearer ", b"Bearer", b"bearer  ", b"Bearer \t", b"Bearer " + KEY.encode()[:-1], KEY.encode()):
+        assert raw_status(dense.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: " + auth
+                          + b"\r\nConnection: close\r\n\r\n") == 401, auth
     for args, env in (((("--api-key", ""),), {}), ((), {"JTP_API_KEY": ""}), ((("--api-key", "  "),), {})):
         done = run_jtp("serve", "--port", "0", *itertools.chain(*args), env=env, timeout=60)
         assert done.returncode != 0 and "is empty" in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
