@@ -177,7 +177,7 @@ def test_health_answers_in_milliseconds_while_big_requests_are_processed(dense):
     def attack():
         try:
             with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {KEY}".encode()}) as client:
-                for body in itertools.islice(itertools.cycle(bodies), 12):
+                for body in itertools.islice(itertools.cycle(bodies), 30):
                     statuses.append(client.post(dense.url + "/v1/completions", content=body).status_code)
         finally:
             busy.clear()
