@@ -430,6 +430,29 @@ def test_hostile_chat_templates_are_400s_and_health_stays_fast(tmp_path):
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
 
 
+def test_bodies_of_many_clients_together_are_bounded(tmp_path):
+    limits = ServerLimits(max_request_bytes=1 << 20, max_buffered_bytes=2 << 20, body_timeout=5.0, header_timeout=5.0)
+    app = build_app(TemplateOnlyEngine(Tokenizer.from_dir(ensure_demo_checkpoint())), "t", limits=limits)
+    with serving(app, limits) as url:
+        host, port = url.removeprefix("http://").split(":")
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
+        held = []
+        for _ in range(2):  # two bodies of 800 kB each, still arriving
+            s = socket.create_connection((host, int(port)))
+            s.sendall(head + b" " * 800_000)
+            held.append(s)
+        time.sleep(0.3)
+        third = socket.create_connection((host, int(port)), timeout=5)
+        third.sendall(head + b" " * 800_000)
+        reply = third.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 503") and b"server_busy" in reply, reply[:300]
+        for s in (*held, third):
+            s.close()
+        time.sleep(0.3)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x" * 900_000}, timeout=10)
+        assert_error(r, 400, "context_length_exceeded")  # the budget was given back: a 900 kB body is read
+
+
 def run_jtp(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jtp.entrypoints.cli", *args], capture_output=True, text=True,
                           env={**cpu_env(1), **(env or {})}, timeout=timeout)

@@ -65,12 +65,12 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
         return route
 
     async def completions(request: Request) -> Response:
-        raw = await intake.body(request)
-        return await _cancel_on_disconnect(request, serving.completions(raw))
+        async with intake.body(request) as raw:
+            return await _cancel_on_disconnect(request, serving.completions(raw))
 
     async def chat(request: Request) -> Response:
-        raw = await intake.body(request)
-        return await _cancel_on_disconnect(request, serving.chat(raw))
+        async with intake.body(request) as raw:
+            return await _cancel_on_disconnect(request, serving.chat(raw))
 
     async def models(request: Request) -> Response:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "jtp",

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
-from typing import Any, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from starlette.requests import Request
 
-from jtp.entrypoints.server.errors import APIError
+from jtp.entrypoints.server.errors import RETRY_AFTER_SECONDS, APIError
 from jtp.entrypoints.server.limits import ServerLimits
 
 T = TypeVar("T")
@@ -25,29 +26,45 @@ class Intake:
     def __init__(self, limits: ServerLimits):
         self.limits = limits
         self._pool = concurrent.futures.ThreadPoolExecutor(limits.intake_threads, thread_name_prefix="jtp-intake")
+        self._buffered = 0  # bytes of bodies being received now (event loop only: no lock)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def body(self, request: Request) -> bytes:
-        """The whole body: 413 past the size limit (refused from Content-Length before reading
-        when it is given), 408 when it does not arrive in time."""
+    @contextlib.asynccontextmanager
+    async def body(self, request: Request) -> AsyncIterator[bytes]:
+        """The whole body, counted against the bytes all clients may have buffered until the
+        block ends: 413 past the size limit (refused from Content-Length before reading when it is
+        given), 408 when it does not arrive in time, 503 when the buffers of all are full."""
         limit = self.limits.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _too_large(int(declared), limit)
-        chunks, size = [], 0
+        size = 0
         try:
-            async with asyncio.timeout(self.limits.body_timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise _too_large(size, limit)
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise APIError(f"the request body did not arrive within {self.limits.body_timeout:g} s "
-                           f"({size} bytes came)", 408, code="request_timeout") from None
-        return b"".join(chunks)
+            chunks = []
+            try:
+                async with asyncio.timeout(self.limits.body_timeout):
+                    async for chunk in request.stream():
+                        size += len(chunk)
+                        self._buffered += len(chunk)
+                        if size > limit:
+                            raise _too_large(size, limit)
+                        # Many clients each under the size limit must not add up to all the memory.
+                        if self._buffered > self.limits.max_buffered_bytes:
+                            raise APIError(f"the server is receiving {self._buffered} bytes of request bodies "
+                                           f"at once, past its limit of {self.limits.max_buffered_bytes} "
+                                           f"(--max-buffered-bytes); retry shortly", 503, code="server_busy",
+                                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+                        chunks.append(chunk)
+            except TimeoutError:
+                raise APIError(f"the request body did not arrive within {self.limits.body_timeout:g} s "
+                               f"({size} bytes came)", 408, code="request_timeout") from None
+            raw = b"".join(chunks)
+            del chunks
+            yield raw
+        finally:
+            self._buffered -= size
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

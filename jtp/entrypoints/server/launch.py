@@ -50,6 +50,7 @@ class ServerArgs:
     reasoning_parser: str | None = None
     drain_timeout: float = 30.0
     max_request_bytes: int = ServerLimits.max_request_bytes
+    max_buffered_bytes: int = ServerLimits.max_buffered_bytes
     body_timeout: float = ServerLimits.body_timeout
     header_timeout: float = ServerLimits.header_timeout
     keep_alive_timeout: float = ServerLimits.keep_alive_timeout
@@ -93,6 +94,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits per client (see docs/security.md)")
     g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                    help=f"largest request body accepted; larger is a 413 (default: {d.max_request_bytes})")
+    g.add_argument("--max-buffered-bytes", type=int, default=d.max_buffered_bytes,
+                   help="request-body bytes all clients together may have in flight; past it a 503 "
+                        f"(default: {d.max_buffered_bytes})")
     g.add_argument("--body-timeout", type=float, default=d.body_timeout,
                    help=f"seconds a request body may take to arrive; slower is a 408 (default: {d.body_timeout:g})")
     g.add_argument("--header-timeout", type=float, default=d.header_timeout,

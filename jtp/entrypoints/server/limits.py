@@ -11,6 +11,7 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
     max_request_bytes: int = 16 * 2**20  # a request body past this is a 413, unread
+    max_buffered_bytes: int = 256 * 2**20  # all bodies being received at once; past this a 503
     body_timeout: float = 30.0  # seconds to receive a whole body once its headers are in (408)
     header_timeout: float = 10.0  # seconds from connecting (or going idle) to complete headers
     keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this
