@@ -369,8 +369,8 @@ HOSTILE_TEMPLATE = (
 class TemplateOnlyEngine:
     """The engine contract the server uses, answering "ok" at once: these tests are about intake."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.max_model_len = tokenizer, 128
+    def __init__(self, tokenizer, max_model_len: int = 128):
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
         self.config = types.SimpleNamespace(max_waiting_requests=None)
         self.ready = threading.Event()
         self.ready.set()
@@ -428,6 +428,31 @@ def test_hostile_chat_templates_are_400s_and_health_stays_fast(tmp_path):
         assert_error(chat("long"), 400, "context_length_exceeded")
         r = chat("Hello")
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
+
+
+def test_a_long_text_under_the_character_bound_is_counted_in_pieces():
+    # A long context makes the character bound loose (here 100k tokens x 13 x 4 characters): a 3 MB
+    # text passes it, and must be refused without one multi-second, GIL-holding encode.
+    engine = TemplateOnlyEngine(Tokenizer.from_dir(ensure_demo_checkpoint()), max_model_len=100_000)
+    limits = ServerLimits(max_request_bytes=8 << 20)
+    with serving(build_app(engine, "long", limits=limits), limits) as url:
+        busy = threading.Event()
+        busy.set()
+
+        def long_prompt():
+            try:
+                return httpx.post(url + "/v1/completions", json={"prompt": "hello " * 500_000}, timeout=60)
+            finally:
+                busy.clear()
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            refused = pool.submit(long_prompt)
+            latencies = health_latencies(url, busy)
+            assert_error(refused.result(), 400, "context_length_exceeded")
+        print(f"/health beside a 3 MB prompt: n={len(latencies)} max={max(latencies) * 1e3:.1f} ms")
+        assert max(latencies) < 0.1
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "hello " * 20_000}, timeout=60)  # 120 kB: fits
+        assert ok.status_code == 200, ok.text
 
 
 def test_bodies_of_many_clients_together_are_bounded(tmp_path):

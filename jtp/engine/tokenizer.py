@@ -142,6 +142,20 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def certainly_longer_than(self, text: str, max_tokens: int, chunk_chars: int = 16384) -> bool:
+        """True if `text` encodes to more than `max_tokens` tokens, found without encoding all of it.
+
+        The Rust encoder holds the GIL for the whole call (~1 us per character here), so a
+        multi-megabyte text would stall every other thread for seconds: count piece by piece
+        (other threads run between pieces) and stop once the count is past the bound. A cut
+        changes only the tokens next to it, so a few per cut are allowed for."""
+        count = 0
+        for start in range(0, len(text), chunk_chars):
+            count += len(self.encode(text[start:start + chunk_chars]))
+            if count > max_tokens + 4 * (start // chunk_chars + 1):
+                return True
+        return False
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 

@@ -43,6 +43,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Normalizers can merge a few characters into one (NFC), so text this many times the context's
 # worth of longest tokens may still fit; anything longer never can.
 NORMALIZATION_SLACK = 4
+# Longer texts are first counted piece by piece (the encoder holds the GIL for a whole call).
+LONG_TEXT_CHARS = 65536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +189,12 @@ class OpenAIServing:
         if self.engine.tokenizer is None:
             raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
         self._check_chars(len(prompt), "the prompt")
+        tok, limit = self.engine.tokenizer, self.engine.max_model_len - 1  # room for one new token at least
         try:
-            return self.engine.tokenizer.encode(prompt)
+            if len(prompt) > LONG_TEXT_CHARS and tok.certainly_longer_than(prompt, limit):
+                raise ContextLengthError(f"the prompt ({len(prompt)} characters) is longer than the model's "
+                                         f"context length ({self.engine.max_model_len} tokens)")
+            return tok.encode(prompt)
         except TypeError:
             _refuse_surrogates(prompt)
             raise
