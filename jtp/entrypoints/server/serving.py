@@ -9,6 +9,7 @@ Once a stream has started, an error is sent as a final `data: {"error": ...}` ev
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -123,7 +124,7 @@ class OpenAIServing:
             for j in range(req.n)
         ]
         generation = Generation(self.engine, self.metrics, response_id, requests)
-        generation.submit()
+        await self._submit(generation)
         head = {"id": response_id, "object": endpoint.chunk_object, "created": int(time.time()),
                 "model": self.model_name}
         if req.stream:
@@ -132,6 +133,17 @@ class OpenAIServing:
         body = {**head, "object": endpoint.object_name, "choices": [c.result() for c in choices],
                 "usage": generation.usage()}
         return JSONResponse(body)
+
+    async def _submit(self, generation: Generation) -> None:
+        """Submit on an intake thread: the engine checks every prompt id of every choice (n x the
+        context), too long a walk for the event loop. Cancelled meanwhile (the client left), the
+        submits still finish on their thread; whatever they queued is then aborted."""
+        submitting = asyncio.ensure_future(self.intake.run(generation.submit))
+        try:
+            await asyncio.shield(submitting)
+        except asyncio.CancelledError:
+            submitting.add_done_callback(lambda done: done.cancelled() or done.exception() or generation.abort())
+            raise
 
     async def _collect(self, generation: Generation, choices: list) -> None:
         async for i, event in generation.events():
