@@ -531,3 +531,14 @@ def test_sampling_params_refuse_too_many_stop_strings():
         SamplingParams(stop=["a"] * (MAX_STOP_STRINGS + 1)).validate()
     with pytest.raises(ValueError, match="at most"):
         SamplingParams(stop=["a" * (MAX_STOP_CHARS + 1)]).validate()
+
+
+def test_limits_must_be_positive():
+    from jtp.entrypoints.server import ServerArgs
+    from jtp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--limit-concurrency 0"):
+        ServerArgs(limit_concurrency=0).validate()
+    with pytest.raises(ConfigError, match="--header-timeout -1"):
+        ServerArgs(header_timeout=-1).validate()
+    ServerArgs().validate()
