@@ -73,15 +73,15 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
             a, b = _sized(left), _sized(right)
             if a is not None and b is not None and a + b > MAX_VALUE_SIZE:
                 _refuse(f"joins values of {a} and {b} characters or items")
-        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
-            if right * abs(left).bit_length() > _MAX_POWER_BITS:
-                raise TemplateLimitError(f"the chat template computes {left} ** {right}, a number too large")
+        elif (operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1
+              and right * abs(left).bit_length() > _MAX_POWER_BITS):
+            raise TemplateLimitError(f"the chat template computes {left} ** {right}, a number too large")
         return super().call_binop(context, operator, left, right)
 
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
+    def call(self, context, obj, /, *args, **kwargs):
         for value in (*args, *kwargs.values()):
             _check_size(value, "passes a call the size")
-        return super().call(__context, __obj, *args, **kwargs)
+        return super().call(context, obj, *args, **kwargs)
 
 
 def _bounded_filter(f):
@@ -112,7 +112,7 @@ class _Deadline:
         self._timer = threading.Timer(seconds, self._expire)
         self._timer.daemon = True
 
-    def __enter__(self) -> "_Deadline":
+    def __enter__(self) -> _Deadline:
         self._timer.start()
         return self
 
