@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import httpx
 import openai
@@ -664,6 +665,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer, output: str):
         self.tokenizer, self.output = tokenizer, output
         self.max_model_len = 256
+        self.config = types.SimpleNamespace(max_waiting_requests=None)  # the one setting the server reads
         self.ready = threading.Event()
         self.ready.set()
         self._ids = itertools.count()
@@ -736,12 +738,34 @@ def test_api_key_guards_v1_only(hybrid):
     assert hybrid.post("/v1/completions", body).status_code == 200
 
 
-def test_full_waiting_queue_is_429_with_retry_after(hybrid):
-    # 8 choices against 2 running slots and 2 waiting places: the request is refused whole.
+def test_full_waiting_queue_is_429_with_retry_after(hybrid, monkeypatch):
     body = {"model": hybrid.model, "prompt": hybrid.chat_prompt_ids(CHAT), "max_tokens": 4, "temperature": 0}
-    r = hybrid.post("/v1/completions", {**body, "n": 8})
-    assert_openai_error(r, 429, "queue_full")
-    assert int(r.headers["Retry-After"]) >= 1
+    # 3 choices against 2 waiting places can never be queued whole: a 400, not "retry later".
+    assert_openai_error(hybrid.post("/v1/completions", {**body, "n": 3}), 400)
+    # A queue that is full now is a 429: 2 long requests run (2 slots), 2 wait, one more is refused.
+    dispatch = hybrid.engine.runner.dispatch
+
+    def slow_dispatch(step_input):
+        time.sleep(0.02)  # keeps the first requests running while the others arrive
+        return dispatch(step_input)
+
+    monkeypatch.setattr(hybrid.engine.runner, "dispatch", slow_dispatch)
+    long = {**body, "max_tokens": 40, "ignore_eos": True, "n": 2}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = pool.submit(hybrid.post, "/v1/completions", long)
+        deadline = time.monotonic() + 30
+        while hybrid.num_running() < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        waiting = pool.submit(hybrid.post, "/v1/completions", long)
+        while hybrid.engine.stats().num_waiting < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = hybrid.post("/v1/completions", body)
+        assert_openai_error(r, 429, "queue_full")
+        assert int(r.headers["Retry-After"]) >= 1
+        assert running.result().status_code == waiting.result().status_code == 200
+    monkeypatch.undo()
     assert hybrid.pool_returns_to_full()
     r = hybrid.post("/v1/completions", {**body, "n": 2})
     assert r.status_code == 200 and len(r.json()["choices"]) == 2

@@ -17,6 +17,10 @@ import numpy as np
 from jtp.core.step_input import GREEDY_EPS, SamplingBatch, SamplingFlags  # noqa: F401 - numpy-only step inputs
 
 MAX_LOGPROBS = 20
+# Stop strings live in a per-request automaton on the step thread: bound its size.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 8192  # all of a request's stop strings together
+MAX_STOP_TOKEN_IDS = 1024
 
 
 # ----------------------------------------------------------------------------- host side
@@ -82,9 +86,10 @@ class SamplingParams:
         if self.logprobs is not None:
             check("logprobs", 0 <= self.logprobs <= MAX_LOGPROBS,
                   f"None or in [0, {MAX_LOGPROBS}]")
-        for s in self.stop:
-            if not isinstance(s, str):
-                raise ValueError(f"stop must hold strings only, got {s!r}")
+        check_stop_strings(self.stop)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                             f"are allowed")
         for t in self.stop_token_ids:
             if not _is_type(t, (int,)) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 allowed = "ints >= 0" if vocab_size is None else f"ints in [0, {vocab_size})"
@@ -106,6 +111,19 @@ class SamplingParams:
         params = cls(**{k: (list(v) if isinstance(v, list) else v) for k, v in d.items()})
         params.validate(vocab_size)
         return params
+
+
+def check_stop_strings(stop: list) -> None:
+    """Raise ValueError unless `stop` is a list of at most MAX_STOP_STRINGS strings of at most
+    MAX_STOP_CHARS characters in all."""
+    for s in stop:
+        if not isinstance(s, str):
+            raise ValueError(f"stop must hold strings only, got {s!r}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    total = sum(len(s) for s in stop)
+    if total > MAX_STOP_CHARS:
+        raise ValueError(f"stop strings hold {total} characters in all; at most {MAX_STOP_CHARS} are allowed")
 
 
 # field -> accepted types; `float` fields also take ints (JSON has one number type)

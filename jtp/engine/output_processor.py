@@ -17,6 +17,7 @@ import threading
 from typing import Callable
 
 from jtp.core.scheduler import Request, Status
+from jtp.engine.stop_strings import StopMatcher
 from jtp.engine.tokenizer import Tokenizer
 
 
@@ -65,27 +66,28 @@ class RequestStream:
         self.retryable = False
         self.stopped_by_string = False
         self.orphaned = False  # its consumer went away before the end
-        stops = request.params.stop
-        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.stops = StopMatcher(request.params.stop)
 
     def add_token(self, token: int) -> bool:
         """Append the token's text; True if a stop string now ends the output."""
         if self.detok is None:
             return False
-        self.text += self.detok.add(token)
-        for stop in self.request.params.stop:
-            # Only the tail can hold a new match; search from where it could start.
-            at = self.text.find(stop, max(0, self.emitted - len(stop)))
-            if at >= 0:
-                self.text = self.text[:at]
-                self.stopped_by_string = True
-                return True
-        return False
+        new = self.detok.add(token)
+        self.text += new
+        if not self.stops.active:
+            return False
+        cut = self.stops.feed(new)  # O(len(new)), however many stop strings there are
+        if cut is None:
+            return False
+        self.text = self.text[:cut]
+        self.stopped_by_string = True
+        return True
 
     def take_text(self, finished: bool) -> str:
         if finished and self.detok is not None and not self.stopped_by_string:
             self.text += self.detok.flush()
-        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.holdback)
+        # Hold back only the tail that could still begin a stop string.
+        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.stops.pending)
         delta, self.emitted = self.text[self.emitted : end], end
         return delta
 

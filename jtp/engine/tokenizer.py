@@ -6,15 +6,16 @@ and config.json the way HF transformers does, without importing transformers.
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import tokenizers
+
+from jtp.engine.template_sandbox import TemplateLimits, make_environment, render_bounded
 
 REPLACEMENT_CHAR = "\ufffd"  # what a partial UTF-8 sequence decodes to
 
@@ -132,8 +133,28 @@ class Tokenizer:
         """Number of token ids the tokenizer knows, added/special tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token covers: its longest vocabulary entry (byte-
+        level entries spell each byte as one character, so they never undercount)."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def certainly_longer_than(self, text: str, max_tokens: int, chunk_chars: int = 16384) -> bool:
+        """True if `text` encodes to more than `max_tokens` tokens, found without encoding all of it.
+
+        The Rust encoder holds the GIL for the whole call (~1 us per character here), so a
+        multi-megabyte text would stall every other thread for seconds: count piece by piece
+        (other threads run between pieces) and stop once the count is past the bound. A cut
+        changes only the tokens next to it, so a few per cut are allowed for."""
+        count = 0
+        for start in range(0, len(text), chunk_chars):
+            count += len(self.encode(text[start:start + chunk_chars]))
+            if count > max_tokens + 4 * (start // chunk_chars + 1):
+                return True
+        return False
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -164,6 +185,18 @@ class Tokenizer:
 
         Extra keyword arguments become template variables (e.g. enable_thinking=False for Qwen3).
         """
+        return self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
+
+    def render_chat(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
+        variables: dict[str, Any] | None = None,
+        limits: TemplateLimits = TemplateLimits(),
+    ) -> str:
+        """`apply_chat_template` with the template variables as a dict and explicit limits
+        (TemplateLimitError when the template runs too long or produces too much)."""
         name = "tool_use" if tools is not None and "tool_use" in self._chat_templates else "default"
         if name not in self._chat_templates:
             if self._chat_templates:
@@ -185,14 +218,11 @@ class Tokenizer:
             "pad_token": self.pad_token,
             "unk_token": self.unk_token,
         }
-        variables = {k: v for k, v in special_tokens.items() if v is not None}
-        variables.update(template_kwargs)  # caller's kwargs win, as in transformers
-        return self._compiled[name].render(
-            messages=[_normalize_message(m) for m in messages],
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
+        context = {k: v for k, v in special_tokens.items() if v is not None}
+        context.update(variables or {})  # caller's variables win, as in transformers
+        context.update(messages=[_normalize_message(m) for m in messages], tools=tools,
+                       add_generation_prompt=add_generation_prompt)
+        return render_bounded(self._compiled[name], context, limits)
 
 
 def _normalize_message(message: dict) -> dict:
@@ -219,10 +249,8 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _compile_template(source: str) -> jinja2.Template:
-    # Templates come from model repos, so they run sandboxed; the settings match transformers'.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    # Templates come from model repos, so they run sandboxed and bounded (template_sandbox).
+    env = make_environment()
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

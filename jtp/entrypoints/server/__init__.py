@@ -9,6 +9,9 @@
     metrics.py     Prometheus metrics under vLLM's names (jtp: prefix)
     errors.py      the OpenAI error body; jtp's RequestErrors mapped to statuses
     sse.py         server-sent events
+    intake.py      bodies read with size and time limits; parse, render, tokenize on a thread pool
+    limits.py      ServerLimits: what one client may ask (sizes, counts, timeouts)
+    connections.py header timeout (slowloris) and the concurrency limit's 503
     app.py         routes, API key, build_app(engine, ...)
     launch.py      add_server_args / run_server for `jtp serve`
 """

@@ -10,19 +10,23 @@ No request can take the server down: whatever a handler raises becomes an error 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
-import json
 import logging
 import time
 from typing import Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jtp.entrypoints.server.connections import ConcurrencyLimit
 from jtp.entrypoints.server.errors import RETRY_AFTER_SECONDS, APIError
+from jtp.entrypoints.server.intake import Intake
+from jtp.entrypoints.server.limits import ServerLimits
 from jtp.entrypoints.server.metrics import ServerMetrics
 from jtp.entrypoints.server.serving import OpenAIServing
 from jtp.errors import RequestError
@@ -32,10 +36,12 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def build_app(engine, model_name: str, api_key: str | None = None, reasoning_parser: str | None = None) -> Starlette:
+def build_app(engine, model_name: str, api_key: str | None = None, reasoning_parser: str | None = None,
+              limits: ServerLimits = ServerLimits()) -> Starlette:
     """The OpenAI-compatible app over a started engine (the caller warms it up and closes it)."""
     metrics = ServerMetrics(engine, model_name)
-    serving = OpenAIServing(engine, model_name, metrics, reasoning_parser)
+    intake = Intake(limits)
+    serving = OpenAIServing(engine, model_name, metrics, intake, reasoning_parser, limits.chat_template_timeout)
     created = int(time.time())
 
     def api(handler: Handler, generates: bool = False) -> Handler:
@@ -59,12 +65,12 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
         return route
 
     async def completions(request: Request) -> Response:
-        body = await _json_body(request)
-        return await _cancel_on_disconnect(request, serving.completions(body))
+        async with intake.body(request) as raw:
+            return await _cancel_on_disconnect(request, serving.completions(raw))
 
     async def chat(request: Request) -> Response:
-        body = await _json_body(request)
-        return await _cancel_on_disconnect(request, serving.chat(body))
+        async with intake.body(request) as raw:
+            return await _cancel_on_disconnect(request, serving.chat(raw))
 
     async def models(request: Request) -> Response:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "jtp",
@@ -93,8 +99,15 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        intake.close()
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan,
+                    middleware=[Middleware(ConcurrencyLimit, limit=limits.limit_concurrency)])
     app.state.metrics = metrics
+    app.state.serving = serving  # launch.py probes the chat template through it
     return app
 
 
@@ -103,16 +116,12 @@ def _check_api_key(request: Request, api_key: str | None) -> None:
         return
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    # Starlette decodes header bytes as latin-1; re-encode to get the bytes sent, so a UTF-8 key
+    # compares as the UTF-8 bytes it is.
+    token_bytes = token.strip().encode("latin-1")
+    if scheme.lower() != "bearer" or not token_bytes or not hmac.compare_digest(token_bytes, api_key.encode()):
         raise APIError("missing or wrong API key: send 'Authorization: Bearer <key>'", 401,
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-
-async def _json_body(request: Request):
-    try:
-        return json.loads(await request.body())
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise APIError(f"the request body is not valid JSON: {e}") from e
 
 
 async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:

@@ -105,6 +105,10 @@ class Generation:
         first = None if t.first_token_at is None else t.first_token_at - t.submitted_at
         self.metrics.finished(reason, t.num_tokens, now - t.submitted_at, first)
 
+    def abort(self) -> None:
+        """Abort every choice still unfinished (for a consumer that never started reading)."""
+        self._abort_unfinished()
+
     def _abort_unfinished(self) -> None:
         now = time.monotonic()
         for t in self.tracked:

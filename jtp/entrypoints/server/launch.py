@@ -30,7 +30,10 @@ import uvicorn
 from jtp.config.engine_args import EngineArgs
 from jtp.distributed.launcher import is_follower
 from jtp.entrypoints.cli_support import note, open_engine, run_follower
+from jtp.engine.template_sandbox import TemplateLimitError
 from jtp.entrypoints.server.app import build_app
+from jtp.entrypoints.server.connections import header_timeout_protocol
+from jtp.entrypoints.server.limits import ServerLimits
 from jtp.entrypoints.server.reasoning import REASONING_PARSERS
 from jtp.errors import ConfigError
 
@@ -46,8 +49,25 @@ class ServerArgs:
     api_key: str | None = None
     reasoning_parser: str | None = None
     drain_timeout: float = 30.0
+    max_request_bytes: int = ServerLimits.max_request_bytes
+    max_buffered_bytes: int = ServerLimits.max_buffered_bytes
+    body_timeout: float = ServerLimits.body_timeout
+    header_timeout: float = ServerLimits.header_timeout
+    keep_alive_timeout: float = ServerLimits.keep_alive_timeout
+    limit_concurrency: int = ServerLimits.limit_concurrency
+    chat_template_timeout: float = ServerLimits.chat_template_timeout
+
+    def limits(self) -> ServerLimits:
+        return ServerLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ServerLimits)
+                               if hasattr(self, f.name)})
 
     def validate(self) -> None:
+        problems = self.limits().problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError(f"--api-key (or ${API_KEY_ENV}) is empty: an empty key would let every client in; "
+                              f"give a real key or leave both unset")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: must be in [0, 65535] (0 picks a free port)")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
@@ -64,12 +84,31 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     d = ServerArgs()
     p.add_argument("--host", default=d.host, help=f"address to listen on (default: {d.host}, this machine only)")
     p.add_argument("--port", type=int, default=d.port, help=f"port to listen on (default: {d.port})")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none); "
+                        f"prefer setting ${API_KEY_ENV}, since a key in argv is readable by every local user in ps")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                    help="on SIGTERM, seconds the running requests get to finish before they are aborted")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="return <think>...</think> as reasoning_content in chat responses")
+    g = p.add_argument_group("limits per client (see docs/security.md)")
+    g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help=f"largest request body accepted; larger is a 413 (default: {d.max_request_bytes})")
+    g.add_argument("--max-buffered-bytes", type=int, default=d.max_buffered_bytes,
+                   help="request-body bytes all clients together may have in flight; past it a 503 "
+                        f"(default: {d.max_buffered_bytes})")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help=f"seconds a request body may take to arrive; slower is a 408 (default: {d.body_timeout:g})")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help="seconds a connection may take to send complete request headers before it is closed "
+                        f"(slowloris; default: {d.header_timeout:g})")
+    g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
+                   help=f"seconds an idle keep-alive connection stays open (default: {d.keep_alive_timeout:g})")
+    g.add_argument("--limit-concurrency", type=int, default=d.limit_concurrency,
+                   help=f"/v1 requests in flight at once; one more is a 503 (default: {d.limit_concurrency})")
+    g.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout,
+                   help="seconds one chat-template render may take; longer is a 400 "
+                        f"(default: {d.chat_template_timeout:g})")
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Namespace) -> int:
@@ -88,9 +127,13 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
         raise
     try:
         engine.start()
-        app = build_app(engine, engine_args.model_name(), server_args.api_key, server_args.reasoning_parser)
-        server = _Server(engine, uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10),
-                         server_args.drain_timeout)
+        limits = server_args.limits()
+        app = build_app(engine, engine_args.model_name(), server_args.api_key, server_args.reasoning_parser, limits)
+        _probe_template(app, engine_args.model_name())
+        config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10,
+                                http=header_timeout_protocol(limits.header_timeout),
+                                timeout_keep_alive=limits.keep_alive_timeout)
+        server = _Server(engine, config, server_args.drain_timeout)
         warmup = _WarmUp(engine, engine_args.warmup, server)
         warmup.start()
         threading.Thread(target=_stop_on_failure, args=(engine, server), name="jtp-failure-watch", daemon=True).start()
@@ -105,6 +148,17 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
     if engine.failure is not None and keep_fd is not None:
         _restart(keep_fd, engine.failure)
     return status
+
+
+def _probe_template(app, model: str) -> None:
+    """A checkpoint whose chat template cannot render one short message within the limits is
+    refused at start-up, in one line, rather than failing every chat request."""
+    try:
+        app.state.serving.probe_template()
+    except TemplateLimitError as e:
+        raise ConfigError(f"{model}: {e} rendering a one-message chat; fix or replace its chat template") from None
+    except Exception as e:  # noqa: BLE001 - any template failure is the checkpoint's, reported in one line
+        raise ConfigError(f"{model}: its chat template fails on a one-message chat: {type(e).__name__}: {e}") from None
 
 
 def _stop_on_failure(engine, server: uvicorn.Server) -> None:

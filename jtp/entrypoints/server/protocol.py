@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jtp.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from jtp.core.sampling_params import MAX_LOGPROBS, SamplingParams, check_stop_strings
 from jtp.entrypoints.server.errors import APIError
 
 MAX_N = 128  # choices per request; each is a separate engine request
@@ -182,6 +182,12 @@ def _common(fields: dict[str, Any], n: int, max_tokens: int | None) -> dict[str,
     if not isinstance(include_usage, bool):
         raise APIError(f"stream_options.include_usage must be a boolean, got {include_usage!r}",
                        param="stream_options")
+    stop = fields.get("stop")
+    if stop is not None:  # checked before any tokenizing: a huge list is refused at once
+        try:
+            check_stop_strings([stop] if isinstance(stop, str) else stop)
+        except ValueError as e:
+            raise APIError(str(e), param="stop") from e
     return dict(
         model=fields.get("model"),
         n=n,

@@ -9,6 +9,7 @@ Once a stream has started, an error is sent as a final `data: {"error": ...}` ev
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -18,9 +19,12 @@ from typing import AsyncIterator
 import jinja2
 from starlette.responses import JSONResponse, Response
 
+from jtp.engine.template_sandbox import TemplateLimitError, TemplateLimits, TemplateOutputError
+
 from jtp.entrypoints.server.choices import ChatChoice, CompletionChoice
 from jtp.entrypoints.server.errors import RETRY_AFTER_SECONDS, APIError
 from jtp.entrypoints.server.generation import ChoiceRequest, Generation
+from jtp.entrypoints.server.intake import Intake, parse_json
 from jtp.entrypoints.server.logprobs import TokenNames
 from jtp.entrypoints.server.metrics import ServerMetrics
 from jtp.entrypoints.server.protocol import (
@@ -37,6 +41,11 @@ from jtp.errors import ContextLengthError
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Normalizers can merge a few characters into one (NFC), so text this many times the context's
+# worth of longest tokens may still fit; anything longer never can.
+NORMALIZATION_SLACK = 4
+# Longer texts are first counted piece by piece (the encoder holds the GIL for a whole call).
+LONG_TEXT_CHARS = 65536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,30 +60,57 @@ CHAT = _Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk")
 
 
 class OpenAIServing:
-    def __init__(self, engine, model_name: str, metrics: ServerMetrics, reasoning_parser: str | None = None):
-        self.engine, self.model_name, self.metrics = engine, model_name, metrics
+    """Parsing, rendering and tokenizing run on the intake's threads (`_prepare_*`); the event
+    loop only submits and streams."""
+
+    def __init__(self, engine, model_name: str, metrics: ServerMetrics, intake: Intake,
+                 reasoning_parser: str | None = None, template_timeout: float = TemplateLimits.time_limit):
+        self.engine, self.model_name, self.metrics, self.intake = engine, model_name, metrics, intake
         self.reasoning_parser = reasoning_parser
         self.names = TokenNames(engine.tokenizer)
+        tok = engine.tokenizer
+        self.max_prompt_chars = engine.max_model_len * NORMALIZATION_SLACK * (tok.max_token_chars if tok else 1)
+        self.template_limits = TemplateLimits(template_timeout, self.max_prompt_chars)
+        # Room for a batch of token-id prompts of a full context each, plus commas in prose.
+        self.max_json_values = 8 * engine.max_model_len + 65536
 
     # ------------------------------------------------------------------ endpoints
 
-    async def completions(self, body) -> Response:
-        req = parse_completion_request(body)
-        self._check_model(req.model)
-        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-        prompts = [(self._prompt_ids(p), max_tokens) for p in req.prompts]
+    async def completions(self, raw: bytes) -> Response:
+        req, prompts = await self.intake.run(self._prepare_completion, raw)
         choices = [CompletionChoice(i, self.names, req.num_logprobs) for i in range(len(prompts) * req.n)]
         return await self._respond(COMPLETIONS, req, prompts, choices)
 
-    async def chat(self, body) -> Response:
-        req = parse_chat_request(body)
-        self._check_model(req.model)
-        text = self._render_chat(req)
-        ids = self._prompt_ids(text)
-        max_tokens = req.max_tokens if req.max_tokens is not None else self._rest_of_context(ids)
+    async def chat(self, raw: bytes) -> Response:
+        req, text, ids, max_tokens = await self.intake.run(self._prepare_chat, raw)
         choices = [ChatChoice(i, self.names, req.num_logprobs, make_reasoning_parser(self.reasoning_parser, text))
                    for i in range(req.n)]
         return await self._respond(CHAT, req, [(ids, max_tokens)], choices)
+
+    def probe_template(self) -> None:
+        """Render a one-message chat as a request would; TemplateLimitError (or the template's own
+        error) if this checkpoint's template cannot serve even that."""
+        if self.engine.tokenizer is not None and self.engine.tokenizer.chat_template is not None:
+            self.engine.tokenizer.render_chat([{"role": "user", "content": "Hello"}], limits=self.template_limits)
+
+    # ------------------------------------------------------------------ intake (on the intake's threads)
+
+    def _prepare_completion(self, raw: bytes) -> tuple:
+        req = parse_completion_request(parse_json(raw, self.max_json_values))
+        self._check_model(req.model)
+        self._check_choices(len(req.prompts) * req.n)
+        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        return req, [(self._prompt_ids(p), max_tokens) for p in req.prompts]
+
+    def _prepare_chat(self, raw: bytes) -> tuple:
+        req = parse_chat_request(parse_json(raw, self.max_json_values))
+        self._check_model(req.model)
+        self._check_choices(req.n)
+        self._check_chars(sum(len(m.get("content") or "") for m in req.messages), "the messages' content")
+        text = self._render_chat(req)
+        ids = self._prompt_ids(text)
+        max_tokens = req.max_tokens if req.max_tokens is not None else self._rest_of_context(ids)
+        return req, text, ids, max_tokens
 
     # ------------------------------------------------------------------ shared flow
 
@@ -88,7 +124,7 @@ class OpenAIServing:
             for j in range(req.n)
         ]
         generation = Generation(self.engine, self.metrics, response_id, requests)
-        generation.submit()
+        await self._submit(generation)
         head = {"id": response_id, "object": endpoint.chunk_object, "created": int(time.time()),
                 "model": self.model_name}
         if req.stream:
@@ -97,6 +133,17 @@ class OpenAIServing:
         body = {**head, "object": endpoint.object_name, "choices": [c.result() for c in choices],
                 "usage": generation.usage()}
         return JSONResponse(body)
+
+    async def _submit(self, generation: Generation) -> None:
+        """Submit on an intake thread: the engine checks every prompt id of every choice (n x the
+        context), too long a walk for the event loop. Cancelled meanwhile (the client left), the
+        submits still finish on their thread; whatever they queued is then aborted."""
+        submitting = asyncio.ensure_future(self.intake.run(generation.submit))
+        try:
+            await asyncio.shield(submitting)
+        except asyncio.CancelledError:
+            submitting.add_done_callback(lambda done: done.cancelled() or done.exception() or generation.abort())
+            raise
 
     async def _collect(self, generation: Generation, choices: list) -> None:
         async for i, event in generation.events():
@@ -131,19 +178,51 @@ class OpenAIServing:
             raise APIError(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            404, code="model_not_found", param="model")
 
+    def _check_choices(self, count: int) -> None:
+        """n choices of every prompt are submitted at once: more than the waiting queue holds can
+        never be taken, so that is a 400 (a full queue is a 429: retry later)."""
+        limit = self.engine.config.max_waiting_requests
+        if limit is not None and count > limit:
+            raise APIError(f"the request asks for {count} choices (prompts x n) but this server queues at most "
+                           f"{limit} requests at once (--max-waiting-requests); ask for fewer", param="n")
+
+    def _check_chars(self, length: int, what: str) -> None:
+        if length > self.max_prompt_chars:
+            raise ContextLengthError(f"{what} ({length} characters) can never fit the model's context length "
+                                     f"({self.engine.max_model_len} tokens, at most {self.max_prompt_chars} "
+                                     f"characters); refused before tokenizing")
+
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
+            if len(prompt) >= self.engine.max_model_len:  # no room left for even one new token
+                raise ContextLengthError(f"the prompt ({len(prompt)} tokens) leaves no room in the model's "
+                                         f"context length ({self.engine.max_model_len})")
             return prompt
         if self.engine.tokenizer is None:
             raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
-        return self.engine.tokenizer.encode(prompt)
+        self._check_chars(len(prompt), "the prompt")
+        tok, limit = self.engine.tokenizer, self.engine.max_model_len - 1  # room for one new token at least
+        try:
+            if len(prompt) > LONG_TEXT_CHARS and tok.certainly_longer_than(prompt, limit):
+                raise ContextLengthError(f"the prompt ({len(prompt)} characters) is longer than the model's "
+                                         f"context length ({self.engine.max_model_len} tokens)")
+            return tok.encode(prompt)
+        except TypeError:
+            _refuse_surrogates(prompt)
+            raise
 
     def _render_chat(self, req: ChatRequest) -> str:
         if self.engine.tokenizer is None:
             raise APIError("this model has no tokenizer, so no chat template", param="messages")
         try:
-            return self.engine.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, tools=req.tools, **req.template_kwargs)
+            return self.engine.tokenizer.render_chat(req.messages, True, req.tools, req.template_kwargs,
+                                                     self.template_limits)
+        except TemplateOutputError as e:
+            raise ContextLengthError(f"{e}: more than the model's context length ({self.engine.max_model_len} "
+                                     f"tokens) can hold") from e
+        except TemplateLimitError as e:
+            raise APIError(f"cannot render the chat template: {e}", param="messages",
+                           code="chat_template_limit") from e
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(f"cannot render the chat template: {e}", param="messages") from e
 
@@ -154,6 +233,15 @@ class OpenAIServing:
             raise ContextLengthError(f"the prompt ({len(prompt_ids)} tokens) leaves no room in the model's "
                                      f"context length ({self.engine.max_model_len})")
         return left
+
+
+def _refuse_surrogates(text: str) -> None:
+    """A lone surrogate (JSON allows "\\ud800") is not Unicode text: a 400 saying where it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(f"the prompt holds a lone surrogate {text[e.start]!r} at character {e.start}: "
+                       f"it is not valid Unicode text", param="prompt") from None
 
 
 def _raise_if_failed(event) -> None:
