@@ -7,15 +7,17 @@ compiles nothing more.
 
 Ahead of time where the runner allows it (one process): this thread traces and lowers each step
 (Python, under the GIL) while a pool of daemon threads runs XLA on the lowered programs (XLA
-releases the GIL) and the runner keeps the executables. Daemon threads, so a stop during warm-up
-never waits for a compile to end. A worker group instead runs every padding step in order, as
-its followers must see the same calls.
+releases the GIL) and the runner keeps the executables. Steps whose lowered programs are the same
+text (many buckets differ only in a bound the program does not use) share one compile. Daemon
+threads, so a stop during warm-up never waits for a compile to end. A worker group instead runs
+every padding step in order, as its followers must see the same calls.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import queue
@@ -43,13 +45,15 @@ class WarmupReport:
     shapes: int  # buckets
     variants: int  # step programs they need (sampling variants, verify steps)
     compiled: int  # step programs traced by the warm-up (0 when an earlier warm-up had them)
-    cache_hits: int  # of those, XLA programs the persistent compilation cache answered
+    programs: int  # distinct XLA programs among them, compiled or loaded
+    cache_hits: int  # of those, how many the persistent compilation cache answered
     seconds: float
     finished: bool  # False: stopped before the end
 
     def summary(self) -> str:
-        return (f"warm-up: {self.shapes} step shapes, {self.variants} variants, {self.compiled} compiled, "
-                f"{self.cache_hits} from the persistent compilation cache, in {self.seconds:.1f} s")
+        return (f"warm-up: {self.shapes} step shapes, {self.variants} variants, {self.compiled} traced, "
+                f"{self.programs} XLA programs, {self.cache_hits} of them from the persistent compilation cache, "
+                f"in {self.seconds:.1f} s")
 
 
 def compile_workers() -> int:
@@ -94,10 +98,11 @@ def compile_step_shapes(
                mininterval=1.0)
     with bar:
         if runner.compiles_ahead and workers > 1:
-            finished = _compile_ahead(runner, steps, workers, should_stop, bar.update)
+            finished, programs = _compile_ahead(runner, steps, workers, should_stop, bar.update)
         else:
             finished = _run_in_order(runner, steps, should_stop, bar.update)
-    return WarmupReport(len(scheduler.buckets.shapes()), len(steps), runner.compilations - before,
+            programs = runner.compilations - before  # each trace is one compile request
+    return WarmupReport(len(scheduler.buckets.shapes()), len(steps), runner.compilations - before, programs,
                         cache_hits() - hits, time.perf_counter() - start, finished)
 
 
@@ -111,58 +116,68 @@ def _run_in_order(runner: ModelRunner, steps: list[StepInput], should_stop, done
 
 
 def _compile_ahead(runner: ModelRunner, steps: list[StepInput], workers: int, should_stop,
-                   done: Callable[[], None]) -> bool:
+                   done: Callable[[], None]) -> tuple[bool, int]:
+    """(finished, distinct programs)."""
     todo: queue.Queue = queue.Queue(maxsize=2 * workers)  # bounded: lowered programs hold their HLO
     results: queue.Queue = queue.Queue()
 
     def compile_loop() -> None:
         while (job := todo.get()) is not None:
-            key, lowered = job
+            program, lowered = job
             t = time.perf_counter()
             try:
-                results.put((key, lowered.compile(), time.perf_counter() - t))
+                results.put((program, lowered.compile(), time.perf_counter() - t))
             except BaseException as e:  # noqa: BLE001 - re-raised on the warm-up thread
-                results.put((key, e, 0.0))
+                results.put((program, e, 0.0))
 
     threads = [threading.Thread(target=compile_loop, name=f"jtp-compile-{i}", daemon=True) for i in range(workers)]
     for t in threads:
         t.start()
-    pending = 0
+    waiting: dict[bytes, list] = {}  # program -> the step keys that wait for its compile
+    executables: dict[bytes, jax.stages.Compiled] = {}
 
     def collect(block: bool) -> None:
-        nonlocal pending
-        while pending:
+        while waiting:
             try:
-                key, compiled, seconds = results.get(timeout=0.1) if block else results.get_nowait()
+                program, compiled, seconds = results.get(timeout=0.1) if block else results.get_nowait()
             except queue.Empty:
                 if not block or should_stop():
                     return
                 continue
-            pending -= 1
             if isinstance(compiled, BaseException):
                 raise compiled
-            runner.install(key, compiled, seconds)
-            done()
+            executables[program] = compiled
+            for i, key in enumerate(waiting.pop(program)):
+                runner.install(key, compiled, seconds if i == 0 else 0.0)
+                done()
 
     try:
         for step in steps:
             if should_stop():
-                return False
+                return False, len(executables)
             lowered = runner.lower(step)
-            if lowered is None:  # the same program as an earlier step's
+            if lowered is None:  # installed by an earlier warm-up
                 done()
                 continue
-            while True:  # hand it over, installing what has finished meanwhile
-                collect(block=False)
-                try:
-                    todo.put(lowered, timeout=0.1)
-                    break
-                except queue.Full:
-                    if should_stop():
-                        return False
-            pending += 1
+            key, program_ir = lowered
+            program = hashlib.sha256(program_ir.as_text().encode()).digest()
+            if program in executables:
+                runner.install(key, executables[program], 0.0)
+                done()
+            elif program in waiting:
+                waiting[program].append(key)
+            else:
+                waiting[program] = [key]
+                while True:  # hand it over, installing what has finished meanwhile
+                    collect(block=False)
+                    try:
+                        todo.put((program, program_ir), timeout=0.1)
+                        break
+                    except queue.Full:
+                        if should_stop():
+                            return False, len(executables)
         collect(block=True)
-        return not pending
+        return not waiting, len(executables)
     finally:
         with contextlib.suppress(queue.Empty):
             while True:  # drop the jobs no thread has taken yet
