@@ -184,19 +184,26 @@ def test_logprobs_and_penalties_compile_nothing_after_ready(warmed, demo_dir):
     assert after == before, f"{after - before} step programs compiled after /ready"
 
 
-def test_a_second_start_loads_every_shape_from_the_cache(demo_dir, tmp_path):
-    cache = str(tmp_path / "xla")
-    warm = subprocess.run([sys.executable, "-m", "jtp.entrypoints.cli", "warmup", *small_flags(demo_dir),
-                           "--compile-cache-dir", cache], env=cpu_env(1), capture_output=True, text=True, timeout=600)
-    assert warm.returncode == 0, warm.stderr[-3000:]
-    first = WARMUP_LINE.search(warm.stderr)
-    assert first and int(first.group(5)) == 0, warm.stderr[-2000:]
-    serve = Serve(*small_flags(demo_dir), "--compile-cache-dir", cache)
+def test_two_jtp_warmups_share_a_fresh_cache_and_a_server_then_loads_every_program(demo_dir, tmp_path):
+    cache = tmp_path / "xla"
+    command = [sys.executable, "-m", "jtp.entrypoints.cli", "warmup", *small_flags(demo_dir), "--compile-cache-dir",
+               str(cache)]
+    procs = [subprocess.Popen(command, env=cpu_env(1), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+             for _ in range(2)]  # at once: both write and read the same entries
+    logs = [p.communicate(timeout=600)[1] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+        assert "persistent compilation cache entry" not in log, log[-3000:]  # JAX's warning for a bad entry
+    assert (cache / ".lockfile").exists()  # JAX locks every read and write (it does only with a size bound)
+    first = [WARMUP_LINE.search(log) for log in logs]
+    assert all(first), logs
+    serve = Serve(*small_flags(demo_dir), "--compile-cache-dir", str(cache))
     try:
         serve.ready()
         match = WARMUP_LINE.search(serve.text())
-        assert match and match.groups()[:4] == first.groups()[:4], serve.text()
+        assert match and match.groups()[:4] == first[0].groups()[:4], serve.text()
         assert int(match.group(5)) == int(match.group(4)), serve.text()  # every program loaded, none compiled
+        assert "persistent compilation cache entry" not in serve.text()
     finally:
         serve.kill()
 

@@ -31,6 +31,7 @@ from jtp.config.speculative import SpeculativeConfig
 from jtp.core.sampling_params import SamplingParams, pack_sampling
 from jtp.core.scheduler import Scheduler
 from jtp.core.step_input import StepInput
+from jtp.errors import ConfigError
 from jtp.worker.compile_cache import cache_hits
 from jtp.worker.runner import ModelRunner
 
@@ -65,7 +66,7 @@ def compile_workers() -> int:
         except ValueError:
             workers = 0
         if workers < 1:
-            raise ValueError(f"${WORKERS_ENV}={value!r}: must be a whole number of threads, at least 1")
+            raise ConfigError(f"${WORKERS_ENV}={value!r}: must be a whole number of threads, at least 1")
         return workers
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 

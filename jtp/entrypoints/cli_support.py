@@ -187,6 +187,9 @@ def note(message: str) -> None:
 def open_engine(engine_args: EngineArgs) -> Engine:
     """Validate, load and report: devices, mesh, KV pool, and whether the pool caps the context."""
     engine_args.validate()
+    from jtp.engine.warmup import compile_workers
+
+    compile_workers()  # a bad $JTP_COMPILE_WORKERS fails before anything loads
     if engine_args.is_demo:
         from jtp.demo import DEMO_LABEL
 
