@@ -308,6 +308,8 @@ class WorkerGroup:
 class GroupRunner(ModelRunner):
     """A ModelRunner whose collective calls are first sent to the group's followers."""
 
+    compiles_ahead = False  # the followers compile as they run the leader's warm-up steps, in order
+
     def __init__(self, group: WorkerGroup, *args, **kwargs):
         self.group = group
         self.steps = 0

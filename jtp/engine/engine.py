@@ -67,6 +67,7 @@ class Engine:
     # Called after every step with its `StepTiming` (host time by phase), when set.
     step_timings = None
     _timing: StepTiming | None = None  # the current step's
+    warmup_report = None  # the last warm-up's WarmupReport
 
     def __init__(self, config: EngineConfig, *, group=None, devices=None):
         """Load `config`'s model and build the pools, the scheduler and the tokenizer.
@@ -157,7 +158,7 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._intake:
             waiting = self._num_waiting()
-        return collect_stats(self.scheduler, self.pool, waiting, len(self.snapshots))
+        return collect_stats(self.scheduler, self.pool, waiting, len(self.snapshots), self.runner)
 
     # ------------------------------------------------------------------ requests
 
@@ -480,15 +481,15 @@ class Engine:
 
     def warmup(self, progress: bool = False) -> int:
         """Compile the step for every shape the scheduler can produce (jtp/engine/warmup.py), then
-        set `ready`. Returns how many step variants were compiled."""
+        set `ready`. Returns how many step variants were compiled; `warmup_report` says more."""
         with self.paused():
-            compiled = compile_step_shapes(self.scheduler, self.runner, self.speculative, lambda: self._stopping,
-                                           progress)
-            if self._stopping:  # stop() / close() during warm-up (Ctrl-C): gave up
-                return compiled
+            report = self.warmup_report = compile_step_shapes(
+                self.scheduler, self.runner, self.speculative, lambda: self._stopping, progress)
+            if not report.finished:  # stop() / close() during warm-up (Ctrl-C): gave up
+                return report.compiled
         self.ready.set()
-        log.info("warm-up: %d step shapes, %d compiled", len(self.scheduler.buckets.shapes()), compiled)
-        return compiled
+        log.info(report.summary())
+        return report.compiled
 
     # ------------------------------------------------------------------ background loop, shutdown
 

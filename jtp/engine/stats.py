@@ -24,6 +24,8 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0  # tokens drafted for them
     spec_decode_num_accepted_tokens: int = 0  # of those, tokens the target model sampled too
     spec_decode_num_state_rollbacks: int = 0  # hybrid rows whose recurrent state went back before a rejected draft
+    compilations: int = 0  # step programs compiled since start (warm-up included): none should follow /ready
+    compile_seconds: float = 0.0  # time those compilations took
 
     @property
     def spec_decode_acceptance_rate(self) -> float:
@@ -39,7 +41,7 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-def collect_stats(scheduler: Scheduler, pool: PagePool, num_waiting: int, num_snapshots: int) -> EngineStats:
+def collect_stats(scheduler: Scheduler, pool: PagePool, num_waiting: int, num_snapshots: int, runner=None) -> EngineStats:
     return EngineStats(
         num_running=len(scheduler.running),
         num_waiting=num_waiting,
@@ -54,4 +56,6 @@ def collect_stats(scheduler: Scheduler, pool: PagePool, num_waiting: int, num_sn
         spec_decode_num_draft_tokens=scheduler.spec_draft_tokens,
         spec_decode_num_accepted_tokens=scheduler.spec_accepted_tokens,
         spec_decode_num_state_rollbacks=scheduler.spec_state_rollbacks,
+        compilations=runner.compilations if runner is not None else 0,
+        compile_seconds=runner.compile_seconds if runner is not None else 0.0,
     )

@@ -1,13 +1,28 @@
 """Warm-up: compile the step for every shape the scheduler can produce, before the first request.
 
-Each (tokens, rows, tokens-per-row, blocks-per-row) bucket runs as an all-padding step (nothing is
+Each (tokens, rows, tokens-per-row, blocks-per-row) bucket is one all-padding step (nothing is
 written to the KV cache or the state slots) with the two common sampling variants (plain, and
 top-k/top-p/min-p); penalties and logprobs compile on first use. A test checks that serving then
 compiles nothing more.
+
+Ahead of time where the runner allows it (one process): this thread traces and lowers each step
+(Python, under the GIL) while a pool of daemon threads runs XLA on the lowered programs (XLA
+releases the GIL) and the runner keeps the executables. Steps whose lowered programs are the same
+text (many buckets differ only in a bound the program does not use) share one compile. Daemon
+threads, so a stop during warm-up never waits for a compile to end. A worker group instead runs
+every padding step in order, as its followers must see the same calls.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
 from typing import Callable
 
 import jax
@@ -16,35 +31,157 @@ from jtp.config.speculative import SpeculativeConfig
 from jtp.core.sampling_params import SamplingParams, pack_sampling
 from jtp.core.scheduler import Scheduler
 from jtp.core.step_input import StepInput
+from jtp.errors import ConfigError
+from jtp.worker.compile_cache import cache_hits
 from jtp.worker.runner import ModelRunner
 
+log = logging.getLogger(__name__)
+
 VARIANTS = (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9))
+WORKERS_ENV = "JTP_COMPILE_WORKERS"  # compile threads (default: the CPU cores, at most 8; 1: no pool)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    shapes: int  # buckets
+    variants: int  # step programs they need (sampling variants, verify steps)
+    compiled: int  # step programs traced by the warm-up (0 when an earlier warm-up had them)
+    programs: int  # distinct XLA programs among them, compiled or loaded
+    cache_hits: int  # of those, how many the persistent compilation cache answered
+    seconds: float
+    finished: bool  # False: stopped before the end
+
+    def summary(self) -> str:
+        return (f"warm-up: {self.shapes} step shapes, {self.variants} variants, {self.compiled} traced, "
+                f"{self.programs} XLA programs, {self.cache_hits} of them from the persistent compilation cache, "
+                f"in {self.seconds:.1f} s")
+
+
+def compile_workers() -> int:
+    """Compile threads: $JTP_COMPILE_WORKERS, else the cores this process may use (at most 8)."""
+    value = os.environ.get(WORKERS_ENV, "")
+    if value:
+        try:
+            workers = int(value)
+        except ValueError:
+            workers = 0
+        if workers < 1:
+            raise ConfigError(f"${WORKERS_ENV}={value!r}: must be a whole number of threads, at least 1")
+        return workers
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None) -> list[StepInput]:
+    """The padding steps that cover every program the scheduler can pick (with the two variants)."""
+    steps = []
+    for shape in scheduler.buckets.shapes():
+        _, B, max_row_len, _ = shape
+        # Rows of several tokens may be speculating rows: their verify steps sample [1 + k, B].
+        verify = (False, True) if speculative is not None and max_row_len > 1 else (False,)
+        for params in VARIANTS:
+            sampling = pack_sampling([params] * B, B, [0] * B, [0] * B)
+            steps += [StepInput(scheduler.padding_plan(*shape, verify=v), sampling) for v in verify]
+    return steps
 
 
 def compile_step_shapes(
     scheduler: Scheduler, runner: ModelRunner, speculative: SpeculativeConfig | None,
-    should_stop: Callable[[], bool], progress: bool = False,
-) -> int:
-    """Run every bucket once (the engine paused); how many step variants were compiled (0 when
-    all came from the persistent compilation cache or an earlier warm-up). Gives up at once when
-    `should_stop()` (stop() or close() during warm-up, Ctrl-C)."""
+    should_stop: Callable[[], bool], progress: bool = False, workers: int | None = None,
+) -> WarmupReport:
+    """Compile (or load from the persistent cache) every step program, the engine paused. Gives up
+    at once when `should_stop()` (stop() or close() during warm-up, Ctrl-C)."""
     from tqdm import tqdm
 
-    shapes = scheduler.buckets.shapes()
-    before = runner.compilations
-    bar = tqdm(total=len(shapes) * len(VARIANTS), desc="warm-up: compiling step shapes", unit="shape",
-               disable=not progress, mininterval=1.0)
+    start, hits, before = time.perf_counter(), cache_hits(), runner.compilations
+    steps = warmup_steps(scheduler, speculative)
+    workers = compile_workers() if workers is None else workers
+    bar = tqdm(total=len(steps), desc="warm-up: compiling step shapes", unit="shape", disable=not progress,
+               mininterval=1.0)
     with bar:
-        for shape in shapes:
+        if runner.compiles_ahead and workers > 1:
+            finished, programs = _compile_ahead(runner, steps, workers, should_stop, bar.update)
+        else:
+            finished = _run_in_order(runner, steps, should_stop, bar.update)
+            programs = runner.compilations - before  # each trace is one compile request
+    return WarmupReport(len(scheduler.buckets.shapes()), len(steps), runner.compilations - before, programs,
+                        cache_hits() - hits, time.perf_counter() - start, finished)
+
+
+def _run_in_order(runner: ModelRunner, steps: list[StepInput], should_stop, done: Callable[[], None]) -> bool:
+    for step in steps:
+        if should_stop():
+            return False
+        jax.block_until_ready(runner.dispatch(step))
+        done()
+    return True
+
+
+def _compile_ahead(runner: ModelRunner, steps: list[StepInput], workers: int, should_stop,
+                   done: Callable[[], None]) -> tuple[bool, int]:
+    """(finished, distinct programs)."""
+    todo: queue.Queue = queue.Queue(maxsize=2 * workers)  # bounded: lowered programs hold their HLO
+    results: queue.Queue = queue.Queue()
+
+    def compile_loop() -> None:
+        while (job := todo.get()) is not None:
+            program, lowered = job
+            t = time.perf_counter()
+            try:
+                results.put((program, lowered.compile(), time.perf_counter() - t))
+            except BaseException as e:  # noqa: BLE001 - re-raised on the warm-up thread
+                results.put((program, e, 0.0))
+
+    threads = [threading.Thread(target=compile_loop, name=f"jtp-compile-{i}", daemon=True) for i in range(workers)]
+    for t in threads:
+        t.start()
+    waiting: dict[bytes, list] = {}  # program -> the step keys that wait for its compile
+    executables: dict[bytes, jax.stages.Compiled] = {}
+
+    def collect(block: bool) -> None:
+        while waiting:
+            try:
+                program, compiled, seconds = results.get(timeout=0.1) if block else results.get_nowait()
+            except queue.Empty:
+                if not block or should_stop():
+                    return
+                continue
+            if isinstance(compiled, BaseException):
+                raise compiled
+            executables[program] = compiled
+            for i, key in enumerate(waiting.pop(program)):
+                runner.install(key, compiled, seconds if i == 0 else 0.0)
+                done()
+
+    try:
+        for step in steps:
             if should_stop():
-                break
-            _, B, max_row_len, _ = shape
-            # Rows of several tokens may be speculating rows: their verify steps sample [1 + k, B].
-            verify = (False, True) if speculative is not None and max_row_len > 1 else (False,)
-            plans = [scheduler.padding_plan(*shape, verify=v) for v in verify]
-            for params in VARIANTS:
-                sampling = pack_sampling([params] * B, B, [0] * B, [0] * B)
-                for plan in plans:
-                    jax.block_until_ready(runner.dispatch(StepInput(plan, sampling)))
-                bar.update()
-    return runner.compilations - before
+                return False, len(executables)
+            lowered = runner.lower(step)
+            if lowered is None:  # installed by an earlier warm-up
+                done()
+                continue
+            key, program_ir = lowered
+            program = hashlib.sha256(program_ir.as_text().encode()).digest()
+            if program in executables:
+                runner.install(key, executables[program], 0.0)
+                done()
+            elif program in waiting:
+                waiting[program].append(key)
+            else:
+                waiting[program] = [key]
+                while True:  # hand it over, installing what has finished meanwhile
+                    collect(block=False)
+                    try:
+                        todo.put((program, program_ir), timeout=0.1)
+                        break
+                    except queue.Full:
+                        if should_stop():
+                            return False, len(executables)
+        collect(block=True)
+        return not waiting, len(executables)
+    finally:
+        with contextlib.suppress(queue.Empty):
+            while True:  # drop the jobs no thread has taken yet
+                todo.get_nowait()
+        for _ in threads:  # idle threads end now, busy ones after their compile (daemons: never waited for)
+            todo.put(None)

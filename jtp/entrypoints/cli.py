@@ -1,6 +1,7 @@
 """The `jtp` command line.
 
     jtp serve    [engine flags] [server flags]          OpenAI-compatible HTTP API
+    jtp warmup   [engine flags]                         compile serve's step shapes into the cache, exit
     jtp generate [engine flags] [sampling flags] PROMPT  complete one prompt ('-' reads stdin)
     jtp batch    [engine flags] --input IN --output OUT  offline JSONL batch (jtp/entrypoints/batch.py)
     jtp convert  --model DIR --output DIR                HF safetensors -> Orbax
@@ -27,11 +28,15 @@ from jtp.distributed.launcher import is_follower
 from jtp.entrypoints.cli_support import (
     EXIT_INTERRUPTED,
     add_common_args,
+    add_compile_cache_arg,
     interrupt_guard,
+    note,
     open_engine,
+    raise_if_interrupted,
     run_command,
     run_follower,
     setup_logging,
+    use_compile_cache_dir,
 )
 from jtp.errors import ConfigError, RequestError
 
@@ -86,6 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.warmup = False  # one request compiles only the shapes it needs
     engine_args.validate()  # bad flags and prompts fail before anything loads
+    use_compile_cache_dir(args)
     if is_follower(engine_args):
         return run_follower(engine_args)
     text = read_prompt(args)
@@ -166,20 +172,49 @@ def cmd_serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
     setup_logging(args)
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.validate()  # bad flags fail before the port is bound
+    use_compile_cache_dir(args)
     return run_server(engine_args, args)  # opens the engine with the compilation cache (open_engine)
 
 
-def build_serve_parser(add_server_args) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jtp serve", description="Serve the OpenAI completions and chat "
-                                     "completions API (Starlette on uvicorn).")
+def build_serve_parser(add_server_args, prog: str = "jtp serve", description: str = (
+        "Serve the OpenAI completions and chat completions API (Starlette on uvicorn).")) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     add_common_args(parser)
     EngineArgs.add_cli_args(parser)
+    add_compile_cache_arg(parser)
     add_server_args(parser)
     return parser
 
 
+WARMUP_DESCRIPTION = (
+    "Compile every step shape `jtp serve` with the same engine flags would compile, into the persistent "
+    "compilation cache, and exit: a later `jtp serve` with those flags and that cache loads them instead of "
+    "compiling (build a deployment's cache once, e.g. in its image, with --compile-cache-dir).")
+
+
+def cmd_warmup(args: argparse.Namespace, warmup_argv: list[str]) -> int:
+    """`jtp warmup`: serve's engine flags (so the same shape set), no server."""
+    parser = build_serve_parser(lambda p: None, prog="jtp warmup", description=WARMUP_DESCRIPTION)
+    vars(args).update(vars(parser.parse_args(warmup_argv)))
+    setup_logging(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    if not engine_args.warmup:
+        raise ConfigError("jtp warmup --no-warmup: nothing to do (warm-up is what this command runs)")
+    engine_args.validate()
+    use_compile_cache_dir(args)
+    if is_follower(engine_args):
+        return run_follower(engine_args)
+    with open_engine(engine_args) as engine:
+        engine.warmup(progress=True)
+        raise_if_interrupted()
+        note(engine.warmup_report.summary())
+    return 0
+
+
 def cmd_batch(args: argparse.Namespace) -> int:
     from jtp.entrypoints.batch import run_args
+
+    use_compile_cache_dir(args)
 
     return run_args(args)
 
@@ -237,13 +272,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_args(common)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to run")
 
-    # serve and bench parse their own flags (everything after the command word): see cmd_serve.
+    # serve, warmup and bench parse their own flags (everything after the command word): see cmd_serve.
     serve = sub.add_parser("serve", add_help=False, help="OpenAI-compatible HTTP API (--help lists its flags)")
     serve.set_defaults(func=cmd_serve)
+    warm = sub.add_parser("warmup", add_help=False, help="compile serve's step shapes into the persistent cache "
+                          "and exit (--help lists its flags)")
+    warm.set_defaults(func=cmd_warmup)
 
     gen = sub.add_parser("generate", parents=[common], help="complete one prompt",
                          description="Complete one prompt; the text streams to stdout.")
     EngineArgs.add_cli_args(gen, serving=False)
+    add_compile_cache_arg(gen)
     add_generate_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -253,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Offline batch generation (greedy unless a line sets temperature); "
                                        "resumable: rerun with the same --output.")
     EngineArgs.add_cli_args(batch, serving=False)
+    add_compile_cache_arg(batch)
     add_batch_args(batch)
     batch.set_defaults(func=cmd_batch)
 
@@ -276,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             args, rest = parser.parse_known_args(argv)
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED
-        if args.command in ("serve", "bench"):  # every flag after the command word is theirs
+        if args.command in ("serve", "warmup", "bench"):  # every flag after the command word is theirs
             return run_command(lambda a: a.func(a, rest), args)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

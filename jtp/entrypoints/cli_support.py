@@ -141,17 +141,42 @@ def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Nam
 # ----------------------------------------------------------------------------- engines
 
 
-def enable_compilation_cache() -> None:
-    """Persist compiled steps across runs, so the second start of a model skips XLA compilation.
+CACHE_ENV = "JTP_COMPILATION_CACHE"  # the persistent compilation cache's directory ("" turns it off)
+CACHE_MAX_BYTES = 32 * 2**30  # least recently used entries go beyond it
 
-    JTP_COMPILATION_CACHE sets the directory ("" turns it off); default ~/.cache/jtp/xla.
+
+def default_cache_dir() -> str:
+    return os.environ.get(CACHE_ENV, str(Path.home() / ".cache" / "jtp" / "xla"))
+
+
+def add_compile_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile-cache-dir", default=None, metavar="DIR",
+                   help=f"persistent XLA compilation cache, shared by every jtp process that names it (default: "
+                        f"${CACHE_ENV}, else ~/.cache/jtp/xla; '' turns it off)")
+
+
+def use_compile_cache_dir(args: argparse.Namespace) -> None:
+    """--compile-cache-dir, through the environment so the processes jtp spawns (followers) use it too."""
+    path = getattr(args, "compile_cache_dir", None)
+    if path is not None:
+        os.environ[CACHE_ENV] = path
+
+
+def enable_compilation_cache() -> None:
+    """Persist every compiled step across runs (min compile time 0: on a CPU most steps compile in
+    under a second, and a start-up compiles hundreds), so a second start loads instead of compiling.
+
+    A size bound makes JAX take a file lock around every read and write of an entry, so processes
+    sharing the directory (a server and `jtp warmup`, a group's leader and followers) never read an
+    entry another one is still writing. Without the bound JAX skips the lock.
     """
     import jax
 
-    path = os.environ.get("JTP_COMPILATION_CACHE", str(Path.home() / ".cache" / "jtp" / "xla"))
+    path = default_cache_dir()
     if path:
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
 
 
 def note(message: str) -> None:
@@ -162,6 +187,9 @@ def note(message: str) -> None:
 def open_engine(engine_args: EngineArgs) -> Engine:
     """Validate, load and report: devices, mesh, KV pool, and whether the pool caps the context."""
     engine_args.validate()
+    from jtp.engine.warmup import compile_workers
+
+    compile_workers()  # a bad $JTP_COMPILE_WORKERS fails before anything loads
     if engine_args.is_demo:
         from jtp.demo import DEMO_LABEL
 
@@ -181,6 +209,7 @@ def run_follower(engine_args: EngineArgs) -> int:
     from jtp.distributed.follower import run_follower as follow
     from jtp.distributed.launcher import LaunchSpec
 
+    enable_compilation_cache()
     return follow(engine_args, LaunchSpec.resolve(engine_args))
 
 

@@ -19,7 +19,7 @@ from jtp.distributed.launcher import (
     LaunchSpec,
     exit_with_parent,
 )
-from jtp.entrypoints.cli_support import run_command
+from jtp.entrypoints.cli_support import enable_compilation_cache, run_command
 
 
 def main() -> int:
@@ -29,6 +29,7 @@ def main() -> int:
                         format=f"%(levelname)s follower {launch['spec']['process_id']} %(name)s: %(message)s")
     spec = LaunchSpec(**launch["spec"], secret=bytes.fromhex(os.environ.pop(SECRET_ENV)))
     args = EngineArgs(**launch["engine_args"])
+    enable_compilation_cache()  # the leader's directory, from the environment it passed on
     return run_command(lambda _: run_follower(args, spec), None)
 
 

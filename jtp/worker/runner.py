@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -70,6 +71,8 @@ def is_ready(result) -> bool:
 
 
 class ModelRunner:
+    compiles_ahead = True  # warm-up may compile its steps on a thread pool (`lower` / `install`)
+
     def __init__(self, config: EngineConfig, devices=None):
         """Load `config`'s model onto `devices` (default: the first tensor_parallel_size of this process).
 
@@ -113,6 +116,9 @@ class ModelRunner:
             static_argnames=("layout",),
         )
         self.compilations = 0  # traces of the step function: bounded by the bucket sets
+        self.compile_seconds = 0.0  # time spent in them: tracing, lowering, XLA or a persistent-cache load
+        # Steps compiled ahead of time (`lower` + `install`), by (decode loop?, layout): dispatch calls them.
+        self._executables: dict[tuple[bool, StepLayout], jax.stages.Compiled] = {}
         # The last token sampled for each state slot, kept on device: a plan can name it (token id -1)
         # before the host has seen it, so step N+1 is dispatched while step N still runs.
         self.sampled = jax.device_put(np.zeros(config.max_num_seqs, np.int32), replicated(self.mesh))
@@ -131,6 +137,7 @@ class ModelRunner:
 
     def allocate_cache(self, num_blocks: int) -> None:
         self.cache = None  # drop the old buffers before allocating the new ones
+        self._executables.clear()  # compiled for the old cache's shapes
         self.num_blocks = num_blocks
         self.cache = self._init_cache(num_blocks, self.num_state_slots)
 
@@ -171,18 +178,48 @@ class ModelRunner:
         """
         args, layout = self._step_args(step)
         num_steps = args[-2][layout.offsets()[0]["num_steps"][0]]
+        loops = self._loops(layout)
+        if loops:
+            if not 1 <= num_steps <= self.num_scheduler_steps:
+                raise ValueError(f"num_steps {num_steps} is outside 1..{self.num_scheduler_steps} (--num-scheduler-steps)")
+            if num_steps > 1 and layout.penalty_len:
+                raise ValueError("penalties need the token history of every step: they run one step per dispatch")
+        elif num_steps != 1:
+            raise ValueError(f"a step with prompt rows runs one step, not {num_steps}")
+        compiled = self._executables.get((loops, layout))
+        if compiled is not None:
+            result, self.cache, self.sampled = compiled(*args)
+            return result
+        fn = self._decode_fn if loops else self._step_fn
+        start, before = time.perf_counter(), self.compilations
         with _count_traces(self):
-            if self._loops(layout):
-                if not 1 <= num_steps <= self.num_scheduler_steps:
-                    raise ValueError(f"num_steps {num_steps} is outside 1..{self.num_scheduler_steps} (--num-scheduler-steps)")
-                if num_steps > 1 and layout.penalty_len:
-                    raise ValueError("penalties need the token history of every step: they run one step per dispatch")
-                result, self.cache, self.sampled = self._decode_fn(*args, layout=layout)
-            else:
-                if num_steps != 1:
-                    raise ValueError(f"a step with prompt rows runs one step, not {num_steps}")
-                result, self.cache, self.sampled = self._step_fn(*args, layout=layout)
+            result, self.cache, self.sampled = fn(*args, layout=layout)
+        if self.compilations != before:  # this call compiled (the step itself runs asynchronously)
+            self.compile_seconds += time.perf_counter() - start
         return result
+
+    # Ahead-of-time compilation (warm-up): `lower` traces on the calling thread (Python, under the GIL);
+    # `Lowered.compile()` can then run on any thread (XLA releases the GIL), and `install` hands the
+    # executable to `dispatch`, so the first real step of that shape compiles nothing.
+
+    def lower(self, step: PackedStep | StepInput):
+        """(key, `jax.stages.Lowered`) of the program `dispatch` would run for this step's shapes;
+        None when that program is installed already. Nothing runs on the device."""
+        args, layout = self._step_args(step)
+        key = (self._loops(layout), layout)
+        if key in self._executables:
+            return None
+        fn = self._decode_fn if key[0] else self._step_fn
+        start = time.perf_counter()
+        with _count_traces(self):
+            lowered = fn.lower(*args, layout=layout)
+        self.compile_seconds += time.perf_counter() - start
+        return key, lowered
+
+    def install(self, key, compiled: jax.stages.Compiled, seconds: float) -> None:
+        """Use `compiled` (from `lower(...)[1].compile()`, which took `seconds`) for steps of `key`."""
+        self._executables[key] = compiled
+        self.compile_seconds += seconds
 
     def _loops(self, layout: StepLayout) -> bool:
         """Whether this step runs through the decode loop (every pure decode step, when enabled)."""
@@ -221,6 +258,7 @@ class ModelRunner:
             if isinstance(leaf, jax.Array) and not leaf.is_deleted():
                 leaf.delete()
         self.params = self.cache = self.sampled = None
+        self._executables.clear()
 
     def _step_args(self, step: PackedStep | StepInput):
         """The step's positional arguments and its static layout."""

@@ -1,10 +1,12 @@
 """`jtp serve`: build the engine, listen at once, warm up in the background, serve until stopped.
 
 /health answers as soon as the weights are loaded; /ready (and generation) wait for the
-warm-up to compile the step shapes. Ctrl-C ends every open stream with finish_reason "abort"
-before uvicorn waits for connections to close, then the engine is closed. SIGTERM drains:
-no new requests (503), the running ones get `--drain-timeout` seconds to finish, then the rest
-are aborted and the engine (and its follower processes) shut down.
+warm-up to compile the step shapes. Ctrl-C ends every open stream with an error event that says
+the server is shutting down (a whole response: HTTP 503) before uvicorn waits for connections to
+close, then the engine is closed. SIGTERM drains: no new requests (503), the running ones get
+`--drain-timeout` seconds to finish (the server exits as soon as none is left), then the rest end
+like Ctrl-C's and the engine (and its follower processes) shut down. A stop during warm-up exits
+at once: nothing can be in flight before /ready, and a compile under way is not waited for.
 
 Multi-process groups: when a follower dies, hangs or diverges, the engine ends every request
 with a retryable error (HTTP 503, Retry-After), the server stops, the followers are reaped, and
@@ -29,8 +31,8 @@ import uvicorn
 
 from jtp.config.engine_args import EngineArgs
 from jtp.distributed.launcher import is_follower
-from jtp.entrypoints.cli_support import note, open_engine, run_follower
 from jtp.engine.template_sandbox import TemplateLimitError
+from jtp.entrypoints.cli_support import EXIT_INTERRUPTED, interrupted, note, open_engine, run_follower
 from jtp.entrypoints.server.app import build_app
 from jtp.entrypoints.server.connections import header_timeout_protocol
 from jtp.entrypoints.server.limits import ServerLimits
@@ -88,7 +90,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none); "
                         f"prefer setting ${API_KEY_ENV}, since a key in argv is readable by every local user in ps")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
-                   help="on SIGTERM, seconds the running requests get to finish before they are aborted")
+                   help=f"on SIGTERM, seconds the running requests get to finish before they are cut "
+                        f"(default: {d.drain_timeout:g})")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="return <think>...</think> as reasoning_content in chat responses")
     g = p.add_argument_group("limits per client (see docs/security.md)")
@@ -125,6 +128,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
     except BaseException:
         sock.close()
         raise
+    warmup = None
     try:
         engine.start()
         limits = server_args.limits()
@@ -144,6 +148,8 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
         server.run(sockets=[sock])
         status = 1 if warmup.failed and engine.failure is None else 0
     finally:
+        if warmup is not None and warmup.is_alive():
+            _exit_during_warmup(engine)
         engine.close()
     if engine.failure is not None and keep_fd is not None:
         _restart(keep_fd, engine.failure)
@@ -159,6 +165,18 @@ def _probe_template(app, model: str) -> None:
         raise ConfigError(f"{model}: {e} rendering a one-message chat; fix or replace its chat template") from None
     except Exception as e:  # noqa: BLE001 - any template failure is the checkpoint's, reported in one line
         raise ConfigError(f"{model}: its chat template fails on a one-message chat: {type(e).__name__}: {e}") from None
+
+
+def _exit_during_warmup(engine) -> None:
+    """Stopped while the warm-up compiles: no request can be running (nothing is served before
+    /ready), and closing the engine would wait for the compile under way, so end the followers and
+    exit now (0 for SIGTERM, 130 for Ctrl-C), quietly."""
+    if engine.group is not None:
+        engine.group.close(kill=True)
+    sys.stdout.flush()
+    sys.stderr.write("\n")  # past the progress bar's line
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED if interrupted() else 0)
 
 
 def _stop_on_failure(engine, server: uvicorn.Server) -> None:
@@ -207,6 +225,8 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         for server in self.servers:
             server.close()  # no new connections while the open streams end
+        if not self.engine.ready.is_set():  # warming up: nothing is in flight (run_server exits at once)
+            return await super().shutdown(sockets)
         if self.drain:
             await asyncio.to_thread(self.engine.drain, self.drain_timeout)
         await asyncio.to_thread(self.engine.stop)  # every unfinished request gets its "abort" event
@@ -225,6 +245,8 @@ class _WarmUp(threading.Thread):
         try:
             if self.enabled:
                 self.engine.warmup(progress=True)
+                if self.engine.warmup_report is not None:
+                    note(self.engine.warmup_report.summary())
             self.engine.ready.set()
             if not self.server.should_exit:
                 note("ready")

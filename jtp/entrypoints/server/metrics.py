@@ -10,6 +10,10 @@ Prefix cache (vLLM v1's `prefix_cache_queries` / `prefix_cache_hits`, in tokens,
 hit-rate gauge): queries are the prompt tokens of admitted requests, hits those of them whose KV
 came from the cache (a request's `usage.prompt_tokens_details.cached_tokens`). Both stay 0 with
 prefix caching off.
+
+Compilation (`jtp:compilations`, `jtp:compilation_seconds`): the runner's count of step programs
+traced and the time they took; after the warm-up it should not move, and when it does, that step
+stalled every request in it.
 """
 
 from __future__ import annotations
@@ -71,6 +75,10 @@ class _EngineStats(Collector):
             ("jtp:spec_decode_num_accepted_tokens", "Drafted tokens accepted.", stats.spec_decode_num_accepted_tokens),
             ("jtp:spec_decode_num_state_rollbacks", "Hybrid rows whose recurrent state was rolled back "
              "before a rejected draft.", stats.spec_decode_num_state_rollbacks),
+            ("jtp:compilations", "Step programs compiled since start, warm-up included (any after /ready "
+             "stalled the requests of that step).", stats.compilations),
+            ("jtp:compilation_seconds", "Seconds spent compiling step programs (tracing, XLA, cache loads).",
+             stats.compile_seconds),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], value)

@@ -245,6 +245,10 @@ def _refuse_surrogates(text: str) -> None:
 
 
 def _raise_if_failed(event) -> None:
+    # The server's own requests end in "abort" only when it stops (a client that went away reads no more).
+    if event.finished and event.finish_reason == "abort":
+        raise APIError("the server is shutting down; retry the request", 503, code="server_shutting_down",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if event.finished and event.finish_reason == "error":
         if event.retryable:  # the worker group failed and is being restarted: the same request may succeed
             raise APIError(f"generation failed: {event.error}", 503, code="worker_group_failed",
