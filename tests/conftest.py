@@ -36,6 +36,9 @@ if "JTP_TEST_COMPILATION_CACHE" not in os.environ:
 os.environ["JTP_COMPILATION_CACHE"] = os.environ["JTP_TEST_COMPILATION_CACHE"]
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JTP_TEST_COMPILATION_CACHE"]
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# The size bound the CLI sets (jtp.entrypoints.cli_support.CACHE_MAX_BYTES): with it JAX locks each
+# entry and keeps its access time; one directory written both with and without it races.
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(32 * 2**30)
 
 import pytest  # noqa: E402
 
