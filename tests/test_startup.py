@@ -222,6 +222,26 @@ def test_a_stop_during_warm_up_exits_within_2_s_quietly(demo_dir, tmp_path, sig,
         serve.kill()
 
 
+def test_ctrl_c_during_jtp_warmup_exits_130_within_2_s_quietly(demo_dir, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "jtp.entrypoints.cli", "warmup", "--model", str(demo_dir),
+                             "--compile-cache-dir", str(tmp_path / "xla")], env=cpu_env(1), stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    try:
+        seen = ""
+        while "warm-up: compiling step shapes:   0%" not in seen:  # the progress bar: compile threads busy
+            char = proc.stderr.read(1)
+            assert char, seen  # the process ended before its warm-up began
+            seen += char
+        time.sleep(3)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=30)[1]
+        assert proc.returncode == 130 and time.monotonic() - t < 2.0, seen + rest
+        assert "Traceback" not in rest and "terminate called" not in rest, rest  # XLA aborting under its threads
+    finally:
+        proc.kill()
+
+
 def _stream(url: str, body: dict, on_first=None) -> list:
     """The data events of a streamed completion ([DONE] as the string)."""
     events = []
