@@ -90,14 +90,16 @@ def small_flags(demo_dir) -> list[str]:
 # ----------------------------------------------------------------------------- the engine
 
 
-def test_ahead_of_time_warmup_gives_the_jitted_steps_results_and_compiles_nothing_after(demo_dir, monkeypatch):
+@pytest.mark.parametrize("steps", [1, 4], ids=["one step per call", "decode loop of 4"])
+def test_ahead_of_time_warmup_gives_the_jitted_steps_results_and_compiles_nothing_after(demo_dir, monkeypatch, steps):
     monkeypatch.setenv("JTP_COMPILE_WORKERS", "2")
     prompts = [list(range(1, 2 + (i * 29) % 90)) for i in range(8)]
     params = [SamplingParams(max_tokens=12, temperature=[0.0, 0.9][i % 2], top_p=[1.0, 0.8][i // 2 % 2], seed=i,
                              ignore_eos=True) for i in range(8)]
-    with Engine.from_args(EngineArgs(model=str(demo_dir), warmup=False, **SMALL)) as jitted:
+    args = dict(model=str(demo_dir), num_scheduler_steps=steps, **SMALL)
+    with Engine.from_args(EngineArgs(warmup=False, **args)) as jitted:
         expected = [r.token_ids for r in jitted.generate(prompts, params)]
-    with Engine.from_args(EngineArgs(model=str(demo_dir), **SMALL)) as eng:
+    with Engine.from_args(EngineArgs(**args)) as eng:
         compiled = eng.warmup()
         report = eng.warmup_report
         assert report.finished and compiled == report.variants == eng.runner.compilations >= report.programs
