@@ -110,6 +110,21 @@ def test_ahead_of_time_warmup_gives_the_jitted_steps_results_and_compiles_nothin
     assert got == expected
 
 
+def test_a_dense_model_on_the_reference_path_ignores_the_tokens_per_row_bound(demo_dir):
+    """What lets its buckets drop that dimension (uses_row_len_bound False): the same program for any bound."""
+    from jtp.core.sampling_params import pack_sampling
+    from jtp.core.step_input import StepInput
+
+    with Engine.from_args(EngineArgs(model=str(demo_dir), warmup=False, **SMALL)) as eng:
+        assert not eng.runner.uses_row_len_bound
+        assert {q for _, _, q, _ in eng.scheduler.buckets.shapes()} == {1, 16, 32}  # 1, or the step's tokens
+        B = eng.scheduler.buckets.rows[-1]
+        sampling = pack_sampling([SamplingParams(temperature=1.0)] * B, B, [0] * B, [0] * B)
+        texts = {q: eng.runner.lower(StepInput(eng.scheduler.padding_plan(32, B, q, 4), sampling))[1].as_text()
+                 for q in (4, 32)}
+        assert texts[4] == texts[32]
+
+
 # ----------------------------------------------------------------------------- jtp serve
 
 
