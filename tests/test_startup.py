@@ -90,14 +90,16 @@ def small_flags(demo_dir) -> list[str]:
 # ----------------------------------------------------------------------------- the engine
 
 
-def test_ahead_of_time_warmup_gives_the_jitted_steps_results_and_compiles_nothing_after(demo_dir, monkeypatch):
+@pytest.mark.parametrize("steps", [1, 4], ids=["one step per call", "decode loop of 4"])
+def test_ahead_of_time_warmup_gives_the_jitted_steps_results_and_compiles_nothing_after(demo_dir, monkeypatch, steps):
     monkeypatch.setenv("JTP_COMPILE_WORKERS", "2")
     prompts = [list(range(1, 2 + (i * 29) % 90)) for i in range(8)]
     params = [SamplingParams(max_tokens=12, temperature=[0.0, 0.9][i % 2], top_p=[1.0, 0.8][i // 2 % 2], seed=i,
                              ignore_eos=True) for i in range(8)]
-    with Engine.from_args(EngineArgs(model=str(demo_dir), warmup=False, **SMALL)) as jitted:
+    args = dict(model=str(demo_dir), num_scheduler_steps=steps, **SMALL)
+    with Engine.from_args(EngineArgs(warmup=False, **args)) as jitted:
         expected = [r.token_ids for r in jitted.generate(prompts, params)]
-    with Engine.from_args(EngineArgs(model=str(demo_dir), **SMALL)) as eng:
+    with Engine.from_args(EngineArgs(**args)) as eng:
         compiled = eng.warmup()
         report = eng.warmup_report
         assert report.finished and compiled == report.variants == eng.runner.compilations >= report.programs
@@ -106,6 +108,21 @@ def test_ahead_of_time_warmup_gives_the_jitted_steps_results_and_compiles_nothin
         got = [r.token_ids for r in eng.generate(prompts, params)]
         assert eng.runner.compilations == compiled, "a step compiled after the ahead-of-time warm-up"
     assert got == expected
+
+
+def test_a_dense_model_on_the_reference_path_ignores_the_tokens_per_row_bound(demo_dir):
+    """What lets its buckets drop that dimension (uses_row_len_bound False): the same program for any bound."""
+    from jtp.core.sampling_params import pack_sampling
+    from jtp.core.step_input import StepInput
+
+    with Engine.from_args(EngineArgs(model=str(demo_dir), warmup=False, **SMALL)) as eng:
+        assert not eng.runner.uses_row_len_bound
+        assert {q for _, _, q, _ in eng.scheduler.buckets.shapes()} == {1, 16, 32}  # 1, or the step's tokens
+        B = eng.scheduler.buckets.rows[-1]
+        sampling = pack_sampling([SamplingParams(temperature=1.0)] * B, B, [0] * B, [0] * B)
+        texts = {q: eng.runner.lower(StepInput(eng.scheduler.padding_plan(32, B, q, 4), sampling))[1].as_text()
+                 for q in (4, 32)}
+        assert texts[4] == texts[32]
 
 
 # ----------------------------------------------------------------------------- jtp serve
@@ -220,6 +237,26 @@ def test_a_stop_during_warm_up_exits_within_2_s_quietly(demo_dir, tmp_path, sig,
         assert "Traceback" not in serve.text() and "Error" not in serve.text(), serve.text()[-2000:]
     finally:
         serve.kill()
+
+
+def test_ctrl_c_during_jtp_warmup_exits_130_within_2_s_quietly(demo_dir, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "jtp.entrypoints.cli", "warmup", "--model", str(demo_dir),
+                             "--compile-cache-dir", str(tmp_path / "xla")], env=cpu_env(1), stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    try:
+        seen = ""
+        while "warm-up: compiling step shapes:   0%" not in seen:  # the progress bar: compile threads busy
+            char = proc.stderr.read(1)
+            assert char, seen  # the process ended before its warm-up began
+            seen += char
+        time.sleep(3)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=30)[1]
+        assert proc.returncode == 130 and time.monotonic() - t < 2.0, seen + rest
+        assert "Traceback" not in rest and "terminate called" not in rest, rest  # XLA aborting under its threads
+    finally:
+        proc.kill()
 
 
 def _stream(url: str, body: dict, on_first=None) -> list:

@@ -125,8 +125,11 @@ class Buckets:
 
     @classmethod
     def make(
-        cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, bucket_blocks: bool = True
+        cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, bucket_blocks: bool = True,
+        bucket_row_lens: bool = True,
     ) -> "Buckets":
+        """`bucket_row_lens=False`: the step's program ignores the tokens-per-row bound beyond 1 (the
+        dense model's reference attention), so every step with a longer row takes the loosest, T."""
         return cls(
             tokens=_powers(16, max_num_batched_tokens),
             rows=_powers(8, max_num_seqs),
@@ -134,7 +137,7 @@ class Buckets:
             # divide the table's width (else it falls back to one page per iteration, 4x the
             # latency): round the width up to a multiple of 16 pages; the extra entries are 0.
             blocks=_powers(1, max_blocks_per_seq, base=4) if bucket_blocks else (-(-max_blocks_per_seq // 16) * 16,),
-            row_lens=(1,) + _powers(4, max_num_batched_tokens, base=4),
+            row_lens=(1,) + (_powers(4, max_num_batched_tokens, base=4) if bucket_row_lens else (max_num_batched_tokens,)),
         )
 
     @staticmethod
@@ -191,6 +194,7 @@ class Scheduler:
     def __init__(
         self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
         bucket_blocks: bool = True, states: StatePool | None = None, cache_root: bytes | None = None,
+        bucket_row_lens: bool = True,
         num_scheduler_steps: int = 1, speculative: SpeculativeConfig | None = None,
     ):
         """`states`: the recurrent-state pool of a hybrid model (None: attention only).
@@ -212,7 +216,7 @@ class Scheduler:
         self.num_scheduler_steps = num_scheduler_steps
         self.speculative = speculative
         max_blocks = -(-max_model_len // pool.block_size)
-        self.buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, max_blocks, bucket_blocks)
+        self.buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, max_blocks, bucket_blocks, bucket_row_lens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_seq_slots = list(range(max_num_seqs - 1, -1, -1))

@@ -29,6 +29,7 @@ from jtp.entrypoints.cli_support import (
     EXIT_INTERRUPTED,
     add_common_args,
     add_compile_cache_arg,
+    exit_now,
     interrupt_guard,
     note,
     open_engine,
@@ -205,8 +206,13 @@ def cmd_warmup(args: argparse.Namespace, warmup_argv: list[str]) -> int:
     if is_follower(engine_args):
         return run_follower(engine_args)
     with open_engine(engine_args) as engine:
-        engine.warmup(progress=True)
-        raise_if_interrupted()
+        try:
+            engine.warmup(progress=True)
+            raise_if_interrupted()
+        except KeyboardInterrupt:
+            if engine.runner.compiles_ahead:  # compile threads may be inside XLA
+                exit_now(EXIT_INTERRUPTED)
+            raise
         note(engine.warmup_report.summary())
     return 0
 

@@ -179,6 +179,15 @@ def enable_compilation_cache() -> None:
         jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
 
 
+def exit_now(status: int) -> None:
+    """End the process at once, quietly: for a stop while warm-up threads are inside XLA, where an
+    ordinary interpreter exit would abort under them (or wait for them)."""
+    sys.stdout.flush()
+    sys.stderr.write("\n")  # past a progress bar's line
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def note(message: str) -> None:
     """A start-up / progress line for the user, on stderr so stdout stays the output."""
     print(f"jtp: {message}", file=sys.stderr, flush=True)

@@ -55,3 +55,6 @@ class ModelFamily(Protocol):
 
     # The multi-token-prediction head (jtp/models/mtp.py drafts with it); None: the family has none.
     mtp_forward: MtpForward | None
+    # Whether `forward`'s own layers read the static bound on tokens per row (meta.query_bound's
+    # length) beyond "1: a pure decode step"; the attention implementation says so for itself.
+    uses_row_len_bound: bool

@@ -400,6 +400,7 @@ def mtp_forward(
 
 
 compute_logits = qwen3.compute_logits  # the same LM head (tied or not)
+uses_row_len_bound = True  # the DeltaNet layers chunk each row by it
 
 
 def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype) -> list:

@@ -132,6 +132,13 @@ class ModelRunner:
         return runner
 
     @property
+    def uses_row_len_bound(self) -> bool:
+        """Whether the step's program depends on its bound on tokens per row beyond "1: a pure decode
+        step" (the GPU attention kernel tiles by it, DeltaNet layers chunk by it). Where it does not,
+        the scheduler uses the loosest bound (the step's tokens, always valid): fewer step shapes."""
+        return self.attention.impl == "kernel" or self.family.uses_row_len_bound
+
+    @property
     def tp(self) -> int:
         return tp_size(self.mesh)
 

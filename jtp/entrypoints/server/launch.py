@@ -32,7 +32,7 @@ import uvicorn
 from jtp.config.engine_args import EngineArgs
 from jtp.distributed.launcher import is_follower
 from jtp.engine.template_sandbox import TemplateLimitError
-from jtp.entrypoints.cli_support import EXIT_INTERRUPTED, interrupted, note, open_engine, run_follower
+from jtp.entrypoints.cli_support import EXIT_INTERRUPTED, exit_now, interrupted, note, open_engine, run_follower
 from jtp.entrypoints.server.app import build_app
 from jtp.entrypoints.server.connections import header_timeout_protocol
 from jtp.entrypoints.server.limits import ServerLimits
@@ -148,7 +148,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
         server.run(sockets=[sock])
         status = 1 if warmup.failed and engine.failure is None else 0
     finally:
-        if warmup is not None and warmup.is_alive():
+        if warmup is not None and warmup.is_alive() and engine.failure is None:  # (a failed group restarts)
             _exit_during_warmup(engine)
         engine.close()
     if engine.failure is not None and keep_fd is not None:
@@ -173,10 +173,7 @@ def _exit_during_warmup(engine) -> None:
     exit now (0 for SIGTERM, 130 for Ctrl-C), quietly."""
     if engine.group is not None:
         engine.group.close(kill=True)
-    sys.stdout.flush()
-    sys.stderr.write("\n")  # past the progress bar's line
-    sys.stderr.flush()
-    os._exit(EXIT_INTERRUPTED if interrupted() else 0)
+    exit_now(EXIT_INTERRUPTED if interrupted() else 0)
 
 
 def _stop_on_failure(engine, server: uvicorn.Server) -> None:
