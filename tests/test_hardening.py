@@ -8,7 +8,6 @@ chat-template costs. Each attack gets a clear error in the OpenAI shape (or a cl
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import itertools
@@ -28,11 +27,12 @@ import httpx
 import pytest
 import uvicorn
 from cpu_env import cpu_env
+from scripted_engine import ScriptedEngine
 
 from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from jtp.demo import ensure_demo_checkpoint
-from jtp.engine.engine import Engine, EngineStats, TokenEvent
+from jtp.engine.engine import Engine
 from jtp.engine.stop_strings import StopMatcher
 from jtp.engine.tokenizer import Tokenizer
 from jtp.entrypoints.server import build_app
@@ -366,30 +366,6 @@ HOSTILE_TEMPLATE = (
 )
 
 
-class TemplateOnlyEngine:
-    """The engine contract the server uses, answering "ok" at once: these tests are about intake."""
-
-    def __init__(self, tokenizer, max_model_len: int = 128):
-        self.tokenizer, self.max_model_len = tokenizer, max_model_len
-        self.config = types.SimpleNamespace(max_waiting_requests=None)
-        self.ready = threading.Event()
-        self.ready.set()
-        self._ids = itertools.count()
-
-    def submit(self, prompt_ids, params, request_id=None):
-        return request_id or f"t-{next(self._ids)}"
-
-    def abort(self, request_id):
-        return False
-
-    def stats(self):
-        return EngineStats(0, 0, 0, 1)
-
-    async def astream(self, request_id):
-        await asyncio.sleep(0)
-        yield TokenEvent(request_id, [0], "ok", finished=True, finish_reason="stop")
-
-
 def checkpoint_with_template(tmp_path, template: str):
     path = tmp_path / "ckpt"
     shutil.copytree(ensure_demo_checkpoint(), path)
@@ -399,7 +375,7 @@ def checkpoint_with_template(tmp_path, template: str):
 
 def test_hostile_chat_templates_are_400s_and_health_stays_fast(tmp_path):
     tokenizer = Tokenizer.from_dir(checkpoint_with_template(tmp_path, HOSTILE_TEMPLATE))
-    app = build_app(TemplateOnlyEngine(tokenizer), "hostile", limits=LIMITS)
+    app = build_app(ScriptedEngine(tokenizer, max_model_len=128), "hostile", limits=LIMITS)
     with serving(app) as url:
         served = types.SimpleNamespace(url=url)
 
@@ -433,7 +409,7 @@ def test_hostile_chat_templates_are_400s_and_health_stays_fast(tmp_path):
 def test_a_long_text_under_the_character_bound_is_counted_in_pieces():
     # A long context makes the character bound loose (here 100k tokens x 13 x 4 characters): a 3 MB
     # text passes it, and must be refused without one multi-second, GIL-holding encode.
-    engine = TemplateOnlyEngine(Tokenizer.from_dir(ensure_demo_checkpoint()), max_model_len=100_000)
+    engine = ScriptedEngine(Tokenizer.from_dir(ensure_demo_checkpoint()), max_model_len=100_000)
     limits = ServerLimits(max_request_bytes=8 << 20)
     with serving(build_app(engine, "long", limits=limits), limits) as url:
         busy = threading.Event()
@@ -457,7 +433,7 @@ def test_a_long_text_under_the_character_bound_is_counted_in_pieces():
 
 def test_bodies_of_many_clients_together_are_bounded(tmp_path):
     limits = ServerLimits(max_request_bytes=1 << 20, max_buffered_bytes=2 << 20, body_timeout=5.0, header_timeout=5.0)
-    app = build_app(TemplateOnlyEngine(Tokenizer.from_dir(ensure_demo_checkpoint())), "t", limits=limits)
+    app = build_app(ScriptedEngine(Tokenizer.from_dir(ensure_demo_checkpoint()), max_model_len=128), "t", limits=limits)
     with serving(app, limits) as url:
         host, port = url.removeprefix("http://").split(":")
         head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"

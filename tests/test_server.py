@@ -10,7 +10,6 @@ only the shapes the tests use.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -24,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 
 import httpx
 import openai
@@ -32,10 +30,11 @@ import pytest
 import uvicorn
 from cpu_env import cpu_env
 from prometheus_client.parser import text_string_to_metric_families
+from scripted_engine import ScriptedEngine
 
 from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
-from jtp.engine.engine import Engine, EngineStats, TokenEvent
+from jtp.engine.engine import Engine
 from jtp.entrypoints.server import build_app
 from jtp.entrypoints.server.errors import APIError
 from jtp.entrypoints.server.protocol import (
@@ -656,35 +655,6 @@ def test_client_disconnect_aborts_its_request_and_frees_the_pool(served, monkeyp
 
 
 # ----------------------------------------------------------------------------- reasoning, live
-
-
-class ScriptedEngine:
-    """Replays one fixed output through the engine contract the server uses, in 3-character
-    pieces, so think tags arrive cut across events."""
-
-    def __init__(self, tokenizer, output: str):
-        self.tokenizer, self.output = tokenizer, output
-        self.max_model_len = 256
-        self.config = types.SimpleNamespace(max_waiting_requests=None)  # the one setting the server reads
-        self.ready = threading.Event()
-        self.ready.set()
-        self._ids = itertools.count()
-
-    def submit(self, prompt_ids, params, request_id=None):
-        return request_id or f"scripted-{next(self._ids)}"
-
-    def abort(self, request_id):
-        return False
-
-    def stats(self):
-        return EngineStats(0, 0, 0, 1)
-
-    async def astream(self, request_id):
-        pieces = [self.output[i:i + 3] for i in range(0, len(self.output), 3)]
-        for k, piece in enumerate(pieces):
-            await asyncio.sleep(0)
-            last = k == len(pieces) - 1
-            yield TokenEvent(request_id, [0], piece, finished=last, finish_reason="stop" if last else None)
 
 
 def test_reasoning_content_live(dense):

@@ -1,0 +1,37 @@
+"""A stand-in for the engine contract the server uses (submit, abort, stats, astream), replaying
+one fixed output: for tests about the HTTP layer (reasoning split, intake limits), not the model."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import types
+
+from jtp.engine.engine import EngineStats, TokenEvent
+
+
+class ScriptedEngine:
+    """Streams `output` in 3-character pieces (so tags arrive cut across events), then stops."""
+
+    def __init__(self, tokenizer, output: str = "ok", max_model_len: int = 256):
+        self.tokenizer, self.output, self.max_model_len = tokenizer, output, max_model_len
+        self.config = types.SimpleNamespace(max_waiting_requests=None)  # the one setting the server reads
+        self.ready = threading.Event()
+        self.ready.set()
+        self._ids = itertools.count()
+
+    def submit(self, prompt_ids, params, request_id=None):
+        return request_id or f"scripted-{next(self._ids)}"
+
+    def abort(self, request_id):
+        return False
+
+    def stats(self):
+        return EngineStats(0, 0, 0, 1)
+
+    async def astream(self, request_id):
+        pieces = [self.output[i:i + 3] for i in range(0, len(self.output), 3)]
+        for k, piece in enumerate(pieces):
+            await asyncio.sleep(0)
+            last = k == len(pieces) - 1
+            yield TokenEvent(request_id, [0], piece, finished=last, finish_reason="stop" if last else None)
