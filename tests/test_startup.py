@@ -182,7 +182,7 @@ def warmed(demo_dir, tmp_path_factory):
 
 
 def test_serve_compiles_nothing_after_ready_under_a_random_workload(warmed, demo_dir):
-    serve, (shapes, variants, compiled, programs, hits) = warmed
+    serve, (_, variants, compiled, programs, hits) = warmed
     assert compiled == variants >= programs > 0 and hits == 0  # a fresh cache: every program compiled
     assert serve.metric("jtp:compilation_seconds_total") > 0
     before = serve.metric("jtp:compilations_total")
