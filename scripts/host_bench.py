@@ -42,6 +42,7 @@ class FakeRunner:
     """Stands in for ModelRunner in the engine: the real step-argument handling, no model."""
 
     def __init__(self, config, devices=None):
+        from jtp.models import family_of
         from jtp.models.attention import choose_attention
         from jtp.parallel.sharding import make_mesh, replicated
 
@@ -49,12 +50,16 @@ class FakeRunner:
         self.cfg = config.model_config
         self.mesh = make_mesh(1, None)
         self.attention = choose_attention(self.mesh)
+        # The shape set of the model this stands in for (ModelRunner.uses_row_len_bound).
+        self.uses_row_len_bound = self.attention.impl == "kernel" or family_of(self.cfg).uses_row_len_bound
         self.dtype = "bfloat16"
         self.tp = 1
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.num_state_slots = config.num_state_slots
         self.compilations = 0
+        self.compile_seconds = 0.0
+        self.compiles_ahead = False  # a warm-up would run its padding steps in order
         self.load_format = "dummy"
         self.mtp_drafts = 0
         # As many device leaves as the real model passes (per layer: 11 weights, K and V; plus the
