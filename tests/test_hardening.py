@@ -24,8 +24,8 @@ import time
 import types
 
 import httpx
+import loopback
 import pytest
-import uvicorn
 from cpu_env import cpu_env
 from scripted_engine import ScriptedEngine
 
@@ -48,24 +48,10 @@ KEY = "clé-ü-🔑"  # non-ASCII on purpose: compared as the UTF-8 bytes a clie
 
 @contextlib.contextmanager
 def serving(app, limits: ServerLimits = LIMITS):
-    """uvicorn on a free loopback port in a thread, configured as `jtp serve` does; yields the URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
-                            http=header_timeout_protocol(limits.header_timeout),
-                            timeout_keep_alive=limits.keep_alive_timeout)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    """The loopback server configured as `jtp serve` configures uvicorn; yields the URL."""
+    with loopback.serving(app, http=header_timeout_protocol(limits.header_timeout),
+                          timeout_keep_alive=limits.keep_alive_timeout) as url:
+        yield url
 
 
 def assert_error(r: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:

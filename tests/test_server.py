@@ -11,7 +11,6 @@ only the shapes the tests use.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -27,8 +26,8 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 from cpu_env import cpu_env
+from loopback import serving
 from prometheus_client.parser import text_string_to_metric_families
 from scripted_engine import ScriptedEngine
 
@@ -56,25 +55,6 @@ CHAT = [{"role": "user", "content": "Hello! How are you today?"}]
 
 
 # ----------------------------------------------------------------------------- serving
-
-
-@contextlib.contextmanager
-def serving(app):
-    """uvicorn on a free loopback port in a thread; yields the base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @dataclasses.dataclass

@@ -28,7 +28,8 @@ import dataclasses
 
 import httpx
 import pytest
-from test_server import Served, parse_sse, serving, start_engine
+from loopback import serving
+from test_server import Served, parse_sse, start_engine
 
 from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
