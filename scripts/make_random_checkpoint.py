@@ -140,9 +140,11 @@ HYBRID_PRESETS: dict[str, dict] = {
     # The qwen3_5_text class defaults (reference §1): H 4096, 32 layers, 16/4 heads, D 256,
     # intermediate 12288, Hk 16, Hv 32, untied. 8.95 B parameters, 17.9 GB in bf16.
     "qwen3.5-9b": dict(),
-    # CPU-sized, same structure: 3 DeltaNet layers + 1 full-attention layer, r = Hv/Hk = 2,
-    # dk != dv, rotary dim 16 (mrope sections sum to 8), untied head. Seconds to run.
-    "qwen3.5-tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+    # CPU-sized, same structure at two layers (a DeltaNet layer, then a full-attention one: each
+    # layer costs compile time, and the tests need one of each), r = Hv/Hk = 2, dk != dv, rotary
+    # dim 16 (mrope sections sum to 8), untied head. Seconds to run.
+    "qwen3.5-tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, full_attention_interval=2,
+                         num_attention_heads=4,
                          num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
                          linear_key_head_dim=16, linear_value_head_dim=24, vocab_size=1024,
                          max_position_embeddings=4096, eos_token_id=1023,
@@ -165,7 +167,8 @@ _QWEN3_NEXT = dict(_HYBRID_MOE, architectures=["Qwen3NextForCausalLM"], model_ty
                                                             partial_rotary_factor=0.25))
 _TINY_HYBRID = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
                     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24, vocab_size=1024,
-                    max_position_embeddings=4096, eos_token_id=1023, num_hidden_layers=4, num_experts=8,
+                    max_position_embeddings=4096, eos_token_id=1023, num_hidden_layers=2, full_attention_interval=2,
+                    num_experts=8,
                     num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 HYBRID_MOE_PRESETS: dict[str, dict] = {
     "qwen3.5-35b-a3b": dict(_QWEN3_5_MOE, num_hidden_layers=40, num_experts=256, num_experts_per_tok=8),
@@ -173,7 +176,7 @@ HYBRID_MOE_PRESETS: dict[str, dict] = {
     # Their first 4 layers (3 DeltaNet + 1 gated attention, real shapes): float32 fits one GPU (gpu_check.py).
     "qwen3.5-35b-a3b-4l": dict(_QWEN3_5_MOE, num_hidden_layers=4, num_experts=256, num_experts_per_tok=8),
     "qwen3-next-80b-a3b-4l": dict(_QWEN3_NEXT, num_hidden_layers=4, num_experts=512, num_experts_per_tok=10),
-    # CPU-sized, same structures.
+    # CPU-sized, same structures (a DeltaNet layer and a full-attention layer).
     "qwen3.5-moe-tiny": dict(_QWEN3_5_MOE, **_TINY_HYBRID, rope_parameters=dict(
         rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25, mrope_section=[4, 2, 2],
         mrope_interleaved=True)),

@@ -103,8 +103,17 @@ def hybrid_hk4(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hybrid_qwen3_5_dir(tmp_path_factory):
-    """A tiny Qwen3.5 hybrid (dense FFN), seed 1: its directory."""
+    """A tiny two-layer Qwen3.5 hybrid (dense FFN; hf_hybrid.SHALLOW), seed 1: its directory."""
     pytest.importorskip("torch")
-    from hf_hybrid import build_model, save
+    from hf_hybrid import SHALLOW, build_model, save
 
-    return save(build_model("qwen3_5_text", seed=1), tmp_path_factory.mktemp("hybrid-qwen3_5"))
+    return save(build_model("qwen3_5_text", seed=1, **SHALLOW), tmp_path_factory.mktemp("hybrid-qwen3_5"))
+
+
+@pytest.fixture(scope="session")
+def shallow_hybrid_hk4_dir(tmp_path_factory):
+    """hybrid_hk4's config with two layers (hf_hybrid.SHALLOW), seed 1: its directory."""
+    pytest.importorskip("torch")
+    from hf_hybrid import SHALLOW, build_model, save
+
+    return save(build_model("qwen3_5_text_hk4", seed=1, **SHALLOW), tmp_path_factory.mktemp("hybrid-hk4-shallow"))

@@ -15,3 +15,17 @@ def xla_flags(devices: int) -> str:
 
 def cpu_env(devices: int = 1, **extra: str) -> dict[str, str]:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(devices), **extra}
+
+
+# XLA's own optimisation settings for one program, over the suite's fast-compile flags
+# (conftest.py): Pallas' interpreter runs a kernel's grid as a loop of many small ops, so the
+# kernel tests spend their time running programs, not compiling them (docs/bench/ci-time.md).
+OPTIMIZED = dict(xla_backend_optimization_level=2, xla_cpu_use_fusion_emitters=True,
+                 xla_cpu_parallel_codegen_split_count=32)
+
+
+def jit_optimized(fun, **jit_kwargs):
+    """jax.jit with XLA's optimisations on for this program."""
+    import jax
+
+    return jax.jit(fun, compiler_options=OPTIMIZED, **jit_kwargs)

@@ -41,11 +41,16 @@ VISION = dict(
 )
 
 KINDS = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_5_text_hk4")
+# For tests that compare the engine with itself (speculation on and off, a group and one process,
+# K steps per dispatch and one): one Gated DeltaNet layer and one attention layer. Compiling a
+# step costs about its layer count; the HF parity tests keep COMMON's four layers, where three
+# DeltaNet layers in a row show a layer mix-up.
+SHALLOW = dict(num_hidden_layers=2, full_attention_interval=2)
 
 
 def build_model(kind: str, seed: int = 0, **overrides):
     """A float32 HF model of the given tiny kind, all parameters perturbed, in eval mode.
-    `overrides` (qwen3_next and qwen3_5_text only) replace config fields, e.g. the layer pattern."""
+    `overrides` replace (text) config fields, e.g. the layer pattern or SHALLOW."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -57,15 +62,19 @@ def build_model(kind: str, seed: int = 0, **overrides):
         model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**{**kwargs, **overrides}))
     elif kind == "qwen3_5_text_hk4":  # 4 key heads, 8 value heads, 4 KV heads: tp=4 works
         cfg = {**COMMON, "num_key_value_heads": 4, "linear_num_key_heads": 4, "linear_num_value_heads": 8}
-        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**cfg, intermediate_size=96, rope_parameters=ROPE))
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**{**cfg, "intermediate_size": 96, "rope_parameters": ROPE,
+                                                                **overrides}))
     elif kind == "qwen3_5":
         text = dict(**COMMON, intermediate_size=96, rope_parameters=ROPE)
-        model = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text, vision_config=VISION))
+        model = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config={**text, **overrides},
+                                                                     vision_config=VISION))
     elif kind == "qwen3_5_moe_text":
-        model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**COMMON, rope_parameters=ROPE, **MOE))
+        model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**{**COMMON, "rope_parameters": ROPE, **MOE,
+                                                                    **overrides}))
     elif kind == "qwen3_5_moe":
         text = dict(**COMMON, rope_parameters=ROPE, **MOE)
-        model = tf.Qwen3_5MoeForConditionalGeneration(tf.Qwen3_5MoeConfig(text_config=text, vision_config=VISION))
+        model = tf.Qwen3_5MoeForConditionalGeneration(tf.Qwen3_5MoeConfig(text_config={**text, **overrides},
+                                                                           vision_config=VISION))
     else:
         raise ValueError(kind)
     with torch.no_grad():

@@ -91,7 +91,7 @@ def test_markdown_table(bench):
 
 @pytest.fixture(scope="module")
 def hybrid_bench(tmp_path_factory):
-    """qwen3.5-tiny (3 DeltaNet + 1 attention layer) written by the JAX generator, as on GPU machines."""
+    """qwen3.5-tiny (a DeltaNet layer and an attention layer) written by the JAX generator, as on GPU machines."""
     tmp = tmp_path_factory.mktemp("hybrid_bench")
     model = tmp / "qwen3.5-tiny"
     _run(["scripts/make_random_checkpoint.py", "--preset", "qwen3.5-tiny", "--out", str(model), "--generator", "jax"], 120)
@@ -111,7 +111,7 @@ def test_hybrid_preset_runs_through_bench(hybrid_bench):
     res, model = hybrid_bench
     cfg = json.loads((model / "config.json").read_text())
     assert cfg["model_type"] == "qwen3_5_text" and cfg["layer_types"].count("full_attention") == 1
-    assert res["model"]["model_type"] == "qwen3_5_text" and res["model"]["params"] == 927_968
+    assert res["model"]["model_type"] == "qwen3_5_text" and res["model"]["params"] == 637_344
     assert [d["batch"] for d in res["decode"]] == [1, 2]
     for d in res["decode"]:
         assert d["tokens"] == d["batch"] * STEPS and d["finished_early"] == 0
@@ -159,7 +159,7 @@ def test_speculative_decode_reports_acceptance(tmp_path):
 
 def test_tp_scaling_table_from_bench_runs(tmp_path):
     """scripts/tp_scaling.py over bench.py JSON: one real run (dummy weights of a config-only MoE
-    preset at tp=2 on forced CPU devices) and two copies of it relabelled tp=1 and tp=4 with their
+    preset at tp=2, experts split, on forced CPU devices) and two copies of it relabelled tp=1 and tp=4 with their
     speeds scaled by known factors, so every speed-up, efficiency per doubling and issue 15's tp=4
     B=1 verdict has an exact expected value (CPU speeds at several tp would say nothing more)."""
     from scripts_loader import load_script
@@ -167,11 +167,13 @@ def test_tp_scaling_table_from_bench_runs(tmp_path):
     load_script("make_random_checkpoint").write_checkpoint("qwen3-moe-tiny", tmp_path / "m", config_only=True)
     bench, scaling = load_script("bench"), load_script("tp_scaling")
     real = tmp_path / "tp2.json"
-    bench.main(["--model", str(tmp_path / "m"), "--load-format", "dummy", "--tp", "2", "--batch-sizes", "1,4",
+    bench.main(["--model", str(tmp_path / "m"), "--load-format", "dummy", "--enable-expert-parallel", "--tp", "2",
+                "--batch-sizes", "1,4",
                 "--context", "16", "--prefill-len", "32", "--decode-steps", "3", "--prefill-runs", "1",
                 "--prefill-requests", "2", "--json", str(real)])
     runs = {2: json.loads(real.read_text())}
     assert runs[2]["engine"]["tensor_parallel_size"] == 2
+    assert runs[2]["engine"]["load_format"] == "dummy" and runs[2]["engine"]["expert_parallel"] is True
     # (decode, TTFT) relative to tp=2: tp=1 half as fast, tp=4 1.5x faster (3x tp=1: over the 2.8x target).
     factors = {1: (0.5, 2.0), 4: (1.5, 0.8)}
     for tp, (speed, ttft) in factors.items():

@@ -217,8 +217,8 @@ def test_a_cluster_environment_supplies_the_coordinator_and_process_id(monkeypat
 
 
 @pytest.fixture(scope="module")
-def hybrid_dir(hybrid_hk4):
-    return hybrid_hk4[1]
+def hybrid_dir(shallow_hybrid_hk4_dir):
+    return shallow_hybrid_hk4_dir
 
 
 def in_process(model: str, tp: int, **engine_args) -> list[list[int]]:

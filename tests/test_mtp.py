@@ -41,7 +41,7 @@ class MTPCheckpoint:
     (its layer and final norm become mtp.layers.0.* and mtp.norm) and random fc / pre-fc norms."""
 
     def __init__(self, kind: str, path):
-        self.target = hh.build_model(kind)
+        self.target = hh.build_model(kind, **hh.SHALLOW)
         self.head = hh.build_model(kind, seed=1, num_hidden_layers=1, layer_types=["full_attention"],
                                    **({"mlp_only_layers": []} if kind == "qwen3_next" else {}))
         H = self.target.config.hidden_size
@@ -162,7 +162,7 @@ def test_mtp_needs_a_head(tmp_path):
     assert SpeculativeConfig.parse('{"method": "mtp"}').num_speculative_tokens == 1  # the one MTP layer
     with pytest.raises(ConfigError, match="1..16"):
         SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 17}')
-    path = hh.save(hh.build_model("qwen3_5_text"), tmp_path / "no-mtp")
+    path = hh.save(hh.build_model("qwen3_5_text", **hh.SHALLOW), tmp_path / "no-mtp")
     with pytest.raises(ValueError, match="needs a checkpoint with an MTP head"):
         Engine.from_args(EngineArgs(model=path, **KW, speculative_config=MTP))
 

@@ -122,11 +122,8 @@ def test_penalties_run_one_step_per_dispatch(dense_path):
 
 
 @pytest.fixture(scope="module")
-def hybrid_path(tmp_path_factory):
-    pytest.importorskip("torch")
-    from hf_hybrid import build_model, save
-
-    return save(build_model("qwen3_5_text_hk4", seed=3), tmp_path_factory.mktemp("hk4-multistep"))
+def hybrid_path(shallow_hybrid_hk4_dir):
+    return shallow_hybrid_hk4_dir
 
 
 def run_with_follow_ups(engine):
