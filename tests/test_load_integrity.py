@@ -52,6 +52,7 @@ def assert_one_line(message: str, *parts: str) -> None:
     ({"eos_token_id": [1, -2]}, "eos_token_id", "must be a token id"),
     ({"bos_token_id": 1.5}, "bos_token_id", "must be a token id"),
     ({"dtype": 16}, "dtype", "must be a string"),
+    ({"layer_types": ["full_attention"] * 3}, "layer_types", "list of num_hidden_layers (2) entries"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": math.nan}}, "factor", "must be a number"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 1e12}}, "YaRN", "past the sane bound"),
 ])

@@ -213,7 +213,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
             raise ConfigError(f"{source}: YaRN extends the context to {max_positions} positions, past the sane bound "
                               f"{MAX_POSITIONS} (a corrupt config?)")
 
-    layers = _hybrid_fields(f, num_layers) if model_type in HYBRID_MODEL_TYPES else _dense_fields(f)
+    layers = _hybrid_fields(f, num_layers) if model_type in HYBRID_MODEL_TYPES else _dense_fields(f, num_layers)
     moe = _moe_fields(f, _MOE.get(text_type), num_layers)
     intermediate = f.int("intermediate_size", default=_DEFAULTS[text_type]["intermediate_size"], allow_none=True)
     if not (intermediate or 0) > 0 and not all(moe.get("moe_layers", ())):
@@ -273,8 +273,11 @@ def _first(*configs: dict[str, Any], key: str, default: Any = None) -> Any:
     return next((c[key] for c in configs if c.get(key) is not None), default)
 
 
-def _dense_fields(f: "_Fields") -> dict[str, Any]:
+def _dense_fields(f: "_Fields", num_layers: int) -> dict[str, Any]:
     """Qwen3 / Qwen3-MoE / Qwen2 layers: attention biases and q/k norms."""
+    layer_types = f.raw.get("layer_types")  # newer transformers write one entry per layer
+    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != num_layers):
+        raise ConfigError(f"{f.source}: layer_types must be a list of num_hidden_layers ({num_layers}) entries")
     if f.get("use_sliding_window", False):
         raise ConfigError(f"{f.source}: use_sliding_window=true is not supported (sliding-window attention)")
     if f.raw.get("dual_chunk_attention_config"):  # Qwen2.5-1M's long-context attention (vLLM runs it)
