@@ -191,7 +191,11 @@ def tiny_checkpoint(tmp_path, cfg: ModelConfig, dtype_of=lambda name: np.float32
 
 
 def check(tmp_path, cfg: ModelConfig):
-    from jtp.loading.weights import SafetensorsCheckpoint, check_checkpoint, resolve_layout
+    from jtp.loading.weights import (
+        SafetensorsCheckpoint,
+        check_checkpoint,
+        resolve_layout,
+    )
     from jtp.models import family_of
 
     ckpt = SafetensorsCheckpoint(tmp_path)
@@ -207,7 +211,7 @@ def test_a_config_of_many_more_layers_gives_a_short_message(tmp_path):
         check(tmp_path, ModelConfig.from_hf(dict(BASE, num_hidden_layers=1000)))
     missing = 999 * per_layer
     assert_one_line(str(err.value), str(tmp_path), f"{missing} expected tensor(s) are missing, e.g. 'model.layers.1.",
-                    f"; {missing - 3} more")
+                    f" (and {missing - 3} more)")
 
 
 def test_integer_weights_are_refused_naming_file_and_tensor(tmp_path):

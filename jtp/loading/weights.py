@@ -137,9 +137,9 @@ EXAMPLES_SHOWN = 3  # per kind of mismatch: a wrong config can miss every tensor
 
 
 def _some(kind: str, items: list[str]) -> str:
-    """'N <kind>, e.g. a, b, c; M more': a few examples and a count, never the whole list."""
+    """'N <kind>, e.g. a, b, c (and M more)': a few examples and a count, never the whole list."""
     shown = ", ".join(items[:EXAMPLES_SHOWN])
-    more = f"; {len(items) - EXAMPLES_SHOWN} more" if len(items) > EXAMPLES_SHOWN else ""
+    more = f" (and {len(items) - EXAMPLES_SHOWN} more)" if len(items) > EXAMPLES_SHOWN else ""
     return f"{len(items)} {kind}, e.g. {shown}{more}"
 
 
