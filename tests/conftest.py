@@ -55,7 +55,7 @@ TIERS = ("unit", "integration", "parity", "distributed")
 MODULE_TIERS = {
     "unit": (
         "test_attention", "test_input_batch", "test_layout", "test_page_pool", "test_sampling", "test_state_pool",
-        "test_tokenizer",
+        "test_tokenizer", "test_load_integrity",
     ),
     "parity": ("test_hf_parity", "test_qwen3_5"),
     "distributed": ("test_launcher",),

@@ -121,7 +121,10 @@ def broken(demo_dir, tmp_path_factory):
         "missing": copy("missing", {k: v for k, v in weights.items() if k != TENSOR}),
         "shape": copy("shape", {**weights, TENSOR: np.ascontiguousarray(weights[TENSOR][:-1])}),
         "truncated": copy("truncated"),
+        "nan_eps": copy("nan_eps", config={"rms_norm_eps": float("nan")}),
+        "tokenizer": copy("tokenizer"),
     }
+    (dirs["tokenizer"] / "tokenizer.json").write_text("{garbage")
     data = (demo_dir / "model.safetensors").read_bytes()
     (dirs["truncated"] / "model.safetensors").write_bytes(data[: len(data) // 2])
     return dirs
@@ -154,17 +157,20 @@ def test_non_utf8_prompt(tmp_path):
 
 @pytest.mark.parametrize("case, expected", [
     ("llama", "model_type 'llama' is not supported"),
-    ("missing", f"missing tensor '{TENSOR}'"),
-    ("shape", f"tensor '{TENSOR}' has shape [{{rows_1}}, {{cols}}] in the checkpoint, but the config implies "
+    ("missing", f"1 expected tensor(s) are missing, e.g. '{TENSOR}'"),
+    ("shape", f"1 tensor(s) have the wrong shape, e.g. '{TENSOR}' has shape [{{rows_1}}, {{cols}}] in the checkpoint, but the config implies "
               "[{rows}, {cols}]"),
-    ("truncated", "model.safetensors: not a readable safetensors file"),
+    ("truncated", "lie past the end of the data"),
+    ("nan_eps", "config.json: field 'rms_norm_eps' must be a finite number, got nan"),
+    ("tokenizer", "tokenizer.json: not a readable tokenizers file"),
 ])
 def test_broken_checkpoints(demo_dir, broken, case, expected):
     rows, cols = load_file(str(demo_dir / "model.safetensors"))[TENSOR].shape
     expected = expected.format(rows=rows, rows_1=rows - 1, cols=cols)
     line = assert_one_line_error(run_jtp("generate", "--model", str(broken[case]), "Hi"), expected)
-    if case == "truncated":
-        assert str(broken[case] / "model.safetensors") in line
+    named = {"truncated": "model.safetensors", "nan_eps": "config.json", "tokenizer": "tokenizer.json"}
+    if case in named:
+        assert str(broken[case] / named[case]) in line
 
 
 def test_bad_tensor_parallel_size(demo_dir):

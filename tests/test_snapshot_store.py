@@ -235,6 +235,76 @@ def test_save_is_atomic(saved, tmp_path, monkeypatch):
     assert (target / METADATA_FILE).is_file()
 
 
+# ----------------------------------------------------------------------------- integrity on disk
+
+
+def tampered_copies(engine: Engine, prompt: list[int], root) -> dict:
+    """Two saves of one 4-block snapshot each (different tokens, same array shapes), and copies of
+    the first with the second's arrays, with the second's metadata, and with its metadata edited."""
+    own, other = engine.snapshot(tokens=prompt[:17]), engine.snapshot(tokens=list(range(100, 117)))
+    first = save_snapshots(engine, root / "first", [own])
+    second = save_snapshots(engine, root / "second", [other])
+    engine.drop(other)
+    engine.drop(own)
+    copies = {}
+    for name in ("arrays", "metadata", "edited", "v1"):
+        copies[name] = root / name
+        shutil.copytree(first, copies[name])
+    shutil.rmtree(copies["arrays"] / "arrays")
+    shutil.copytree(second / "arrays", copies["arrays"] / "arrays")
+    shutil.copy(second / METADATA_FILE, copies["metadata"] / METADATA_FILE)
+    for name, edit in (("edited", {"created": 0.0}), ("v1", {})):
+        meta = json.loads((copies[name] / METADATA_FILE).read_text())
+        meta["snapshots"][0].update(edit)
+        if name == "v1":  # what a save from before the digests looks like
+            meta = {k: v for k, v in meta.items() if k not in ("files", "digest")} | {"version": 1}
+        (copies[name] / METADATA_FILE).write_text(json.dumps(meta))
+    return copies
+
+
+def test_tampered_snapshot_directory_is_refused_and_the_cache_stays_clean(demo, saved, tmp_path):
+    a, prompt = saved["engine"], saved["prompt"]
+    copies = tampered_copies(a, prompt, tmp_path)
+    follow = prompt[:17] + [5, 6, 7]  # starts with the 4 blocks the tampered saves claim to hold
+    solo, _ = run(a, follow)
+
+    b = make_engine(demo)
+    before = state(b)
+    refusals = {
+        "arrays": (copies["arrays"] / "arrays", "copied from another save"),
+        "metadata": (copies["metadata"] / "arrays", "copied from another save"),
+        "edited": (copies["edited"] / METADATA_FILE, "do not match its digest"),
+        "v1": (copies["v1"] / METADATA_FILE, "format version 1, saved before snapshots carried digests"),
+    }
+    for name, (named, reason) in refusals.items():
+        with pytest.raises(ConfigError, match=reason) as err:
+            load_snapshots(b, copies[name])
+        assert str(named) in str(err.value), name
+        assert state(b) == before and b.pool.num_cached_blocks == 0, name
+    tokens, finished = run(b, follow)
+    assert finished.cached_tokens == 0 and tokens == solo
+    b.close()
+
+
+def test_malformed_snapshot_metadata_names_the_file(saved, tmp_path):
+    from jtp.core.snapshot_digests import metadata_digest
+
+    path = shutil.copytree(saved["path"], tmp_path / "bad")
+    file = path / METADATA_FILE
+    file.write_bytes(b"\xff not json")
+    with pytest.raises(ConfigError, match="unreadable") as err:
+        read_metadata(path)
+    assert str(file) in str(err.value)
+    meta = json.loads((saved["path"] / METADATA_FILE).read_text())
+    meta["snapshots"][0]["tokens"] = "abc"
+    meta["blocks"][0] = "not hex"
+    meta["digest"] = metadata_digest(meta)  # resealed: the types are still checked
+    file.write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"malformed field\(s\) blocks, snapshots\[0\]") as err:
+        read_metadata(path)
+    assert str(file) in str(err.value)
+
+
 def test_hybrid_restore_after_restart(hybrid_qwen3_5_dir, tmp_path):
     model_dir = hybrid_qwen3_5_dir
     rng = np.random.default_rng(3)

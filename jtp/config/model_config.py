@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -97,13 +98,15 @@ class ModelConfig:
         if not path.is_file():
             raise ConfigError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ConfigError(f"{path}: not valid JSON ({e})") from e
         return cls.from_hf(raw, source=str(path))
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         return _parse(raw, source)
 
 
@@ -147,6 +150,31 @@ _LINEAR_DEFAULTS = dict(
 )
 _LAYER_KINDS = ("linear_attention", "full_attention")
 
+# Upper bounds far past any released model, so a corrupt or hand-edited config.json is refused
+# here, in one line, rather than by an allocator after minutes of loading.
+MAX_POSITIONS = 1 << 24
+_UPPER_BOUNDS = {
+    "vocab_size": 1 << 24,
+    "hidden_size": 1 << 17,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 1024,
+    "intermediate_size": 1 << 20,
+    "max_position_embeddings": MAX_POSITIONS,
+    "num_experts": 1 << 14,
+    "num_local_experts": 1 << 14,
+    "moe_intermediate_size": 1 << 20,
+    "shared_expert_intermediate_size": 1 << 20,
+    "linear_num_key_heads": 1024,
+    "linear_num_value_heads": 1024,
+    "linear_key_head_dim": 1024,
+    "linear_value_head_dim": 1024,
+    "linear_conv_kernel_dim": 64,
+    "mtp_num_hidden_layers": 64,
+    "num_nextn_predict_layers": 64,
+}
+
 
 def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     model_type = raw.get("model_type")
@@ -181,8 +209,11 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     max_positions = f.int("max_position_embeddings", default=32768, positive=True)
     if rope.yarn is not None:  # the extended context, as vLLM derives max_model_len
         max_positions = max(max_positions, rope.yarn.max_position_embeddings)
+        if max_positions > MAX_POSITIONS:
+            raise ConfigError(f"{source}: YaRN extends the context to {max_positions} positions, past the sane bound "
+                              f"{MAX_POSITIONS} (a corrupt config?)")
 
-    layers = _hybrid_fields(f, num_layers) if model_type in HYBRID_MODEL_TYPES else _dense_fields(f)
+    layers = _hybrid_fields(f, num_layers) if model_type in HYBRID_MODEL_TYPES else _dense_fields(f, num_layers)
     moe = _moe_fields(f, _MOE.get(text_type), num_layers)
     intermediate = f.int("intermediate_size", default=_DEFAULTS[text_type]["intermediate_size"], allow_none=True)
     if not (intermediate or 0) > 0 and not all(moe.get("moe_layers", ())):
@@ -191,25 +222,30 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     # A multimodal wrapper's own flags win (HF ties by the outer config); token ids and dtype
     # come from the text config first.
     tie = _first(raw, text, key="tie_word_embeddings", default=False)
+    if not isinstance(tie, bool):
+        raise ConfigError(f"{source}: field 'tie_word_embeddings' must be true or false, got {tie!r}")
     dtype = next((c[k] for c in (text, raw) for k in ("dtype", "torch_dtype") if c.get(k)), "float32")
+    if not isinstance(dtype, str):
+        raise ConfigError(f"{source}: field 'dtype' must be a string, got {dtype!r}")
+    vocab = f.int("vocab_size", positive=True)
     return ModelConfig(
         model_type=model_type,
-        vocab_size=f.int("vocab_size", positive=True),
+        vocab_size=vocab,
         hidden_size=hidden,
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         intermediate_size=intermediate or 0,
-        rms_norm_eps=f.float("rms_norm_eps", default=1e-6),
+        rms_norm_eps=f.float("rms_norm_eps", default=1e-6, positive=True),
         rope_theta=rope.theta,
         partial_rotary_factor=rope.partial_rotary_factor,
         rope_yarn=rope.yarn,
-        tie_word_embeddings=bool(tie),
+        tie_word_embeddings=tie,
         max_position_embeddings=max_positions,
-        eos_token_ids=_token_ids(_first(text, raw, key="eos_token_id")),
-        bos_token_id=_first(text, raw, key="bos_token_id"),
-        dtype=str(dtype),
+        eos_token_ids=_token_ids(_first(text, raw, key="eos_token_id"), "eos_token_id", source),
+        bos_token_id=_token_id(_first(text, raw, key="bos_token_id"), "bos_token_id", source),
+        dtype=dtype,
         checkpoint_prefix=prefix,
         **layers,
         **moe,
@@ -237,8 +273,11 @@ def _first(*configs: dict[str, Any], key: str, default: Any = None) -> Any:
     return next((c[key] for c in configs if c.get(key) is not None), default)
 
 
-def _dense_fields(f: "_Fields") -> dict[str, Any]:
+def _dense_fields(f: "_Fields", num_layers: int) -> dict[str, Any]:
     """Qwen3 / Qwen3-MoE / Qwen2 layers: attention biases and q/k norms."""
+    layer_types = f.raw.get("layer_types")  # newer transformers write one entry per layer
+    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != num_layers):
+        raise ConfigError(f"{f.source}: layer_types must be a list of num_hidden_layers ({num_layers}) entries")
     if f.get("use_sliding_window", False):
         raise ConfigError(f"{f.source}: use_sliding_window=true is not supported (sliding-window attention)")
     if f.raw.get("dual_chunk_attention_config"):  # Qwen2.5-1M's long-context attention (vLLM runs it)
@@ -286,7 +325,9 @@ def _moe_fields(f: "_Fields", moe: _Moe | None, num_layers: int) -> dict[str, An
     if num_experts is not None and local is not None and num_experts != local:
         raise ConfigError(f"{f.source}: num_experts ({num_experts}) contradicts num_local_experts ({local})")
     num_experts = next((n for n in (num_experts, local) if n is not None), moe.num_experts)
-    if num_experts <= 0:
+    if num_experts < 0:
+        raise ConfigError(f"{f.source}: field 'num_experts' must not be negative, got {num_experts}")
+    if num_experts == 0:
         return {}
     top_k = f.int("num_experts_per_tok", default=moe.top_k, positive=True)
     if top_k > num_experts:
@@ -295,7 +336,10 @@ def _moe_fields(f: "_Fields", moe: _Moe | None, num_layers: int) -> dict[str, An
         layers = (True,) * num_layers
     else:
         step = f.int("decoder_sparse_step", default=1, positive=True)
-        dense_only = set(f.get("mlp_only_layers", []) or [])
+        dense_only = f.get("mlp_only_layers", []) or []
+        if not isinstance(dense_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense_only):
+            raise ConfigError(f"{f.source}: field 'mlp_only_layers' must be a list of layer indices")
+        dense_only = set(dense_only)
         layers = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(num_layers))
     fields = dict(
         num_experts=num_experts,
@@ -309,11 +353,20 @@ def _moe_fields(f: "_Fields", moe: _Moe | None, num_layers: int) -> dict[str, An
     return fields
 
 
-def _token_ids(value) -> tuple[int, ...]:
+def _token_ids(value, key: str, source: str) -> tuple[int, ...]:
     """eos_token_id may be one id, a list of ids or absent."""
     if value is None:
         return ()
-    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+    values = value if isinstance(value, list) else [value]
+    return tuple(_token_id(v, key, source) for v in values)
+
+
+def _token_id(value, key: str, source: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{source}: field {key!r} must be a token id (an integer >= 0), got {value!r}")
+    return value
 
 
 class _Fields:
@@ -339,10 +392,15 @@ class _Fields:
             raise ConfigError(f"{self.source}: field {key!r} must be an integer, got {value!r}")
         if positive and value <= 0:
             raise ConfigError(f"{self.source}: field {key!r} must be positive, got {value}")
+        bound = _UPPER_BOUNDS.get(key)
+        if bound is not None and value > bound:
+            raise ConfigError(f"{self.source}: field {key!r} is {value}, past the sane bound {bound} (a corrupt config?)")
         return value
 
-    def float(self, key: str, default: Any = _MISSING) -> float:
+    def float(self, key: str, default: Any = _MISSING, positive: bool = False) -> float:
         value = self.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{self.source}: field {key!r} must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{self.source}: field {key!r} must be a finite number, got {value!r}")
+        if positive and value <= 0:
+            raise ConfigError(f"{self.source}: field {key!r} must be positive, got {value}")
         return float(value)

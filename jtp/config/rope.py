@@ -48,8 +48,8 @@ def parse_rope(raw: dict[str, Any], source: str, default_factor: float, head_dim
         raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported (jtp implements "
                           f"{' and '.join(map(repr, IMPLEMENTED))} RoPE)")
     theta = params.get("rope_theta", raw.get("rope_theta", _DEFAULT_THETA))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+        raise ConfigError(f"{source}: rope_theta must be a positive finite number, got {theta!r}")
     factor = _partial_factor(raw, params, source, default_factor, head_dim)
     yarn = _yarn(raw, params, source) if rope_type == "yarn" else None
     return Rope(float(theta), factor, yarn)
@@ -103,7 +103,8 @@ def _number(params: dict, key: str, source: str, default=None, minimum: float | 
     value = params.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (minimum is not None and value < minimum):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or (minimum is not None and value < minimum)):
         bound = f" >= {minimum}" if minimum is not None else ""
         raise ConfigError(f"{source}: YaRN field {key!r} must be a number{bound}, got {value!r}")
     return value

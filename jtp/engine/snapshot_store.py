@@ -21,8 +21,9 @@ each process writes (and later reads) only its own shards.
 On disk (a directory; written under a temporary name and renamed, so a failed save leaves no
 half checkpoint and a path that exists is complete):
 
-    PATH/snapshots.json   format and version, the engine identity, and per snapshot its id,
-                          tokens, cached-token count, block indices and state index
+    PATH/snapshots.json   format and version, the engine identity, per snapshot its id,
+                          tokens, cached-token count, block indices and state index; the
+                          digest of every file under arrays/ ("files") and of itself ("digest")
     PATH/arrays/          Orbax (StandardCheckpointer) pytree, absent when nothing is cached:
                           {"kv":    {"layer_NN": {"k": [U, block_size, kv_heads, head_dim], "v": ...}},
                            "state": {"layer_NN": {"conv_q": [S, ...], "conv_k", "conv_v", "recurrent"}}}
@@ -34,7 +35,10 @@ A load is refused (ConfigError, nothing changed) unless the engine matches what 
 config, dtype, block size, mesh (axis names and sizes, process count) and the weights
 (a fingerprint of the safetensors headers plus a sample of every tensor's bytes). The saved
 prefix-cache keys are recomputed from the tokens and must agree too, which catches whatever the
-identity string adds. A load that cannot fit (blocks, state slots, the snapshot cap or budget)
+identity string adds. Before any page is read, the metadata's own digest and every array file's
+must match (jtp/core/snapshot_digests.py): arrays copied from another save or an edited
+snapshots.json are refused naming the file; saves of format version 1 (no digests) are refused
+with a message to save them again. A load that cannot fit (blocks, state slots, the snapshot cap or budget)
 raises RequestError, also changing nothing (cache entries that do not fit are left out instead).
 """
 
@@ -51,10 +55,12 @@ import jax
 import numpy as np
 
 from jtp.core.block_hash import block_keys
+from jtp.core.snapshot_digests import check_files, check_seal
 from jtp.engine.snapshot_manager import LoadedSnapshots
 from jtp.errors import ConfigError, RequestError
 from jtp.loading.fingerprint import weights_fingerprint, weights_identity  # noqa: F401 - part of this module's API
 from jtp.worker.kv_cache import (
+    ARRAYS_DIR,
     METADATA_FILE,
     cache_views,
 )
@@ -67,7 +73,7 @@ log = logging.getLogger(__name__)
 __all__ = ["save_snapshots", "load_snapshots", "LoadedSnapshots", "read_metadata", "weights_fingerprint", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "jtp-snapshots"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: digests of the array files and of the metadata
 
 
 def _model_dir(engine: "Engine", model_dir: str | Path | None) -> Path:
@@ -254,20 +260,67 @@ def _metadata(engine, identity, kv, state_layers, block_keys_hex, slot_keys_hex,
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
-    """The JSON side of a saved directory (format checked): identity, blocks, snapshots."""
+    """The JSON side of a saved directory (format, seal and field types checked): identity,
+    blocks, snapshots. ConfigError naming the file otherwise."""
     path = Path(path)
     file = path / METADATA_FILE
     if not file.is_file():
         raise ConfigError(f"{path}: not a saved snapshot directory (no {METADATA_FILE})")
     try:
-        meta = json.loads(file.read_text())
+        meta = json.loads(file.read_text(encoding="utf-8"))
     except ValueError as e:
         raise ConfigError(f"{file}: unreadable ({e})") from e
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"{file}: not a jtp snapshot file (format {meta.get('format')!r})")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ConfigError(f"{file}: not a jtp snapshot file (format {meta.get('format') if isinstance(meta, dict) else None!r})")
+    if meta.get("version") == 1:
+        raise ConfigError(f"{file}: format version 1, saved before snapshots carried digests; this jtp reads "
+                          f"version {FORMAT_VERSION} only (save the snapshots again)")
     if meta.get("version") != FORMAT_VERSION:
         raise ConfigError(f"{file}: format version {meta.get('version')}, this jtp reads version {FORMAT_VERSION}")
+    check_seal(meta, file)
+    _check_fields(meta, file)
     return meta
+
+
+def _is_ints(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _is_hex_keys(value) -> bool:
+    def is_hex(k):
+        try:
+            return isinstance(k, str) and len(bytes.fromhex(k)) > 0
+        except ValueError:
+            return False
+
+    return isinstance(value, list) and all(map(is_hex, value))
+
+
+_IDENTITY_KEYS = {"cache_identity", "model_config", "dtype", "block_size", "mesh", "weights"}
+_MESH_KEYS = {"axis_names", "shape", "process_count"}
+
+
+def _check_fields(meta: dict[str, Any], file: Path) -> None:
+    """The types a load relies on, so a malformed file is one ConfigError rather than a KeyError."""
+    snaps = meta.get("snapshots")
+    problems = [
+        name for name, ok in (
+            ("identity", isinstance(meta.get("identity"), dict) and _IDENTITY_KEYS <= meta["identity"].keys()
+             and isinstance(meta["identity"]["mesh"], dict) and _MESH_KEYS <= meta["identity"]["mesh"].keys()),
+            ("layers", isinstance(meta.get("layers"), dict) and all(
+                isinstance(meta["layers"].get(k), list) for k in ("kv", "state"))),
+            ("blocks", _is_hex_keys(meta.get("blocks"))),
+            ("states", _is_hex_keys(meta.get("states"))),
+            ("files", isinstance(meta.get("files"), dict)),
+            ("snapshots", isinstance(snaps, list) and all(isinstance(e, dict) for e in snaps)),
+        ) if not ok
+    ]
+    for i, e in enumerate(snaps if "snapshots" not in problems else []):
+        if not (isinstance(e.get("id"), str) and _is_ints(e.get("tokens")) and _is_ints(e.get("blocks"))
+                and isinstance(e.get("num_cached_tokens"), int) and isinstance(e.get("state"), int)):
+            problems.append(f"snapshots[{i}]")
+    if problems:
+        raise ConfigError(f"{file}: malformed field(s) {', '.join(problems)} (a corrupt file)")
 
 
 def load_snapshots(
@@ -298,6 +351,7 @@ def load_snapshots(
     mismatches = _identity_mismatches(meta["identity"], _identity(engine, _model_dir(engine, model_dir)))
     if mismatches:
         raise ConfigError(f"cannot load the snapshots in {path} into this engine: " + "; ".join(mismatches))
+    check_files(meta, path / METADATA_FILE, ARRAYS_DIR)  # before any page is read: nothing changed on a mismatch
 
     root, bs = engine.scheduler.cache_root, engine.pool.block_size
     block_keys_saved = [bytes.fromhex(k) for k in meta["blocks"]]

@@ -16,6 +16,7 @@ import jinja2
 import tokenizers
 
 from jtp.engine.template_sandbox import TemplateLimits, make_environment, render_bounded
+from jtp.errors import ConfigError
 
 REPLACEMENT_CHAR = "\ufffd"  # what a partial UTF-8 sequence decodes to
 
@@ -24,10 +25,66 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _read_json(path: Path) -> dict:
+    """A JSON object file of the checkpoint ({} when absent); anything else is a ConfigError naming it."""
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid UTF-8 ({e})") from e
+
+
+_ID_FIELDS = ("eos_token_id", "bos_token_id", "pad_token_id")
+_TOKEN_FIELDS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _check_ids(path: Path, config: dict) -> None:
+    """Token ids are an integer or a list of integers, in the config and its text_config."""
+    text = config.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise ConfigError(f"{path}: text_config must be an object, got {type(text).__name__}")
+    for where, fields in (("", config), ("text_config.", text)):
+        for key in _ID_FIELDS:
+            value = fields.get(key)
+            values = value if isinstance(value, list) else [value]
+            if not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in values):
+                raise ConfigError(f"{path}: {where}{key} must be a token id or a list of them, got {value!r}")
+
+
+def _check_tokenizer_config(path: Path, config: dict) -> None:
+    for key in _TOKEN_FIELDS:
+        value = config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{path}: {key} must be a string or an AddedToken object, got {config[key]!r}")
+    template = config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return
+    if isinstance(template, dict) and all(isinstance(v, str) for v in template.values()):
+        return
+    named = isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in template)
+    if not named:
+        raise ConfigError(f"{path}: chat_template must be a string or a list of {{'name', 'template'}} objects")
+
+
+def _load_tokenizer(path: Path) -> tokenizers.Tokenizer:
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust library's errors name no file
+        raise ConfigError(f"{path}: not a readable tokenizers file ({e})") from e
 
 
 def _token_content(value: Any) -> str | None:
@@ -113,16 +170,20 @@ class Tokenizer:
                 f"no tokenizer.json in {path}: jtp needs the fast (tokenizers) tokenizer file of the checkpoint"
             )
         tokenizer_config = _read_json(path / "tokenizer_config.json")
+        _check_tokenizer_config(path / "tokenizer_config.json", tokenizer_config)
+        configs = {name: _read_json(path / name) for name in ("generation_config.json", "config.json")}
+        for name, config in configs.items():
+            _check_ids(path / name, config)
         chat_template = tokenizer_config.get("chat_template")
         # Newer HF saves write the template to its own file, which wins over the config entry.
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
-            chat_template = jinja_file.read_text(encoding="utf-8")
+            chat_template = _read_text(jinja_file)
         return cls(
-            tokenizers.Tokenizer.from_file(str(tokenizer_file)),
+            _load_tokenizer(tokenizer_file),
             tokenizer_config=tokenizer_config,
-            generation_config=_read_json(path / "generation_config.json"),
-            model_config=_read_json(path / "config.json"),
+            generation_config=configs["generation_config.json"],
+            model_config=configs["config.json"],
             chat_template=chat_template,
         )
 

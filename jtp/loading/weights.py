@@ -26,9 +26,10 @@ from safetensors import safe_open
 
 from jtp.config.engine_args import LOAD_FORMATS
 from jtp.config.model_config import ModelConfig
-from jtp.errors import CheckpointError
+from jtp.errors import CheckpointError, ConfigError
 from jtp.loading.dummy_weights import random_params
 from jtp.loading.param_tree import flatten, repeat_kv_heads, unflatten
+from jtp.loading.safetensors_header import FLOAT_DTYPES, TensorInfo, read_header
 from jtp.loading.sources import FirstPresent, RepeatedHeads, Source
 from jtp.models import family_of
 from jtp.parallel.rules import logical_sharding
@@ -55,8 +56,7 @@ class SafetensorsCheckpoint:
         model_dir = Path(model_dir)
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            files = _indexed_files(index)
         elif (model_dir / "model.safetensors").is_file():
             files = ["model.safetensors"]
         else:
@@ -64,12 +64,15 @@ class SafetensorsCheckpoint:
                 f"{model_dir}: no model.safetensors or model.safetensors.index.json (random weights from "
                 "config.json alone, for benchmarks: --load-format dummy)"
             )
+        self.model_dir = model_dir
         self._handles = {}
         self._file_of: dict[str, str] = {}
+        self._info: dict[str, TensorInfo] = {}
         for file in files:
             path = model_dir / file
             if not path.is_file():
                 raise CheckpointError(f"{index}: lists {file}, which does not exist")
+            self._info.update(read_header(path))  # our checks first: they name the tensor
             try:
                 handle = safe_open(str(path), framework="numpy")
             except Exception as e:  # safetensors' own error type names no file: name it here
@@ -85,6 +88,13 @@ class SafetensorsCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The dtype the header declares ("F32", "BF16", ...)."""
+        return self._info[name].dtype
+
+    def file_of(self, name: str) -> Path:
+        return self.model_dir / self._file_of[name]
+
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
         """Only the bytes of `index` are read from disk."""
         sl = self._slice(name)
@@ -94,6 +104,19 @@ class SafetensorsCheckpoint:
         if name not in self._file_of:
             raise CheckpointError(f"checkpoint has no tensor {name!r}")
         return self._handles[self._file_of[name]].get_slice(name)
+
+
+def _indexed_files(index: Path) -> list[str]:
+    """The shard files model.safetensors.index.json names, each a plain name inside the directory."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a 'weight_map'): {e!r}") from e
+    for file in files:
+        if not isinstance(file, str) or Path(file).name != file:
+            raise CheckpointError(f"{index}: shard {file!r} is not a file name inside the model directory")
+    return files
 
 
 # ----------------------------------------------------------------------------- checking a layout
@@ -110,20 +133,37 @@ def resolve_layout(layout: dict[str, Source], ckpt: SafetensorsCheckpoint) -> di
     return {k: (s.resolve(names) if isinstance(s, FirstPresent) else s) for k, s in layout.items()}
 
 
+EXAMPLES_SHOWN = 3  # per kind of mismatch: a wrong config can miss every tensor of 100k layers
+
+
+def _some(kind: str, items: list[str]) -> str:
+    """'N <kind>, e.g. a, b, c (and M more)': a few examples and a count, never the whole list."""
+    shown = ", ".join(items[:EXAMPLES_SHOWN])
+    more = f" (and {len(items) - EXAMPLES_SHOWN} more)" if len(items) > EXAMPLES_SHOWN else ""
+    return f"{len(items)} {kind}, e.g. {shown}{more}"
+
+
 def check_checkpoint(ckpt: SafetensorsCheckpoint, layout: dict[str, Source], cfg: ModelConfig) -> None:
-    """Every expected tensor present with its shape, nothing unexplained left over."""
+    """Every expected tensor present with its shape and a float dtype, nothing unexplained left over."""
     expected: dict[str, tuple[int, ...]] = {}
     for source in layout.values():
         expected.update(source.expected())
-    problems = []
+    missing, misshaped, not_float = [], [], []
     for name, shape in expected.items():
         if name not in ckpt.names:
-            problems.append(f"missing tensor {name!r} (expected shape {list(shape)})")
+            missing.append(f"{name!r} (shape {list(shape)})")
         elif ckpt.shape(name) != shape:
-            problems.append(
-                f"tensor {name!r} has shape {list(ckpt.shape(name))} in the checkpoint, "
-                f"but the config implies {list(shape)}"
-            )
+            misshaped.append(f"{name!r} has shape {list(ckpt.shape(name))} in the checkpoint, "
+                             f"but the config implies {list(shape)}")
+        elif ckpt.dtype(name) not in FLOAT_DTYPES:
+            not_float.append(f"{name!r} in {ckpt.file_of(name)} is {ckpt.dtype(name)}")
+    problems = []
+    if missing:
+        problems.append(_some("expected tensor(s) are missing", missing))
+    if misshaped:
+        problems.append(_some("tensor(s) have the wrong shape", misshaped))
+    if not_float:
+        problems.append(_some("weight(s) are not floating point", not_float))
     ignored = list(IGNORED_TENSORS)
     if cfg.tie_word_embeddings:
         ignored.append(r"^lm_head\.weight$")  # tied: HF ignores a stored copy too
@@ -133,16 +173,15 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, layout: dict[str, Source], cfg
         log.info("skipping %d checkpoint tensor(s) jtp does not use (mtp.*, model.visual.*)", len(skipped))
     unexpected = sorted(n for n in leftover - skipped if not any(re.search(p, n) for p in ignored))
     if unexpected:
-        shown = ", ".join(repr(n) for n in unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
-        problems.append(f"{len(unexpected)} unexpected tensor(s) for {cfg.model_type}: {shown}")
+        problems.append(_some(f"unexpected tensor(s) for {cfg.model_type}", [repr(n) for n in unexpected]))
     if problems:
-        raise CheckpointError("checkpoint does not match config.json:\n  " + "\n  ".join(problems))
+        raise CheckpointError(f"{ckpt.model_dir}: checkpoint does not match config.json: " + "; ".join(problems))
 
 
 def resolve_dtype(cfg: ModelConfig, dtype: str | None):
     name = cfg.dtype if dtype in (None, "auto") else dtype
     if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
+        raise ConfigError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jtp.core.snapshot_digests import seal
 from jtp.errors import ConfigError
 from jtp.models.attention import LayerKV
 
@@ -87,7 +88,8 @@ def sync_processes(tag: str) -> None:
 
 
 def write_pages(path: Path, arrays: dict, metadata: dict, overwrite: bool) -> None:
-    """Everything into a staging directory beside `path`, then one rename (process 0)."""
+    """Everything into a staging directory beside `path`, then one rename (process 0). The metadata
+    written carries the digest of every array file and its own (jtp.core.snapshot_digests)."""
     # The same name on every process: Orbax needs one path for all of them.
     staging = path.parent / f".{path.name}.saving"
     primary = jax.process_index() == 0
@@ -106,7 +108,7 @@ def write_pages(path: Path, arrays: dict, metadata: dict, overwrite: bool) -> No
         sync_processes("jtp-snapshots-arrays")
         if primary:
             tmp = staging / (METADATA_FILE + ".tmp")
-            tmp.write_text(json.dumps(metadata, indent=1))
+            tmp.write_text(json.dumps(seal(metadata, staging, ARRAYS_DIR), indent=1))
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             tmp.rename(staging / METADATA_FILE)
