@@ -182,6 +182,13 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         raise ConfigError(
             f"{source}: model_type {model_type!r} is not supported; jtp runs {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise ConfigError(
+            f"{source}: a quantized checkpoint (quantization_config: {method!r}); jtp loads bfloat16, float16 "
+            "and float32 weights only"
+        )
     text, source, prefix = _text_config(raw, source)
     text_type = text["model_type"]
     f = _Fields(text, source)
