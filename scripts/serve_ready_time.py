@@ -1,11 +1,15 @@
 """Time `jtp serve` from process start to /ready, cold (empty compilation cache) and warm (the same
 cache again), as a user sees it.
 
-    python scripts/serve_ready_time.py [--starts 2] [--cache-dir DIR] -- [jtp serve flags]
+    python scripts/serve_ready_time.py [--starts 2] [--cache-dir DIR] [--timeout S] -- [jtp serve flags]
 
 Each start runs `python -m jtp.entrypoints.cli serve --port 0 FLAGS` with JTP_COMPILATION_CACHE
 pointing at one fresh directory (or --cache-dir, kept), waits for /ready, reads `jtp:compilations`
-and the warm-up line of the log, then sends SIGTERM and times the exit. Prints one JSON object.
+and the warm-up line of the log (its phases: tracing, lowering, XLA compile), then sends SIGTERM
+and times the exit. `listening_s` is process start to the "serving" line: imports, device set-up
+and the weights. Prints one JSON line per start as it ends (so a run cut short still reports),
+then one JSON object of them all. A server that is not ready within --timeout is killed; the
+child never outlives this script.
 """
 
 import argparse
@@ -30,10 +34,19 @@ def _get(url: str) -> tuple[int, str]:
         return e.code, ""
 
 
-def one_start(flags: list[str], env: dict) -> dict:
-    t0 = time.perf_counter()
+def one_start(flags: list[str], env: dict, timeout: float) -> dict:
     proc = subprocess.Popen([sys.executable, "-m", "jtp.entrypoints.cli", "serve", "--port", "0", *flags],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
+    try:
+        return _time_start(proc, timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _time_start(proc: subprocess.Popen, timeout: float) -> dict:
+    t0 = time.perf_counter()
     log: list[str] = []
     url = None
     for line in proc.stderr:
@@ -48,6 +61,9 @@ def one_start(flags: list[str], env: dict) -> dict:
     while _get(url + "/ready")[0] != 200:
         if proc.poll() is not None:
             raise SystemExit("jtp serve exited:\n" + "".join(log[-40:]))
+        if time.perf_counter() - t0 > timeout:
+            return {"listening_s": round(listening, 2), "ready_s": None, "timed_out_s": timeout,
+                    "log_tail": [line.strip() for line in log[-5:]]}
         time.sleep(0.05)
     ready = time.perf_counter() - t0
     metrics = _get(url + "/metrics")[1]
@@ -65,15 +81,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--starts", type=int, default=2, help="starts sharing one cache (the first one cold)")
     ap.add_argument("--cache-dir", default=None, help="compilation cache to use and keep (default: a fresh temporary one)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds each start may take to be ready")
     ap.add_argument("flags", nargs=argparse.REMAINDER, help="jtp serve flags, after --")
     args = ap.parse_args(argv)
+    # Killed by `timeout`: unwind (SystemExit), so one_start's finally kills the server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     with tempfile.TemporaryDirectory() as tmp:
         cache = args.cache_dir or tmp
         env = dict(os.environ, JTP_COMPILATION_CACHE=cache)
         out = {"flags": flags, "xla_flags": env.get("XLA_FLAGS", ""), "starts": []}
         for _ in range(args.starts):
-            out["starts"].append(one_start(flags, env))
+            out["starts"].append(one_start(flags, env, args.timeout))
+            print(json.dumps(out["starts"][-1]), flush=True)
     print(json.dumps(out))
     return 0
 

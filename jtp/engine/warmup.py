@@ -32,7 +32,7 @@ from jtp.core.sampling_params import SamplingParams, pack_sampling
 from jtp.core.scheduler import Scheduler
 from jtp.core.step_input import StepInput
 from jtp.errors import ConfigError
-from jtp.worker.compile_cache import cache_hits
+from jtp.worker.compile_cache import cache_hits, phase_seconds
 from jtp.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -50,11 +50,13 @@ class WarmupReport:
     cache_hits: int  # of those, how many the persistent compilation cache answered
     seconds: float
     finished: bool  # False: stopped before the end
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # compile_cache.phase_seconds()' growth
 
     def summary(self) -> str:
+        phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
         return (f"warm-up: {self.shapes} step shapes, {self.variants} variants, {self.compiled} traced, "
                 f"{self.programs} XLA programs, {self.cache_hits} of them from the persistent compilation cache, "
-                f"in {self.seconds:.1f} s")
+                f"in {self.seconds:.1f} s" + (f" (summed over threads: {phases})" if phases else ""))
 
 
 def compile_workers() -> int:
@@ -92,7 +94,7 @@ def compile_step_shapes(
     at once when `should_stop()` (stop() or close() during warm-up, Ctrl-C)."""
     from tqdm import tqdm
 
-    start, hits, before = time.perf_counter(), cache_hits(), runner.compilations
+    start, hits, before, phases = time.perf_counter(), cache_hits(), runner.compilations, phase_seconds()
     steps = warmup_steps(scheduler, speculative)
     workers = compile_workers() if workers is None else workers
     bar = tqdm(total=len(steps), desc="warm-up: compiling step shapes", unit="shape", disable=not progress,
@@ -104,7 +106,8 @@ def compile_step_shapes(
             finished = _run_in_order(runner, steps, should_stop, bar.update)
             programs = runner.compilations - before  # each trace is one compile request
     return WarmupReport(len(scheduler.buckets.shapes()), len(steps), runner.compilations - before, programs,
-                        cache_hits() - hits, time.perf_counter() - start, finished)
+                        cache_hits() - hits, time.perf_counter() - start, finished,
+                        {name: seconds - phases[name] for name, seconds in phase_seconds().items()})
 
 
 def _run_in_order(runner: ModelRunner, steps: list[StepInput], should_stop, done: Callable[[], None]) -> bool:
