@@ -29,13 +29,8 @@ import weakref
 
 from jtp.core.packed_step import PackedStep
 from jtp.core.step_input import StepInput
-from jtp.distributed.control import (
-    AuthenticationError,
-    Channel,
-    ChannelError,
-    Kind,
-    accept_handshake,
-)
+from jtp.distributed.admission import Admission, Arrival
+from jtp.distributed.control import Channel, ChannelError, ChannelTimeout, Kind
 from jtp.distributed.launcher import (
     LaunchSpec,
     describe_exit,
@@ -96,7 +91,6 @@ class WorkerGroup:
         group.devices_per_process = args.tensor_parallel_size // spec.num_processes
         host, port = split_address(spec.control_address)
         listener = socket.create_server((host, port), reuse_port=False)
-        listener.settimeout(0.5)
         try:
             if spec.bind_loopback:
                 group.procs = spawn_followers(spec, args, group.devices_per_process)
@@ -110,46 +104,44 @@ class WorkerGroup:
         return group
 
     def _admit(self, listener: socket.socket, mine: dict, deadline: float) -> None:
+        """Admit followers 1..N-1. Connections are handshaken concurrently (jtp/distributed/admission.py),
+        so idle or stalled ones never delay a real follower."""
         pending = set(range(1, self.spec.num_processes))
-        while pending:
-            self._check_children()
-            if time.monotonic() > deadline:
-                raise ConfigError(f"follower(s) {sorted(pending)} did not join within the start-up timeout")
-            try:
-                sock, peer = listener.accept()
-            except TimeoutError:
-                continue
-            try:
-                channel = accept_handshake(sock, self.spec.secret)
-                kind, payload = channel.recv()
-            except AuthenticationError as e:
-                log.warning("%s (from %s)", e, peer[0])
-                sock.close()
-                continue
-            except (ChannelError, OSError) as e:
-                log.warning("a connection from %s failed the control handshake: %s", peer[0], e)
-                sock.close()
-                continue
-            hello = json.loads(payload) if kind is Kind.HELLO else {}
-            pid = hello.get("process_id")
-            if pid not in pending:
-                channel.send(Kind.WELCOME, json.dumps({"refused": f"process id {pid!r} is not expected"}).encode())
-                channel.close()
-                continue
-            diffs = fingerprint_mismatches(mine, hello.get("fingerprint", {}))
-            if diffs:
-                reason = "its configuration differs from the leader's: " + "; ".join(diffs)
-                channel.send(Kind.WELCOME, json.dumps({"refused": reason}).encode())
-                channel.close()
-                raise ConfigError(f"refused process {pid} (pid {hello.get('pid')}): {reason}")
-            proc = self.procs[pid - 1] if self.procs else None
-            self.followers.append(_Follower(pid, channel, hello.get("pid"), proc))
-            pending.discard(pid)
+        admission = Admission(listener, self.spec.secret).start()
+        try:
+            while pending:
+                self._check_children()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ConfigError(f"follower(s) {sorted(pending)} did not join within the start-up timeout")
+                arrival = admission.next(min(0.5, remaining))
+                if arrival is not None and self._accept(arrival, mine, pending):
+                    pending.discard(arrival.hello["process_id"])
+        finally:
+            admission.close()
         self.followers.sort(key=lambda f: f.process_id)
         for f in self.followers:
+            f.channel.io_timeout = self.heartbeat_timeout  # a send or frame that takes longer: the peer is hung
             f.channel.send(Kind.WELCOME, b"{}")
             threading.Thread(target=self._read, args=(f,), name=f"jtp-follower-{f.process_id}", daemon=True).start()
         threading.Thread(target=self._monitor, name="jtp-group-monitor", daemon=True).start()
+
+    def _accept(self, arrival: Arrival, mine: dict, pending: set[int]) -> bool:
+        """Take one authenticated follower into the group; False (it was told why) if its process id
+        is not expected. A fingerprint that differs fails the start-up."""
+        channel, hello = arrival.channel, arrival.hello
+        pid = hello.get("process_id")
+        if pid not in pending:
+            _refuse(channel, f"process id {pid!r} is not expected")
+            return False
+        diffs = fingerprint_mismatches(mine, hello.get("fingerprint", {}))
+        if diffs:
+            reason = "its configuration differs from the leader's: " + "; ".join(diffs)
+            _refuse(channel, reason)
+            raise ConfigError(f"refused process {pid} (pid {hello.get('pid')}): {reason}")
+        proc = self.procs[pid - 1] if self.procs else None
+        self.followers.append(_Follower(pid, channel, hello.get("pid"), proc))
+        return True
 
     def _check_children(self) -> None:
         for i, proc in enumerate(self.procs):
@@ -204,7 +196,11 @@ class WorkerGroup:
     def _read_until_closed(self, f: _Follower) -> None:
         while True:
             try:
-                kind, payload = f.channel.recv()
+                kind, payload = f.channel.recv(wait=self.heartbeat_timeout)  # heartbeats come 4 times as often
+            except ChannelTimeout:
+                if not self._closed:
+                    self.fail(f"{f.name()} sent no heartbeat for {self.heartbeat_timeout:g} s (hung or stopped)")
+                return
             except ChannelError as e:
                 if not self._closed:
                     if f.proc is not None and _exited(f.proc, 0.5):
@@ -375,6 +371,14 @@ def start_leader(args) -> tuple[WorkerGroup, list]:
         raise
     log.info("worker group up: %d processes x %d devices", spec.num_processes, group.devices_per_process)
     return group, devices
+
+
+def _refuse(channel: Channel, reason: str) -> None:
+    try:
+        channel.send(Kind.WELCOME, json.dumps({"refused": reason}).encode())
+    except ChannelError:
+        pass
+    channel.close()
 
 
 def _exited(proc: subprocess.Popen, wait: float) -> bool:
