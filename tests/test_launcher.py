@@ -29,6 +29,7 @@ import openai
 import pytest
 
 from jtp.distributed.control import (
+    MAGIC,
     AuthenticationError,
     ChannelError,
     Kind,
@@ -137,6 +138,192 @@ def test_fingerprint_mismatches_name_each_field():
         "model config hidden_size: leader 64, follower 32",
         "weights: leader aaaaaaaaaaaa, follower bbbbbbbbbbbb (another checkpoint)",
     ]
+
+
+# ----------------------------------------------------------------------------- admission
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def greeted(port: int) -> socket.socket:
+    """A connection to the control port that has read the server's greeting and sends nothing."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    assert len(_recv_exactly(sock, len(MAGIC) + 32)) == len(MAGIC) + 32
+    return sock
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n and (chunk := sock.recv(n - len(data))):
+        data += chunk
+    return data
+
+
+def closed_by_peer_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the peer hangs up within `seconds` (whatever it sends before, e.g. its greeting)."""
+    deadline = time.monotonic() + seconds
+    try:
+        while (remaining := deadline - time.monotonic()) > 0:
+            sock.settimeout(remaining)
+            if sock.recv(4096) == b"":
+                return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+    return False
+
+
+def join_as_follower(port: int, secret: bytes = SECRET):
+    channel = connect_handshake(socket.create_connection(("127.0.0.1", port), timeout=5), secret, timeout=5)
+    channel.send(Kind.HELLO, b'{"process_id": 1}')
+    return channel
+
+
+def test_idle_slow_and_half_finished_connections_neither_delay_a_follower_nor_outlive_their_deadline():
+    """Serially, each of these would hold admission for its whole deadline (or forever)."""
+    from jtp.distributed.admission import Admission
+
+    fds, threads = open_fds(), threading.active_count()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    admission = Admission(listener, SECRET, handshake_timeout=2.0).start()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]  # connect, say nothing
+    half = greeted(port)
+    half.sendall(MAGIC + b"x" * 10)  # a third of its answer, then a stall
+    trickle = greeted(port)  # one byte at a time: each read is quick, the whole never comes
+
+    def drip():
+        for _ in range(40):
+            try:
+                trickle.send(b"x")
+            except OSError:
+                return
+            time.sleep(0.2)
+
+    dripper = threading.Thread(target=drip)
+    dripper.start()
+    t = time.monotonic()
+    follower = join_as_follower(port)
+    arrival = admission.next(timeout=5)
+    assert arrival is not None and arrival.hello == {"process_id": 1}
+    assert time.monotonic() - t < 1.5  # well inside one stalled peer's 2 s deadline
+    # Each stalled connection is hung up at its deadline (2 s from connecting), the trickle too.
+    for sock in [*idle, half, trickle]:
+        assert closed_by_peer_within(sock, 4.0)
+    dripper.join(10)
+    assert admission.pending() == 0
+    admission.close()
+    for sock in [*idle, half, trickle, listener]:
+        sock.close()
+    arrival.channel.close()
+    follower.close()
+    wait_until(lambda: threading.active_count() <= threads, 5, "the handshake threads to end")
+    assert open_fds() == fds
+
+
+def test_a_flood_of_connections_drops_the_oldest_and_a_follower_still_joins():
+    from jtp.distributed.admission import Admission
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    admission = Admission(listener, SECRET, handshake_timeout=30.0, max_pending=4).start()
+    try:
+        flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]
+        dropped = [closed_by_peer_within(sock, 3.0) for sock in flood[:6]]
+        assert dropped == [True] * 6  # long before their 30 s deadline
+        assert admission.pending() <= 4
+        follower = join_as_follower(port)
+        assert admission.next(timeout=5).hello == {"process_id": 1}
+        follower.close()
+        admission.close()
+        assert all(closed_by_peer_within(sock, 1.0) for sock in flood[6:])  # close() hangs up the rest
+    finally:
+        admission.close()
+        listener.close()
+        for sock in flood:
+            sock.close()
+
+
+def test_a_channel_read_waits_only_as_long_as_asked_and_a_stalled_frame_fails():
+    from jtp.distributed.control import ChannelTimeout
+
+    server, client = handshake(SECRET, SECRET)
+    t = time.monotonic()
+    with pytest.raises(ChannelTimeout, match="sent nothing"):
+        server.recv(wait=0.3)
+    assert 0.25 < time.monotonic() - t < 2
+    frame = captured_frame(client, Kind.HEARTBEAT)
+    client.sock.sendall(bytes(frame[:10]))  # a frame begun, never finished
+    server.io_timeout = 0.3
+    with pytest.raises(ChannelTimeout, match="stalled"):
+        server.recv()
+
+
+# ----------------------------------------------------------------------------- secrets and addresses
+
+
+def test_a_spawned_follower_holds_the_secret_but_not_in_its_argv_or_environment(monkeypatch, demo_dir):
+    """It proves the secret in a real handshake, yet /proc shows it nowhere; nor the leader's own
+    $JTP_LAUNCH_SECRET or $JTP_API_KEY, which it does not need."""
+    from jtp.config.engine_args import EngineArgs
+    from jtp.distributed.admission import Admission
+    from jtp.distributed.launcher import LaunchSpec, reap, spawn_followers
+
+    monkeypatch.setenv("JTP_LAUNCH_SECRET", (b"leader's own env" * 2).hex())
+    monkeypatch.setenv("JTP_API_KEY", "an api key of the leader")
+    listener = socket.create_server(("127.0.0.1", 0))
+    secret = os.urandom(32)
+    spec = LaunchSpec(2, 0, "127.0.0.1:1", f"127.0.0.1:{listener.getsockname()[1]}", secret)
+    admission = Admission(listener, secret).start()
+    (proc,) = spawn_followers(spec, EngineArgs(model=str(demo_dir), num_processes=2), 1)
+    try:
+        arrival = admission.next(timeout=120)
+        assert arrival is not None and arrival.hello["pid"] == proc.pid  # it holds the secret
+        exposed = Path(f"/proc/{proc.pid}/environ").read_bytes() + Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert b"JTP_LAUNCH=" in exposed  # the right process's environment was read
+        for leaked in (secret, secret.hex().encode(), secret.hex().upper().encode(), b"JTP_LAUNCH_SECRET",
+                       b"JTP_API_KEY", b"an api key"):
+            assert leaked not in exposed
+        arrival.channel.close()
+    finally:
+        admission.close()
+        listener.close()
+        reap([proc], grace=0)
+    assert not alive(proc.pid)
+
+
+LISTENING_ON = """
+import ipaddress, sys
+from pathlib import Path
+import jax
+from jtp.distributed.launcher import LaunchSpec, init_distributed
+port = int(sys.argv[1])
+spec = LaunchSpec(1, 0, f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}", bytes(32), bind_loopback=False)  # multi-host mode
+init_distributed(spec, 1, 10.0)
+found = []
+for table in ("tcp", "tcp6"):
+    for row in Path("/proc/net/" + table).read_text().splitlines()[1:]:
+        local, state = row.split()[1], row.split()[3]
+        address, hex_port = local.rsplit(":", 1)
+        if state == "0A" and int(hex_port, 16) == port:  # LISTEN; /proc writes each 32-bit word little-endian
+            raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
+            ip = ipaddress.ip_address(raw)
+            found.append(str(getattr(ip, "ipv4_mapped", None) or ip))
+print(found)
+jax.distributed.shutdown()
+"""
+
+
+def test_the_coordinator_of_a_multi_host_launch_binds_the_address_it_was_given():
+    """JAX's own default would listen on every interface ([::]) for 127.0.0.1:PORT."""
+    port = free_port_pair()
+    proc = subprocess.run([sys.executable, "-c", LISTENING_ON, str(port)], env=group_env(1), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1].replace("'", '"')) == ["127.0.0.1"]
 
 
 # ----------------------------------------------------------------------------- the leader's watch

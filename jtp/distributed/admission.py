@@ -93,7 +93,8 @@ class Admission:
             if len(self._pending) >= self._max_pending:
                 oldest = next(iter(self._pending))
                 log.warning("control port: %d connections handshaking; dropping the oldest", len(self._pending))
-                _hang_up(oldest)  # its thread wakes up, fails and forgets it
+                del self._pending[oldest]
+                _hang_up(oldest)  # its thread wakes up, fails and closes it
             self._pending[sock] = thread
         thread.start()
 
