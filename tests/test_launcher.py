@@ -662,10 +662,84 @@ def manual(process_id: int, port: int, secret: str, *extra: str) -> subprocess.P
         env=group_env(1, JTP_LAUNCH_SECRET=secret))
 
 
-def test_manual_launch_refuses_a_wrong_secret_then_admits_the_right_follower():
+class Squatters:
+    """Any local user's attack on the control port: `n` idle connections and one that stops halfway
+    through its handshake, each replaced as soon as the leader hangs it up, until `stop()`."""
+
+    def __init__(self, port: int, n: int):
+        self.port, self.n = port, n
+        self.live: list[socket.socket] = []
+        self.opened = self.hung_up = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _connect(self, half: bool) -> None:
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=2)
+        except OSError:  # not listening (yet, or any more)
+            return
+        try:
+            if half:
+                _recv_exactly(sock, len(MAGIC) + 32)
+                sock.sendall(MAGIC + b"x" * 20)
+        except OSError:  # not greeted in time: count it as an idle one
+            pass
+        sock.settimeout(None)  # blocking, so MSG_DONTWAIT below polls without waiting
+        self.live.append(sock)
+        self.opened += 1
+
+    def _run(self) -> None:
+        for _ in range(1200):  # bounded: 10 minutes
+            if self._stop.wait(0.5):
+                return
+            for sock in list(self.live):
+                if _hung_up(sock):
+                    self.live.remove(sock)
+                    sock.close()
+                    self.hung_up += 1
+            for i in range(self.n + 1 - len(self.live)):
+                self._connect(half=i == 0)
+
+    def stop(self) -> list[socket.socket]:
+        self._stop.set()
+        self._thread.join(10)
+        return self.live
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    try:
+        while chunk := sock.recv(4096, socket.MSG_DONTWAIT):  # the greeting, if unread
+            del chunk
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def established(port: int) -> int:
+    """Open connections whose local end is `port` (ESTABLISHED or CLOSE_WAIT: not yet closed here)."""
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for r in rows if int(r.split()[1].rsplit(":", 1)[1], 16) == port and r.split()[3] in ("01", "08"))
+
+
+def test_manual_launch_admits_the_right_follower_past_a_wrong_secret_and_squatters_on_the_control_port():
+    """Idle and half-handshaken connections held open against the control port the whole time: the
+    follower still joins (it used to wait behind each for its full deadline and give up), the group
+    answers with one process's greedy tokens, and the leader closed every connection it accepted."""
+    from jtp.config.engine_args import EngineArgs
+    from jtp.core.sampling_params import SamplingParams
+    from jtp.demo import ensure_demo_checkpoint
+    from jtp.engine.engine import Engine
+    from jtp.engine.tokenizer import Tokenizer
+
     port, secret = free_port_pair(), SECRET.hex()
     leader = manual(0, port, secret)
+    squatters = Squatters(port + 1, n=4)
+    follower = None
     try:
+        wait_until(lambda: len(squatters.live) == 5, 120, "the squatters to hold the control port")
         intruder = manual(1, port, (b"x" * 32).hex())
         _, err = intruder.communicate(timeout=120)
         assert intruder.returncode == 2 and "wrong launch secret" in err, err
@@ -673,18 +747,32 @@ def test_manual_launch_refuses_a_wrong_secret_then_admits_the_right_follower():
         log: list[str] = []
         threading.Thread(target=lambda: log.extend(leader.stderr), daemon=True).start()
         wait_until(lambda: any("serving" in line for line in log), 180, "the leader to serve")
+        left = squatters.stop()
+        assert all(closed_by_peer_within(sock, 2.0) for sock in left)  # hung up when admission ended
+        assert squatters.opened == squatters.hung_up + len(left) >= 5
         url = re.search(r"on (http://\S+?)/v1", "".join(log)).group(1)
         wait_until(lambda: httpx.get(url + "/ready").status_code == 200, 60, "ready")
+        for sock in left:
+            sock.close()
+        assert established(port + 1) == 1  # the follower's channel, and no squatter's socket left open
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        text = client.completions.create(model="jtp-demo", prompt="Hello", max_tokens=5, temperature=0).choices[0].text
+        text = client.completions.create(model="jtp-demo", prompt="Hello", max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
         assert "wrong launch secret" in "".join(log)  # the leader logged the refusal and kept waiting
         leader.send_signal(signal.SIGTERM)
         assert leader.wait(60) == 0
         assert follower.wait(30) == 0  # told to shut down
-        assert isinstance(text, str)
     finally:
-        for p in (leader,):
-            p.kill()
+        squatters.stop()
+        for p in (leader, follower):
+            if p is not None:
+                p.kill()
+    demo = ensure_demo_checkpoint()
+    tok = Tokenizer.from_dir(demo)
+    with Engine.from_args(EngineArgs(model=str(demo), max_num_seqs=4, num_blocks=32, max_model_len=256,
+                                     warmup=False)) as engine:
+        (solo,) = engine.generate([tok.encode("Hello")], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert text == tok.decode(solo.token_ids)
 
 
 @pytest.mark.parametrize("mismatch", ["config", "checkpoint"])
