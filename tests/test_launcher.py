@@ -380,6 +380,21 @@ def test_a_step_that_outlives_the_step_timeout_fails_the_group():
     assert reasons == ["step 7 did not finish within the 0.3 s step timeout"]
 
 
+def test_a_follower_whose_digest_never_comes_fails_the_group_after_the_step_timeout():
+    from jtp.distributed.group import tokens_digest
+
+    group, follower, reasons = bare_group(step_timeout=0.5)
+    group.dispatched(0, sampled([5, 6, 7]))
+    group._their_digests.append((follower, 0, tokens_digest([5, 6, 7])))
+    follower.last_digest = 0  # step 0 answered, as the reader thread records it
+    group.dispatched(4, sampled([1, 2, 3]))  # never answered
+    group._compare_digests()
+    assert reasons == [] and [s for s, _ in group._awaited] == [4]
+    threading.Thread(target=group._monitor, daemon=True).start()
+    assert group.failed.wait(10)
+    assert reasons == ["follower 1 (pid 4321) sent no digest of step 4 within the 0.5 s step timeout"]
+
+
 def test_a_cluster_environment_supplies_the_coordinator_and_process_id(monkeypatch):
     from jtp.config.engine_args import EngineArgs
     from jtp.distributed.launcher import LaunchSpec, is_follower

@@ -18,6 +18,7 @@ image (jtp/entrypoints/server/launch.py).
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -59,6 +60,7 @@ class _Follower:
         self.ready: dict | None = None
         self.ready_event = threading.Event()
         self.gone = threading.Event()  # its channel closed (it exited)
+        self.last_digest = -1  # the latest step it sent a digest of
 
     def name(self) -> str:
         return f"follower {self.process_id} (pid {self.pid})"
@@ -78,6 +80,7 @@ class WorkerGroup:
         self._to_digest: list[tuple[int, object]] = []  # the leader's digest steps, not yet ready
         self._digests: dict[int, str] = {}  # the leader's digests by step (the recent ones)
         self._their_digests: list[tuple[_Follower, int, str]] = []  # followers', not yet compared
+        self._awaited: collections.deque[tuple[int, float]] = collections.deque()  # (step, leader's ready at)
         self._closed = False
         self.devices_per_process = 0
 
@@ -216,6 +219,7 @@ class WorkerGroup:
                 msg = json.loads(payload)
                 with self._lock:
                     self._their_digests.append((f, msg["step"], msg["digest"]))
+                    f.last_digest = max(f.last_digest, msg["step"])
             elif kind is Kind.FAILED:
                 self.fail(f"{f.name()} failed: {json.loads(payload).get('error')}")
 
@@ -228,6 +232,7 @@ class WorkerGroup:
             self._to_digest = [item for item in self._to_digest if item not in ready]
         for step, result in ready:
             self._digests[step] = tokens_digest(jax.device_get(result.tokens))
+            self._awaited.append((step, time.monotonic()))
         with self._lock:
             theirs, self._their_digests = self._their_digests, []
         for f, step, digest in theirs:
@@ -241,6 +246,19 @@ class WorkerGroup:
                           f"(digest {digest[:12]} vs {mine[:12]})")
         for step in sorted(self._digests)[:-8]:  # keep the last few
             del self._digests[step]
+        self._check_digests_arrive()
+
+    def _check_digests_arrive(self) -> None:
+        """A follower's digest is its reply to a digest step: one still missing `step_timeout` after
+        the leader's own was ready means its step loop is stuck (heartbeats alone would not tell) or
+        its digests fail, and divergence would go unseen."""
+        with self._lock:
+            while self._awaited and all(f.last_digest >= self._awaited[0][0] for f in self.followers):
+                self._awaited.popleft()
+            step, since = self._awaited[0] if self._awaited else (None, 0.0)
+        if step is not None and time.monotonic() - since > self.step_timeout:
+            late = ", ".join(f.name() for f in self.followers if f.last_digest < step)
+            self.fail(f"{late} sent no digest of step {step} within the {self.step_timeout:g} s step timeout")
 
     def _monitor(self) -> None:
         while not self._closed and not self.failed.is_set():

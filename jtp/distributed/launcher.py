@@ -188,6 +188,7 @@ def fingerprint(args: "EngineArgs") -> dict:
         "num_scheduler_steps": args.num_scheduler_steps,
         "enable_expert_parallel": args.enable_expert_parallel,
         "num_processes": args.num_processes,
+        "digest_interval": args.digest_interval,  # the leader waits for the followers' digests
     }
 
 
