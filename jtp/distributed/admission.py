@@ -19,7 +19,13 @@ import socket
 import threading
 import time
 
-from jtp.distributed.control import AuthenticationError, Channel, ChannelError, Kind, accept_handshake
+from jtp.distributed.control import (
+    AuthenticationError,
+    Channel,
+    ChannelError,
+    Kind,
+    accept_handshake,
+)
 
 log = logging.getLogger(__name__)
 

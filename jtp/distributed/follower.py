@@ -25,7 +25,13 @@ import time
 
 from jtp.config.engine_args import EngineArgs
 from jtp.config.engine_config import EngineConfig
-from jtp.distributed.control import AuthenticationError, Channel, ChannelError, Kind, connect_handshake
+from jtp.distributed.control import (
+    AuthenticationError,
+    Channel,
+    ChannelError,
+    Kind,
+    connect_handshake,
+)
 from jtp.distributed.launcher import (
     LaunchSpec,
     describe_mesh,
