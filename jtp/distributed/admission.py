@@ -50,6 +50,7 @@ class Admission:
         self._pending: dict[socket.socket, threading.Thread] = {}  # in arrival order: the oldest first
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._flooded = False
         self._acceptor = threading.Thread(target=self._accept_loop, name="jtp-admission", daemon=True)
 
     def start(self) -> "Admission":
@@ -98,9 +99,13 @@ class Admission:
         with self._lock:
             if len(self._pending) >= self._max_pending:
                 oldest = next(iter(self._pending))
-                log.warning("control port: %d connections handshaking; dropping the oldest", len(self._pending))
+                if not self._flooded:  # once per flood: a flood must not flood the log too
+                    log.warning("control port: %d connections handshaking at once; dropping the oldest", len(self._pending))
+                self._flooded = True
                 del self._pending[oldest]
                 _hang_up(oldest)  # its thread wakes up, fails and closes it
+            else:
+                self._flooded = False
             self._pending[sock] = thread
         thread.start()
 
@@ -115,8 +120,8 @@ class Admission:
         except AuthenticationError as e:
             log.warning("%s (from %s)", e, peer)
             sock.close()
-        except (ChannelError, OSError, ValueError) as e:
-            log.warning("a connection from %s failed the control handshake: %s", peer, e)
+        except (ChannelError, OSError, ValueError) as e:  # idle, stalled or not ours: not worth a warning
+            log.info("a connection from %s failed the control handshake: %s", peer, e)
             sock.close()
         finally:
             with self._lock:
