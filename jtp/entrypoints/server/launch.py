@@ -6,8 +6,8 @@ the server is shutting down (a whole response: HTTP 503) before uvicorn waits fo
 close, then the engine is closed. SIGTERM drains: the port stays open and a new request gets a
 503 (`server_shutting_down`), the running ones get `--drain-timeout` seconds to finish (the server
 exits as soon as none is left), then the rest end like Ctrl-C's and the engine (and its follower
-processes) shut down. A stop during warm-up exits
-at once: nothing can be in flight before /ready, and a compile under way is not waited for.
+processes) shut down. A stop during warm-up exits at once: nothing can be in flight before /ready,
+and a compile under way is not waited for.
 
 Multi-process groups: when a follower dies, hangs or diverges, the engine ends every request
 with a retryable error (HTTP 503, Retry-After), the server stops, the followers are reaped, and
