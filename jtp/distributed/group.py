@@ -2,15 +2,16 @@
 operation in order, and watching their health.
 
 `WorkerGroup.start` runs before JAX's distributed runtime exists: it opens the control channel,
-spawns local followers (or waits for remote ones), authenticates each, and compares its
-fingerprint with the leader's. Then every process joins JAX's runtime and loads the model.
+spawns local followers (or waits for remote ones), authenticates each (every connection on its
+own thread with a deadline: jtp/distributed/admission.py), and compares its fingerprint with the
+leader's. Then every process joins JAX's runtime and loads the model.
 `GroupRunner` is the engine's `ModelRunner` with one change: each collective call (KV allocation,
 every step) is sent to the followers before the leader runs it, so all processes run the same
 jitted calls in the same order.
 
-Health: followers send heartbeats; a missed heartbeat (`heartbeat_timeout`), a closed channel,
-a child that exits, a step that outlives `step_timeout`, or a digest of sampled tokens that
-differs from the leader's marks the group failed. Failure is final for this process (JAX's
+Health: followers send heartbeats; a missed heartbeat (`heartbeat_timeout`), a closed or stalled
+channel, a child that exits, a step that outlives `step_timeout`, a digest of sampled tokens that
+differs from the leader's or that does not come within `step_timeout` marks the group failed. Failure is final for this process (JAX's
 runtime initialises once per process): local followers are killed and reaped, the callbacks run
 (the engine fails its requests with a retryable error), and `jtp serve` restarts its own process
 image (jtp/entrypoints/server/launch.py).
