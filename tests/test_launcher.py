@@ -1,14 +1,19 @@
 """Multi-process groups with real OS processes on CPU (gloo): 2 processes x 2 forced devices run
 one tp=4 mesh, the leader deciding every step and the follower executing it.
 
-- the control channel: authentication, tampering, refusal messages (sockets, no jax);
+- the control channel: authentication, tampering, refusal messages, read deadlines (sockets, no jax);
+- admission: idle, trickling, half-handshaken and flooding connections neither delay a follower
+  nor outlive their deadline, and leave no thread or descriptor behind; a spawned follower's
+  secret is in neither its /proc environ nor cmdline; a multi-host coordinator binds loopback
+  when given 127.0.0.1;
 - lockstep parity: a staggered batch through the engine's real step gives the same greedy tokens
   on 2 processes x 2 devices (tp=4) as on one process at tp=4 and at tp=1, Qwen3 and a hybrid;
 - failure: kill -9 and SIGSTOP of a follower mid-generation give the caller a 503 with Retry-After
   within the heartbeat deadline, the group restarts and serves the next request; kill -9 of the
   leader ends its followers; SIGTERM drains; the process table holds nothing left behind;
 - start-up refusals across "machines" (a manual launch on loopback): a follower with another
-  config or checkpoint, or the wrong secret, is refused with a message that says which.
+  config or checkpoint, or the wrong secret, is refused with a message that says which; the right
+  one joins while squatters hold the control port, and the group answers one process's text.
 """
 
 from __future__ import annotations
