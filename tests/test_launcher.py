@@ -1,14 +1,19 @@
 """Multi-process groups with real OS processes on CPU (gloo): 2 processes x 2 forced devices run
 one tp=4 mesh, the leader deciding every step and the follower executing it.
 
-- the control channel: authentication, tampering, refusal messages (sockets, no jax);
+- the control channel: authentication, tampering, refusal messages, read deadlines (sockets, no jax);
+- admission: idle, trickling, half-handshaken and flooding connections neither delay a follower
+  nor outlive their deadline, and leave no thread or descriptor behind; a spawned follower's
+  secret is in neither its /proc environ nor cmdline; a multi-host coordinator binds loopback
+  when given 127.0.0.1;
 - lockstep parity: a staggered batch through the engine's real step gives the same greedy tokens
   on 2 processes x 2 devices (tp=4) as on one process at tp=4 and at tp=1, Qwen3 and a hybrid;
 - failure: kill -9 and SIGSTOP of a follower mid-generation give the caller a 503 with Retry-After
   within the heartbeat deadline, the group restarts and serves the next request; kill -9 of the
   leader ends its followers; SIGTERM drains; the process table holds nothing left behind;
 - start-up refusals across "machines" (a manual launch on loopback): a follower with another
-  config or checkpoint, or the wrong secret, is refused with a message that says which.
+  config or checkpoint, or the wrong secret, is refused with a message that says which; the right
+  one joins while squatters hold the control port, and the group answers one process's text.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import openai
 import pytest
 
 from jtp.distributed.control import (
+    MAGIC,
     AuthenticationError,
     ChannelError,
     Kind,
@@ -139,6 +145,192 @@ def test_fingerprint_mismatches_name_each_field():
     ]
 
 
+# ----------------------------------------------------------------------------- admission
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def greeted(port: int) -> socket.socket:
+    """A connection to the control port that has read the server's greeting and sends nothing."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    assert len(_recv_exactly(sock, len(MAGIC) + 32)) == len(MAGIC) + 32
+    return sock
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n and (chunk := sock.recv(n - len(data))):
+        data += chunk
+    return data
+
+
+def closed_by_peer_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the peer hangs up within `seconds` (whatever it sends before, e.g. its greeting)."""
+    deadline = time.monotonic() + seconds
+    try:
+        while (remaining := deadline - time.monotonic()) > 0:
+            sock.settimeout(remaining)
+            if sock.recv(4096) == b"":
+                return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+    return False
+
+
+def join_as_follower(port: int, secret: bytes = SECRET):
+    channel = connect_handshake(socket.create_connection(("127.0.0.1", port), timeout=5), secret, timeout=5)
+    channel.send(Kind.HELLO, b'{"process_id": 1}')
+    return channel
+
+
+def test_idle_slow_and_half_finished_connections_neither_delay_a_follower_nor_outlive_their_deadline():
+    """Serially, each of these would hold admission for its whole deadline (or forever)."""
+    from jtp.distributed.admission import Admission
+
+    fds, threads = open_fds(), threading.active_count()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    admission = Admission(listener, SECRET, handshake_timeout=3.0).start()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]  # connect, say nothing
+    half = greeted(port)
+    half.sendall(MAGIC + b"x" * 10)  # a third of its answer, then a stall
+    trickle = greeted(port)  # one byte at a time: each read is quick, the whole never comes
+
+    def drip():
+        for _ in range(40):
+            try:
+                trickle.send(b"x")
+            except OSError:
+                return
+            time.sleep(0.2)
+
+    dripper = threading.Thread(target=drip)
+    dripper.start()
+    t = time.monotonic()
+    follower = join_as_follower(port)
+    arrival = admission.next(timeout=5)
+    assert arrival is not None and arrival.hello == {"process_id": 1}
+    assert time.monotonic() - t < 2.0  # inside one stalled peer's 3 s deadline
+    # Each stalled connection is hung up at its deadline (3 s from connecting), the trickle too.
+    for sock in [*idle, half, trickle]:
+        assert closed_by_peer_within(sock, 5.0)
+    dripper.join(10)
+    assert admission.pending() == 0
+    admission.close()
+    for sock in [*idle, half, trickle, listener]:
+        sock.close()
+    arrival.channel.close()
+    follower.close()
+    wait_until(lambda: threading.active_count() <= threads, 5, "the handshake threads to end")
+    assert open_fds() == fds
+
+
+def test_a_flood_of_connections_drops_the_oldest_and_a_follower_still_joins():
+    from jtp.distributed.admission import Admission
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    admission = Admission(listener, SECRET, handshake_timeout=30.0, max_pending=4).start()
+    try:
+        flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]
+        dropped = [closed_by_peer_within(sock, 3.0) for sock in flood[:6]]
+        assert dropped == [True] * 6  # long before their 30 s deadline
+        assert admission.pending() <= 4
+        follower = join_as_follower(port)
+        assert admission.next(timeout=5).hello == {"process_id": 1}
+        follower.close()
+        admission.close()
+        assert all(closed_by_peer_within(sock, 1.0) for sock in flood[6:])  # close() hangs up the rest
+    finally:
+        admission.close()
+        listener.close()
+        for sock in flood:
+            sock.close()
+
+
+def test_a_channel_read_waits_only_as_long_as_asked_and_a_stalled_frame_fails():
+    from jtp.distributed.control import ChannelTimeout
+
+    server, client = handshake(SECRET, SECRET)
+    t = time.monotonic()
+    with pytest.raises(ChannelTimeout, match="sent nothing"):
+        server.recv(wait=0.3)
+    assert 0.25 < time.monotonic() - t < 2
+    frame = captured_frame(client, Kind.HEARTBEAT)
+    client.sock.sendall(bytes(frame[:10]))  # a frame begun, never finished
+    server.io_timeout = 0.3
+    with pytest.raises(ChannelTimeout, match="stalled"):
+        server.recv()
+
+
+# ----------------------------------------------------------------------------- secrets and addresses
+
+
+def test_a_spawned_follower_holds_the_secret_but_not_in_its_argv_or_environment(monkeypatch, demo_dir):
+    """It proves the secret in a real handshake, yet /proc shows it nowhere; nor the leader's own
+    $JTP_LAUNCH_SECRET or $JTP_API_KEY, which it does not need."""
+    from jtp.config.engine_args import EngineArgs
+    from jtp.distributed.admission import Admission
+    from jtp.distributed.launcher import LaunchSpec, reap, spawn_followers
+
+    monkeypatch.setenv("JTP_LAUNCH_SECRET", (b"leader's own env" * 2).hex())
+    monkeypatch.setenv("JTP_API_KEY", "an api key of the leader")
+    listener = socket.create_server(("127.0.0.1", 0))
+    secret = os.urandom(32)
+    spec = LaunchSpec(2, 0, "127.0.0.1:1", f"127.0.0.1:{listener.getsockname()[1]}", secret)
+    admission = Admission(listener, secret).start()
+    (proc,) = spawn_followers(spec, EngineArgs(model=str(demo_dir), num_processes=2), 1)
+    try:
+        arrival = admission.next(timeout=120)
+        assert arrival is not None and arrival.hello["pid"] == proc.pid  # it holds the secret
+        exposed = Path(f"/proc/{proc.pid}/environ").read_bytes() + Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert b"JTP_LAUNCH=" in exposed  # the right process's environment was read
+        for leaked in (secret, secret.hex().encode(), secret.hex().upper().encode(), b"JTP_LAUNCH_SECRET",
+                       b"JTP_API_KEY", b"an api key"):
+            assert leaked not in exposed
+        arrival.channel.close()
+    finally:
+        admission.close()
+        listener.close()
+        reap([proc], grace=0)
+    assert not alive(proc.pid)
+
+
+LISTENING_ON = """
+import ipaddress, sys
+from pathlib import Path
+import jax
+from jtp.distributed.launcher import LaunchSpec, init_distributed
+port = int(sys.argv[1])
+spec = LaunchSpec(1, 0, f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}", bytes(32), bind_loopback=False)  # multi-host mode
+init_distributed(spec, 1, 10.0)
+found = []
+for table in ("tcp", "tcp6"):
+    for row in Path("/proc/net/" + table).read_text().splitlines()[1:]:
+        local, state = row.split()[1], row.split()[3]
+        address, hex_port = local.rsplit(":", 1)
+        if state == "0A" and int(hex_port, 16) == port:  # LISTEN; /proc writes each 32-bit word little-endian
+            raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
+            ip = ipaddress.ip_address(raw)
+            found.append(str(getattr(ip, "ipv4_mapped", None) or ip))
+print(found)
+jax.distributed.shutdown()
+"""
+
+
+def test_the_coordinator_of_a_multi_host_launch_binds_the_address_it_was_given():
+    """JAX's own default would listen on every interface ([::]) for 127.0.0.1:PORT."""
+    port = free_port_pair()
+    proc = subprocess.run([sys.executable, "-c", LISTENING_ON, str(port)], env=group_env(1), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1].replace("'", '"')) == ["127.0.0.1"]
+
+
 # ----------------------------------------------------------------------------- the leader's watch
 
 
@@ -191,6 +383,21 @@ def test_a_step_that_outlives_the_step_timeout_fails_the_group():
     threading.Thread(target=group._monitor, daemon=True).start()
     assert group.failed.wait(10)
     assert reasons == ["step 7 did not finish within the 0.3 s step timeout"]
+
+
+def test_a_follower_whose_digest_never_comes_fails_the_group_after_the_step_timeout():
+    from jtp.distributed.group import tokens_digest
+
+    group, follower, reasons = bare_group(step_timeout=0.5)
+    group.dispatched(0, sampled([5, 6, 7]))
+    group._their_digests.append((follower, 0, tokens_digest([5, 6, 7])))
+    follower.last_digest = 0  # step 0 answered, as the reader thread records it
+    group.dispatched(4, sampled([1, 2, 3]))  # never answered
+    group._compare_digests()
+    assert reasons == [] and [s for s, _ in group._awaited] == [4]
+    threading.Thread(target=group._monitor, daemon=True).start()
+    assert group.failed.wait(10)
+    assert reasons == ["follower 1 (pid 4321) sent no digest of step 4 within the 0.5 s step timeout"]
 
 
 def test_a_cluster_environment_supplies_the_coordinator_and_process_id(monkeypatch):
@@ -475,10 +682,84 @@ def manual(process_id: int, port: int, secret: str, *extra: str) -> subprocess.P
         env=group_env(1, JTP_LAUNCH_SECRET=secret))
 
 
-def test_manual_launch_refuses_a_wrong_secret_then_admits_the_right_follower():
+class Squatters:
+    """Any local user's attack on the control port: `n` idle connections and one that stops halfway
+    through its handshake, each replaced as soon as the leader hangs it up, until `stop()`."""
+
+    def __init__(self, port: int, n: int):
+        self.port, self.n = port, n
+        self.live: list[socket.socket] = []
+        self.opened = self.hung_up = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _connect(self, half: bool) -> None:
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=2)
+        except OSError:  # not listening (yet, or any more)
+            return
+        try:
+            if half:
+                _recv_exactly(sock, len(MAGIC) + 32)
+                sock.sendall(MAGIC + b"x" * 20)
+        except OSError:  # not greeted in time: count it as an idle one
+            pass
+        sock.settimeout(None)  # blocking, so MSG_DONTWAIT below polls without waiting
+        self.live.append(sock)
+        self.opened += 1
+
+    def _run(self) -> None:
+        for _ in range(1200):  # bounded: 10 minutes
+            if self._stop.wait(0.5):
+                return
+            for sock in list(self.live):
+                if _hung_up(sock):
+                    self.live.remove(sock)
+                    sock.close()
+                    self.hung_up += 1
+            for i in range(self.n + 1 - len(self.live)):
+                self._connect(half=i == 0)
+
+    def stop(self) -> list[socket.socket]:
+        self._stop.set()
+        self._thread.join(10)
+        return self.live
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    try:
+        while chunk := sock.recv(4096, socket.MSG_DONTWAIT):  # the greeting, if unread
+            del chunk
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def established(port: int) -> int:
+    """Open connections whose local end is `port` (ESTABLISHED or CLOSE_WAIT: not yet closed here)."""
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for r in rows if int(r.split()[1].rsplit(":", 1)[1], 16) == port and r.split()[3] in ("01", "08"))
+
+
+def test_manual_launch_admits_the_right_follower_past_a_wrong_secret_and_squatters_on_the_control_port():
+    """Idle and half-handshaken connections held open against the control port the whole time: the
+    follower still joins (it used to wait behind each for its full deadline and give up), the group
+    answers with one process's greedy tokens, and the leader closed every connection it accepted."""
+    from jtp.config.engine_args import EngineArgs
+    from jtp.core.sampling_params import SamplingParams
+    from jtp.demo import ensure_demo_checkpoint
+    from jtp.engine.engine import Engine
+    from jtp.engine.tokenizer import Tokenizer
+
     port, secret = free_port_pair(), SECRET.hex()
     leader = manual(0, port, secret)
+    squatters = Squatters(port + 1, n=4)
+    follower = None
     try:
+        wait_until(lambda: len(squatters.live) == 5, 120, "the squatters to hold the control port")
         intruder = manual(1, port, (b"x" * 32).hex())
         _, err = intruder.communicate(timeout=120)
         assert intruder.returncode == 2 and "wrong launch secret" in err, err
@@ -486,18 +767,32 @@ def test_manual_launch_refuses_a_wrong_secret_then_admits_the_right_follower():
         log: list[str] = []
         threading.Thread(target=lambda: log.extend(leader.stderr), daemon=True).start()
         wait_until(lambda: any("serving" in line for line in log), 180, "the leader to serve")
+        left = squatters.stop()
+        assert all(closed_by_peer_within(sock, 2.0) for sock in left)  # hung up when admission ended
+        assert squatters.opened == squatters.hung_up + len(left) >= 5
         url = re.search(r"on (http://\S+?)/v1", "".join(log)).group(1)
         wait_until(lambda: httpx.get(url + "/ready").status_code == 200, 60, "ready")
+        for sock in left:
+            sock.close()
+        assert established(port + 1) == 1  # the follower's channel, and no squatter's socket left open
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        text = client.completions.create(model="jtp-demo", prompt="Hello", max_tokens=5, temperature=0).choices[0].text
+        text = client.completions.create(model="jtp-demo", prompt="Hello", max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
         assert "wrong launch secret" in "".join(log)  # the leader logged the refusal and kept waiting
         leader.send_signal(signal.SIGTERM)
         assert leader.wait(60) == 0
         assert follower.wait(30) == 0  # told to shut down
-        assert isinstance(text, str)
     finally:
-        for p in (leader,):
-            p.kill()
+        squatters.stop()
+        for p in (leader, follower):
+            if p is not None:
+                p.kill()
+    demo = ensure_demo_checkpoint()
+    tok = Tokenizer.from_dir(demo)
+    with Engine.from_args(EngineArgs(model=str(demo), max_num_seqs=4, num_blocks=32, max_model_len=256,
+                                     warmup=False)) as engine:
+        (solo,) = engine.generate([tok.encode("Hello")], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert text == tok.decode(solo.token_ids)
 
 
 @pytest.mark.parametrize("mismatch", ["config", "checkpoint"])

@@ -273,13 +273,27 @@ def _stream(url: str, body: dict, on_first=None) -> list:
     return events
 
 
+def _sigterm_then_knock(serve: Serve, seen: dict) -> None:
+    """SIGTERM, then what a new client gets while the running stream drains."""
+    serve.proc.send_signal(signal.SIGTERM)
+    serve.wait_until(lambda: httpx.get(serve.url + "/health").json()["status"] == "draining", timeout=10)
+    refused = httpx.post(serve.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+    seen.update(status=refused.status_code, retry_after=refused.headers.get("retry-after"), body=refused.json(),
+                ready=httpx.get(serve.url + "/ready").status_code)
+
+
 def test_drain_finishes_running_streams_then_exits_and_cuts_the_rest_with_an_error(demo_dir):
     serve = Serve(*small_flags(demo_dir), "--no-warmup", "--drain-timeout", "60")
     try:
         serve.ready()
-        body = {"prompt": "Once upon a time", "max_tokens": 90, "ignore_eos": True, "temperature": 0}
-        events = _stream(serve.url, body, on_first=lambda: serve.proc.send_signal(signal.SIGTERM))
+        body = {"prompt": "Once upon a time", "max_tokens": 110, "ignore_eos": True, "temperature": 0}
+        seen: dict = {}
+        events = _stream(serve.url, body, on_first=lambda: _sigterm_then_knock(serve, seen))
         ended = time.monotonic()
+        # While draining the port stays open: a new request is refused in the API's error shape.
+        assert seen["status"] == 503 and seen["retry_after"] == "1" and seen["ready"] == 503, seen
+        assert seen["body"]["error"]["code"] == "server_shutting_down", seen
+        assert seen["body"]["error"]["type"] == "service_unavailable_error", seen
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length", events[-3:]
         assert sum(len(e["choices"]) for e in events[:-1] if e["choices"][0]["text"]) > 0
         assert serve.proc.wait(30) == 0

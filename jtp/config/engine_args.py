@@ -199,10 +199,12 @@ class EngineArgs:
         g.add_argument("--process-id", type=int, default=None,
                        help="this process's rank across machines (0 = the leader; others follow it)")
         g.add_argument("--coordinator-address", default=None,
-                       help="HOST:PORT of the leader's JAX coordinator across machines (the control channel "
-                            "listens on PORT+1)")
+                       help="HOST:PORT of the leader's JAX coordinator across machines; the leader binds the "
+                            "address HOST resolves to (127.0.0.1 stays loopback) and the control channel PORT+1")
         g.add_argument("--secret-file", default=None,
-                       help="file holding the launch secret shared by every host (default: $JTP_LAUNCH_SECRET, hex)")
+                       help="file (chmod 600) holding the launch secret shared by every host across machines; "
+                            "preferred: it stays out of ps and /proc/PID/environ (default: $JTP_LAUNCH_SECRET, hex, "
+                            "readable in /proc/PID/environ by your other processes). A local launch needs neither")
         g.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout,
                        help="seconds without a follower heartbeat before the group is restarted")
         g.add_argument("--step-timeout", type=float, default=d.step_timeout,

@@ -17,6 +17,11 @@ Handshake (mutual, before anything else is read): the server sends a nonce; the 
 HMAC(secret, "client" | server nonce) and its own nonce; the server checks it and answers
 HMAC(secret, "server" | client nonce). A client with a wrong secret is told so in plain text and
 disconnected; neither side ever sends the secret itself.
+
+Every read has a deadline except the wait for a frame to begin, which the caller chooses (a
+follower waits as long as the leader is idle; the leader waits one heartbeat period): once a frame
+has begun, the rest must arrive within the channel's `io_timeout`, and a send that the peer does
+not drain within it fails, so a stalled peer costs a bounded wait, never a stuck thread.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ import enum
 import hashlib
 import hmac
 import os
+import select
 import socket
 import struct
 import threading
+import time
 
 MAGIC = b"JTPC1"
 _NONCE = 32
@@ -56,11 +63,18 @@ class AuthenticationError(ChannelError):
     """The peer does not hold this launch's secret."""
 
 
-class Channel:
-    """One authenticated, framed connection. `send` is thread-safe; one thread reads."""
+class ChannelTimeout(ChannelError):
+    """The peer sent nothing (or not a whole frame) within the deadline."""
 
-    def __init__(self, sock: socket.socket, key: bytes, is_server: bool):
+
+class Channel:
+    """One authenticated, framed connection. `send` is thread-safe; one thread reads.
+
+    `io_timeout` bounds a send and the rest of a frame once it has begun (None: no bound)."""
+
+    def __init__(self, sock: socket.socket, key: bytes, is_server: bool, io_timeout: float | None = None):
         self.sock = sock
+        self.io_timeout = io_timeout
         self._key = key
         self._out_dir, self._in_dir = (b"S", b"C") if is_server else (b"C", b"S")
         self._sent = 0
@@ -68,6 +82,15 @@ class Channel:
         self._send_lock = threading.Lock()
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames go out at once
+
+    @property
+    def io_timeout(self) -> float | None:
+        return self._io_timeout
+
+    @io_timeout.setter
+    def io_timeout(self, seconds: float | None) -> None:
+        self._io_timeout = seconds
+        self.sock.settimeout(seconds)  # sendall's bound; reads poll with their own deadlines
 
     def _tag(self, direction: bytes, seq: int, kind: int, payload: bytes) -> bytes:
         mac = hmac.new(self._key, direction + struct.pack(">QB", seq, kind), hashlib.sha256)
@@ -87,12 +110,17 @@ class Channel:
                 raise ChannelError(f"control channel closed while sending: {e}") from None
             self._sent += 1
 
-    def recv(self) -> tuple[Kind, bytes]:
-        """The next message; blocks. Raises ChannelError on EOF or a frame that fails its tag."""
-        (length,) = struct.unpack(">I", _read_exact(self.sock, 4))
+    def recv(self, wait: float | None = None) -> tuple[Kind, bytes]:
+        """The next message. Waits up to `wait` seconds for it to begin (None: as long as it takes),
+        then `io_timeout` for the whole frame. Raises ChannelTimeout past either, ChannelError on
+        EOF or a frame that fails its tag."""
+        if not _wait_readable(self.sock, wait):
+            raise ChannelTimeout(f"the peer sent nothing for {wait:g} s")
+        deadline = None if self.io_timeout is None else time.monotonic() + self.io_timeout
+        (length,) = struct.unpack(">I", _read_exact(self.sock, 4, deadline))
         if not _TAG + 1 <= length <= _MAX_FRAME:
             raise ChannelError(f"malformed control frame (length {length})")
-        body = _read_exact(self.sock, length)
+        body = _read_exact(self.sock, length, deadline)
         tag, kind, payload = body[:_TAG], body[_TAG], body[_TAG + 1 :]
         if not hmac.compare_digest(tag, self._tag(self._in_dir, self._received, kind, payload)):
             raise AuthenticationError("a control frame failed authentication (wrong key, replayed or corrupted)")
@@ -110,9 +138,21 @@ class Channel:
         self.sock.close()
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytes:
+def _wait_readable(sock: socket.socket, timeout: float | None) -> bool:
+    """Whether `sock` has data (or EOF) within `timeout` seconds (None: wait for it). poll, not
+    select: a leader holds more than select's 1024 descriptors."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
+
+
+def _read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """n bytes, all of them before `deadline` (monotonic; None: no bound), however slowly they come."""
     buf = bytearray()
     while len(buf) < n:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and (remaining <= 0 or not _wait_readable(sock, remaining)):
+            raise ChannelTimeout(f"the peer sent {len(buf)} of {n} bytes and stalled")
         try:
             chunk = sock.recv(min(n - len(buf), 1 << 20))
         except OSError as e:
@@ -132,37 +172,47 @@ def _session_key(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> byt
 
 
 def accept_handshake(sock: socket.socket, secret: bytes, timeout: float = 10.0) -> Channel:
-    """Server side of the handshake on an accepted socket; AuthenticationError if the client's
-    proof is wrong (the client has been told before the socket closes)."""
+    """Server side of the handshake on an accepted socket, all of it within `timeout` seconds
+    (however slowly the client trickles bytes); AuthenticationError if the client's proof is
+    wrong (the client has been told before the socket closes). The channel keeps `timeout` as
+    its io_timeout."""
+    deadline = time.monotonic() + timeout
     sock.settimeout(timeout)
     server_nonce = os.urandom(_NONCE)
-    sock.sendall(MAGIC + server_nonce)
-    reply = _read_exact(sock, len(MAGIC) + _TAG + _NONCE)
+    _send(sock, MAGIC + server_nonce)
+    reply = _read_exact(sock, len(MAGIC) + _TAG + _NONCE, deadline)
     if reply[: len(MAGIC)] != MAGIC:
         raise ChannelError("the peer does not speak the jtp control protocol")
     proof, client_nonce = reply[len(MAGIC) : len(MAGIC) + _TAG], reply[len(MAGIC) + _TAG :]
     if not hmac.compare_digest(proof, _proof(secret, b"client", server_nonce)):
         message = b"refused: wrong launch secret"
-        sock.sendall(b"\x00" + struct.pack(">H", len(message)) + message)
+        _send(sock, b"\x00" + struct.pack(">H", len(message)) + message)
         raise AuthenticationError("a process connected with a wrong launch secret and was refused")
-    sock.sendall(b"\x01" + _proof(secret, b"server", client_nonce))
-    sock.settimeout(None)
-    return Channel(sock, _session_key(secret, server_nonce, client_nonce), is_server=True)
+    _send(sock, b"\x01" + _proof(secret, b"server", client_nonce))
+    return Channel(sock, _session_key(secret, server_nonce, client_nonce), is_server=True, io_timeout=timeout)
 
 
 def connect_handshake(sock: socket.socket, secret: bytes, timeout: float = 10.0) -> Channel:
-    """Client side of the handshake on a connected socket."""
+    """Client side of the handshake on a connected socket, all of it within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
     sock.settimeout(timeout)
-    hello = _read_exact(sock, len(MAGIC) + _NONCE)
+    hello = _read_exact(sock, len(MAGIC) + _NONCE, deadline)
     if hello[: len(MAGIC)] != MAGIC:
         raise ChannelError("the leader's address answered, but not with the jtp control protocol")
     server_nonce, client_nonce = hello[len(MAGIC) :], os.urandom(_NONCE)
-    sock.sendall(MAGIC + _proof(secret, b"client", server_nonce) + client_nonce)
-    status = _read_exact(sock, 1)
+    _send(sock, MAGIC + _proof(secret, b"client", server_nonce) + client_nonce)
+    status = _read_exact(sock, 1, deadline)
     if status == b"\x00":
-        (n,) = struct.unpack(">H", _read_exact(sock, 2))
-        raise AuthenticationError(f"the leader {_read_exact(sock, n).decode()} (check JTP_LAUNCH_SECRET / --secret-file)")
-    if not hmac.compare_digest(_read_exact(sock, _TAG), _proof(secret, b"server", client_nonce)):
+        (n,) = struct.unpack(">H", _read_exact(sock, 2, deadline))
+        reason = _read_exact(sock, n, deadline).decode()
+        raise AuthenticationError(f"the leader {reason} (check JTP_LAUNCH_SECRET / --secret-file)")
+    if not hmac.compare_digest(_read_exact(sock, _TAG, deadline), _proof(secret, b"server", client_nonce)):
         raise AuthenticationError("the leader could not prove it holds the launch secret")
-    sock.settimeout(None)
-    return Channel(sock, _session_key(secret, server_nonce, client_nonce), is_server=False)
+    return Channel(sock, _session_key(secret, server_nonce, client_nonce), is_server=False, io_timeout=timeout)
+
+
+def _send(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError as e:
+        raise ChannelError(f"control channel closed while sending: {e}") from None

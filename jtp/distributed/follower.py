@@ -25,7 +25,13 @@ import time
 
 from jtp.config.engine_args import EngineArgs
 from jtp.config.engine_config import EngineConfig
-from jtp.distributed.control import Channel, ChannelError, Kind, connect_handshake
+from jtp.distributed.control import (
+    AuthenticationError,
+    Channel,
+    ChannelError,
+    Kind,
+    connect_handshake,
+)
 from jtp.distributed.launcher import (
     LaunchSpec,
     describe_mesh,
@@ -38,31 +44,53 @@ from jtp.errors import ConfigError
 log = logging.getLogger("jtp.distributed.follower")
 
 EXIT_LEADER_GONE = 75  # EX_TEMPFAIL: the group ended under us; a supervisor may start us again
+HANDSHAKE_TIMEOUT = 10.0  # one attempt's connect and handshake; the leader answers in milliseconds
 
 
-def connect(spec: LaunchSpec, timeout: float) -> Channel:
-    """Connect to the leader's control channel, retrying until it listens (or `timeout`)."""
-    host, port = split_address(spec.control_address)
+def join_leader(spec: LaunchSpec, hello: dict, timeout: float) -> Channel:
+    """Connect, authenticate, say HELLO and wait for the leader's WELCOME, all within `timeout`
+    seconds; a connection that fails before the WELCOME (the leader not listening yet, or busy
+    dropping stalled peers) is retried. A wrong secret or a refusal is final."""
     deadline = time.monotonic() + timeout
     while True:
+        channel = None
         try:
-            sock = socket.create_connection((host, port), timeout=5)
+            channel = _say_hello(spec, hello, deadline)
+            kind, payload = channel.recv(wait=max(0.0, deadline - time.monotonic()))
             break
-        except OSError as e:
+        except AuthenticationError:
+            raise
+        except (ChannelError, OSError) as e:
+            if channel is not None:
+                channel.close()
             if time.monotonic() > deadline:
-                raise ConnectionError(f"no leader at {spec.control_address} within {timeout:.0f} s: {e}") from None
+                raise ConnectionError(f"could not join the leader at {spec.control_address} within "
+                                      f"{timeout:.0f} s: {e}") from None
             time.sleep(0.2)
-    return connect_handshake(sock, spec.secret)
-
-
-def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0) -> int:
-    channel = connect(spec, init_timeout)
-    channel.send(Kind.HELLO, json.dumps({"process_id": spec.process_id, "pid": os.getpid(),
-                                         "fingerprint": fingerprint(args)}).encode())
-    kind, payload = channel.recv()
     welcome = json.loads(payload) if kind is Kind.WELCOME else {"refused": f"unexpected {kind.name}"}
     if "refused" in welcome:
         raise ConfigError(f"the leader refused process {spec.process_id}: {welcome['refused']}")
+    return channel
+
+
+def _say_hello(spec: LaunchSpec, hello: dict, deadline: float) -> Channel:
+    host, port = split_address(spec.control_address)
+    wait = min(HANDSHAKE_TIMEOUT, max(0.1, deadline - time.monotonic()))
+    sock = socket.create_connection((host, port), timeout=wait)
+    try:
+        channel = connect_handshake(sock, spec.secret, wait)
+        channel.send(Kind.HELLO, json.dumps(hello).encode())
+    except BaseException:
+        sock.close()
+        raise
+    return channel
+
+
+def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0) -> int:
+    # The fingerprint first (it reads the checkpoint's headers): HELLO then follows the handshake at once.
+    hello = {"process_id": spec.process_id, "pid": os.getpid(), "fingerprint": fingerprint(args)}
+    channel = join_leader(spec, hello, init_timeout)
+    channel.io_timeout = args.heartbeat_timeout  # a frame begun must arrive within it; so must a send
 
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_read, args=(channel, inbox), name="jtp-control-reader", daemon=True).start()

@@ -2,15 +2,16 @@
 operation in order, and watching their health.
 
 `WorkerGroup.start` runs before JAX's distributed runtime exists: it opens the control channel,
-spawns local followers (or waits for remote ones), authenticates each, and compares its
-fingerprint with the leader's. Then every process joins JAX's runtime and loads the model.
+spawns local followers (or waits for remote ones), authenticates each (every connection on its
+own thread with a deadline: jtp/distributed/admission.py), and compares its fingerprint with the
+leader's. Then every process joins JAX's runtime and loads the model.
 `GroupRunner` is the engine's `ModelRunner` with one change: each collective call (KV allocation,
 every step) is sent to the followers before the leader runs it, so all processes run the same
 jitted calls in the same order.
 
-Health: followers send heartbeats; a missed heartbeat (`heartbeat_timeout`), a closed channel,
-a child that exits, a step that outlives `step_timeout`, or a digest of sampled tokens that
-differs from the leader's marks the group failed. Failure is final for this process (JAX's
+Health: followers send heartbeats; a missed heartbeat (`heartbeat_timeout`), a closed or stalled
+channel, a child that exits, a step that outlives `step_timeout`, a digest of sampled tokens that
+differs from the leader's or that does not come within `step_timeout` marks the group failed. Failure is final for this process (JAX's
 runtime initialises once per process): local followers are killed and reaped, the callbacks run
 (the engine fails its requests with a retryable error), and `jtp serve` restarts its own process
 image (jtp/entrypoints/server/launch.py).
@@ -18,6 +19,7 @@ image (jtp/entrypoints/server/launch.py).
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -29,13 +31,8 @@ import weakref
 
 from jtp.core.packed_step import PackedStep
 from jtp.core.step_input import StepInput
-from jtp.distributed.control import (
-    AuthenticationError,
-    Channel,
-    ChannelError,
-    Kind,
-    accept_handshake,
-)
+from jtp.distributed.admission import Admission, Arrival
+from jtp.distributed.control import Channel, ChannelError, ChannelTimeout, Kind
 from jtp.distributed.launcher import (
     LaunchSpec,
     describe_exit,
@@ -64,6 +61,7 @@ class _Follower:
         self.ready: dict | None = None
         self.ready_event = threading.Event()
         self.gone = threading.Event()  # its channel closed (it exited)
+        self.last_digest = -1  # the latest step it sent a digest of
 
     def name(self) -> str:
         return f"follower {self.process_id} (pid {self.pid})"
@@ -83,6 +81,7 @@ class WorkerGroup:
         self._to_digest: list[tuple[int, object]] = []  # the leader's digest steps, not yet ready
         self._digests: dict[int, str] = {}  # the leader's digests by step (the recent ones)
         self._their_digests: list[tuple[_Follower, int, str]] = []  # followers', not yet compared
+        self._awaited: collections.deque[tuple[int, float]] = collections.deque()  # (step, leader's ready at)
         self._closed = False
         self.devices_per_process = 0
 
@@ -96,7 +95,6 @@ class WorkerGroup:
         group.devices_per_process = args.tensor_parallel_size // spec.num_processes
         host, port = split_address(spec.control_address)
         listener = socket.create_server((host, port), reuse_port=False)
-        listener.settimeout(0.5)
         try:
             if spec.bind_loopback:
                 group.procs = spawn_followers(spec, args, group.devices_per_process)
@@ -110,46 +108,44 @@ class WorkerGroup:
         return group
 
     def _admit(self, listener: socket.socket, mine: dict, deadline: float) -> None:
+        """Admit followers 1..N-1. Connections are handshaken concurrently (jtp/distributed/admission.py),
+        so idle or stalled ones never delay a real follower."""
         pending = set(range(1, self.spec.num_processes))
-        while pending:
-            self._check_children()
-            if time.monotonic() > deadline:
-                raise ConfigError(f"follower(s) {sorted(pending)} did not join within the start-up timeout")
-            try:
-                sock, peer = listener.accept()
-            except TimeoutError:
-                continue
-            try:
-                channel = accept_handshake(sock, self.spec.secret)
-                kind, payload = channel.recv()
-            except AuthenticationError as e:
-                log.warning("%s (from %s)", e, peer[0])
-                sock.close()
-                continue
-            except (ChannelError, OSError) as e:
-                log.warning("a connection from %s failed the control handshake: %s", peer[0], e)
-                sock.close()
-                continue
-            hello = json.loads(payload) if kind is Kind.HELLO else {}
-            pid = hello.get("process_id")
-            if pid not in pending:
-                channel.send(Kind.WELCOME, json.dumps({"refused": f"process id {pid!r} is not expected"}).encode())
-                channel.close()
-                continue
-            diffs = fingerprint_mismatches(mine, hello.get("fingerprint", {}))
-            if diffs:
-                reason = "its configuration differs from the leader's: " + "; ".join(diffs)
-                channel.send(Kind.WELCOME, json.dumps({"refused": reason}).encode())
-                channel.close()
-                raise ConfigError(f"refused process {pid} (pid {hello.get('pid')}): {reason}")
-            proc = self.procs[pid - 1] if self.procs else None
-            self.followers.append(_Follower(pid, channel, hello.get("pid"), proc))
-            pending.discard(pid)
+        admission = Admission(listener, self.spec.secret).start()
+        try:
+            while pending:
+                self._check_children()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ConfigError(f"follower(s) {sorted(pending)} did not join within the start-up timeout")
+                arrival = admission.next(min(0.5, remaining))
+                if arrival is not None and self._accept(arrival, mine, pending):
+                    pending.discard(arrival.hello["process_id"])
+        finally:
+            admission.close()
         self.followers.sort(key=lambda f: f.process_id)
         for f in self.followers:
+            f.channel.io_timeout = self.heartbeat_timeout  # a send or frame that takes longer: the peer is hung
             f.channel.send(Kind.WELCOME, b"{}")
             threading.Thread(target=self._read, args=(f,), name=f"jtp-follower-{f.process_id}", daemon=True).start()
         threading.Thread(target=self._monitor, name="jtp-group-monitor", daemon=True).start()
+
+    def _accept(self, arrival: Arrival, mine: dict, pending: set[int]) -> bool:
+        """Take one authenticated follower into the group; False (it was told why) if its process id
+        is not expected. A fingerprint that differs fails the start-up."""
+        channel, hello = arrival.channel, arrival.hello
+        pid = hello.get("process_id")
+        if pid not in pending:
+            _refuse(channel, f"process id {pid!r} is not expected")
+            return False
+        diffs = fingerprint_mismatches(mine, hello.get("fingerprint", {}))
+        if diffs:
+            reason = "its configuration differs from the leader's: " + "; ".join(diffs)
+            _refuse(channel, reason)
+            raise ConfigError(f"refused process {pid} (pid {hello.get('pid')}): {reason}")
+        proc = self.procs[pid - 1] if self.procs else None
+        self.followers.append(_Follower(pid, channel, hello.get("pid"), proc))
+        return True
 
     def _check_children(self) -> None:
         for i, proc in enumerate(self.procs):
@@ -204,7 +200,11 @@ class WorkerGroup:
     def _read_until_closed(self, f: _Follower) -> None:
         while True:
             try:
-                kind, payload = f.channel.recv()
+                kind, payload = f.channel.recv(wait=self.heartbeat_timeout)  # heartbeats come 4 times as often
+            except ChannelTimeout:
+                if not self._closed:
+                    self.fail(f"{f.name()} sent no heartbeat for {self.heartbeat_timeout:g} s (hung or stopped)")
+                return
             except ChannelError as e:
                 if not self._closed:
                     if f.proc is not None and _exited(f.proc, 0.5):
@@ -220,6 +220,7 @@ class WorkerGroup:
                 msg = json.loads(payload)
                 with self._lock:
                     self._their_digests.append((f, msg["step"], msg["digest"]))
+                    f.last_digest = max(f.last_digest, msg["step"])
             elif kind is Kind.FAILED:
                 self.fail(f"{f.name()} failed: {json.loads(payload).get('error')}")
 
@@ -232,6 +233,7 @@ class WorkerGroup:
             self._to_digest = [item for item in self._to_digest if item not in ready]
         for step, result in ready:
             self._digests[step] = tokens_digest(jax.device_get(result.tokens))
+            self._awaited.append((step, time.monotonic()))
         with self._lock:
             theirs, self._their_digests = self._their_digests, []
         for f, step, digest in theirs:
@@ -245,6 +247,19 @@ class WorkerGroup:
                           f"(digest {digest[:12]} vs {mine[:12]})")
         for step in sorted(self._digests)[:-8]:  # keep the last few
             del self._digests[step]
+        self._check_digests_arrive()
+
+    def _check_digests_arrive(self) -> None:
+        """A follower's digest is its reply to a digest step: one still missing `step_timeout` after
+        the leader's own was ready means its step loop is stuck (heartbeats alone would not tell) or
+        its digests fail, and divergence would go unseen."""
+        with self._lock:
+            while self._awaited and all(f.last_digest >= self._awaited[0][0] for f in self.followers):
+                self._awaited.popleft()
+            step, since = self._awaited[0] if self._awaited else (None, 0.0)
+        if step is not None and time.monotonic() - since > self.step_timeout:
+            late = ", ".join(f.name() for f in self.followers if f.last_digest < step)
+            self.fail(f"{late} sent no digest of step {step} within the {self.step_timeout:g} s step timeout")
 
     def _monitor(self) -> None:
         while not self._closed and not self.failed.is_set():
@@ -375,6 +390,14 @@ def start_leader(args) -> tuple[WorkerGroup, list]:
         raise
     log.info("worker group up: %d processes x %d devices", spec.num_processes, group.devices_per_process)
     return group, devices
+
+
+def _refuse(channel: Channel, reason: str) -> None:
+    try:
+        channel.send(Kind.WELCOME, json.dumps({"refused": reason}).encode())
+    except ChannelError:
+        pass
+    channel.close()
 
 
 def _exited(proc: subprocess.Popen, wait: float) -> bool:

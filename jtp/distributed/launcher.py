@@ -7,11 +7,13 @@ follow (jtp/distributed/follower.py) over an authenticated control channel (jtp/
 
 Three ways to form a group (`LaunchSpec.resolve`):
 - local: `--num-processes N` alone. The leader spawns N-1 followers on this host, binds the JAX
-  coordinator and the control channel to loopback, and hands each child a fresh secret through
-  its environment.
+  coordinator and the control channel to loopback, and hands each child a fresh secret on its
+  stdin (a pipe: never in argv or the environment, which other processes of the user can read
+  in /proc/PID/cmdline and /proc/PID/environ).
 - across machines: `--num-processes N --process-id i --coordinator-address HOST:PORT` on every
-  host, the same command. The control channel listens on HOST:PORT+1 at the leader; every process
-  reads the shared secret from JTP_LAUNCH_SECRET (hex) or `--secret-file`.
+  host, the same command. The JAX coordinator binds HOST:PORT and the control channel HOST:PORT+1
+  at the leader (the address HOST resolves to, so 127.0.0.1 stays loopback); every process reads
+  the shared secret from `--secret-file` (mode 0600) or JTP_LAUNCH_SECRET (hex).
 - a cluster JAX detects (SLURM, Open MPI, ...): `--num-processes N` (or nothing but the secret)
   inside the job; the coordinator and process id come from the cluster's environment.
 
@@ -91,6 +93,8 @@ def free_port(host: str) -> int:
 def read_secret(path: str | None) -> bytes:
     """The launch secret shared by every host: --secret-file, else $JTP_LAUNCH_SECRET (hex)."""
     if path is not None:
+        if Path(path).stat().st_mode & 0o077:
+            log.warning("--secret-file %s is readable by other users; `chmod 600` it", path)
         data = Path(path).read_bytes().strip()
         if len(data) < 16:
             raise ConfigError(f"--secret-file {path}: the secret must be at least 16 bytes")
@@ -184,6 +188,7 @@ def fingerprint(args: "EngineArgs") -> dict:
         "num_scheduler_steps": args.num_scheduler_steps,
         "enable_expert_parallel": args.enable_expert_parallel,
         "num_processes": args.num_processes,
+        "digest_interval": args.digest_interval,  # the leader waits for the followers' digests
     }
 
 
@@ -217,16 +222,28 @@ def init_distributed(spec: LaunchSpec, devices_per_process: int, heartbeat_timeo
         jax.config.update("jax_enable_recoverability", True)
     except AttributeError:  # older jax: a dead follower ends the group after JAX's own heartbeat timeout
         pass
-    host, port = split_address(spec.coordinator_address)
     first = spec.process_id * devices_per_process
     jax.distributed.initialize(
         spec.coordinator_address, spec.num_processes, spec.process_id,
         # GPUs: each local process takes its own slice; CPUs ignore it (their count is XLA_FLAGS').
         local_device_ids=list(range(first, first + devices_per_process)) if spec.bind_loopback else None,
-        coordinator_bind_address=f"{host}:{port}" if spec.bind_loopback else None,
+        # JAX's default binds every interface, whatever address it was given.
+        coordinator_bind_address=coordinator_bind_address(spec.coordinator_address) if spec.is_leader else None,
         # Ours detects a dead follower first; JAX's is the backstop.
         heartbeat_timeout_seconds=int(max(100, 4 * heartbeat_timeout)),
     )
+
+
+def coordinator_bind_address(address: str) -> str:
+    """Where the leader's JAX coordinator listens: the address HOST resolves to, as the control
+    channel binds it (so `127.0.0.1:7000` stays loopback and a host name binds its interface)."""
+    host, port = split_address(address)
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        raise ConfigError(f"--coordinator-address {address}: cannot resolve {host!r}: {e.strerror or e}") from None
+    ip = sockaddr[0]
+    return f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
 
 
 def join_group(spec: LaunchSpec, devices_per_process: int, heartbeat_timeout: float) -> list:
@@ -279,25 +296,44 @@ def describe_mesh(devices: list) -> dict:
 # ----------------------------------------------------------------------------- local followers
 
 
+# Secrets a follower does not need; its environment is readable in /proc/PID/environ for its life.
+_NOT_INHERITED = (SECRET_ENV, "JTP_API_KEY")
+
+
 def spawn_followers(spec: LaunchSpec, args: "EngineArgs", devices_per_process: int) -> list[subprocess.Popen]:
-    """Start followers 1..N-1 on this host (`python -m jtp.entrypoints.follower`), each told its place through
-    its environment; their output goes to ours."""
+    """Start followers 1..N-1 on this host (`python -m jtp.entrypoints.follower`), each told its place
+    through its environment and the secret on its stdin; their output goes to ours."""
     procs = []
     engine_args = dataclasses.asdict(args)
     engine_args["model"] = args.model_dir()
     for pid in range(1, spec.num_processes):
         child = dataclasses.replace(spec, process_id=pid, spawned=True)
-        env = dict(os.environ)
-        env[SECRET_ENV] = spec.secret.hex()
+        env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
         env[LAUNCH_ENV] = json.dumps({
             "spec": {k: v for k, v in dataclasses.asdict(child).items() if k != "secret"},
             "engine_args": engine_args,
             "parent_pid": os.getpid(),
         })
         env["XLA_FLAGS"] = _with_cpu_devices(env.get("XLA_FLAGS", ""), devices_per_process)
-        procs.append(subprocess.Popen([sys.executable, "-m", "jtp.entrypoints.follower"], env=env, stdin=subprocess.DEVNULL))
-        log.info("spawned follower %d (pid %d)", pid, procs[-1].pid)
+        proc = subprocess.Popen([sys.executable, "-m", "jtp.entrypoints.follower"], env=env, stdin=subprocess.PIPE)
+        procs.append(proc)
+        _hand_over_secret(proc, spec.secret)
+        log.info("spawned follower %d (pid %d)", pid, proc.pid)
     return procs
+
+
+def _hand_over_secret(proc: subprocess.Popen, secret: bytes) -> None:
+    """One line on the child's stdin, then EOF (a pipe buffer holds it: this never blocks)."""
+    try:
+        proc.stdin.write(secret.hex().encode() + b"\n")
+        proc.stdin.close()
+    except BrokenPipeError:  # the child died at once; start-up reports how it ended
+        pass
+
+
+def receive_secret(stream) -> bytes:
+    """A spawned follower's side of `_hand_over_secret`."""
+    return bytes.fromhex(stream.readline().decode().strip())
 
 
 def _with_cpu_devices(flags: str, n: int) -> str:

@@ -4,7 +4,9 @@
     GET  /v1/models                               the served model
     GET  /health  (alive)  /ready  (warmed up)  /metrics  (Prometheus)   never need a key
 
-No request can take the server down: whatever a handler raises becomes an error response.
+No request can take the server down: whatever a handler raises becomes an error response. While
+`jtp serve` drains (SIGTERM, `app.state.draining` set) it keeps accepting connections so that new
+generation requests get a clear 503 instead of a refused connection, and /ready and /health say so.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import threading
 import time
 from typing import Awaitable, Callable
 
@@ -43,6 +46,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
     intake = Intake(limits)
     serving = OpenAIServing(engine, model_name, metrics, intake, reasoning_parser, limits.chat_template_timeout)
     created = int(time.time())
+    draining = threading.Event()  # set by `jtp serve` on SIGTERM
 
     def api(handler: Handler, generates: bool = False) -> Handler:
         """An /v1 route: key checked, errors answered in the OpenAI shape, never raised."""
@@ -50,6 +54,9 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
         async def route(request: Request) -> Response:
             try:
                 _check_api_key(request, api_key)
+                if generates and draining.is_set():
+                    raise APIError("the server is shutting down and takes no new requests; retry the request", 503,
+                                   code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
                 if generates and not engine.ready.is_set():
                     raise APIError("the model is still warming up; retry shortly", 503, code="not_ready",
                                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
@@ -78,9 +85,11 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "draining" if draining.is_set() else "ok"})  # alive either way
 
     async def ready(request: Request) -> Response:
+        if draining.is_set():  # a load balancer stops sending requests here
+            return JSONResponse({"status": "draining"}, 503)
         if engine.ready.is_set():
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "warming up"}, 503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
@@ -107,6 +116,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan,
                     middleware=[Middleware(ConcurrencyLimit, limit=limits.limit_concurrency)])
     app.state.metrics = metrics
+    app.state.draining = draining
     app.state.serving = serving  # launch.py probes the chat template through it
     return app
 

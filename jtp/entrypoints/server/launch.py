@@ -3,10 +3,11 @@
 /health answers as soon as the weights are loaded; /ready (and generation) wait for the
 warm-up to compile the step shapes. Ctrl-C ends every open stream with an error event that says
 the server is shutting down (a whole response: HTTP 503) before uvicorn waits for connections to
-close, then the engine is closed. SIGTERM drains: no new requests (503), the running ones get
-`--drain-timeout` seconds to finish (the server exits as soon as none is left), then the rest end
-like Ctrl-C's and the engine (and its follower processes) shut down. A stop during warm-up exits
-at once: nothing can be in flight before /ready, and a compile under way is not waited for.
+close, then the engine is closed. SIGTERM drains: the port stays open and a new request gets a
+503 (`server_shutting_down`), the running ones get `--drain-timeout` seconds to finish (the server
+exits as soon as none is left), then the rest end like Ctrl-C's and the engine (and its follower
+processes) shut down. A stop during warm-up exits at once: nothing can be in flight before /ready,
+and a compile under way is not waited for.
 
 Multi-process groups: when a follower dies, hangs or diverges, the engine ends every request
 with a retryable error (HTTP 503, Retry-After), the server stops, the followers are reaped, and
@@ -137,7 +138,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
         config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10,
                                 http=header_timeout_protocol(limits.header_timeout),
                                 timeout_keep_alive=limits.keep_alive_timeout)
-        server = _Server(engine, config, server_args.drain_timeout)
+        server = _Server(engine, config, server_args.drain_timeout, app.state.draining)
         warmup = _WarmUp(engine, engine_args.warmup, server)
         warmup.start()
         threading.Thread(target=_stop_on_failure, args=(engine, server), name="jtp-failure-watch", daemon=True).start()
@@ -207,10 +208,12 @@ def _restart(listen_fd: int, reason: str) -> None:
 class _Server(uvicorn.Server):
     """uvicorn waits for open connections before it shuts down: end the engine's streams first."""
 
-    def __init__(self, engine, config: uvicorn.Config, drain_timeout: float = 0.0):
+    def __init__(self, engine, config: uvicorn.Config, drain_timeout: float = 0.0,
+                 draining: threading.Event | None = None):
         super().__init__(config)
         self.engine, self.drain_timeout = engine, drain_timeout
         self.drain = False
+        self.draining = draining or threading.Event()
 
     def handle_exit(self, sig, frame) -> None:
         if sig == signal.SIGTERM:  # drain, then exit 0 once the followers are reaped (uvicorn would
@@ -220,12 +223,14 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)  # Ctrl-C aborts at once
 
     async def shutdown(self, sockets=None) -> None:
+        if self.drain and self.engine.ready.is_set():
+            # Still listening: a new request gets the app's 503, not a refused connection.
+            self.draining.set()
+            await asyncio.to_thread(self.engine.drain, self.drain_timeout)
         for server in self.servers:
             server.close()  # no new connections while the open streams end
         if not self.engine.ready.is_set():  # warming up: nothing is in flight (run_server exits at once)
             return await super().shutdown(sockets)
-        if self.drain:
-            await asyncio.to_thread(self.engine.drain, self.drain_timeout)
         await asyncio.to_thread(self.engine.stop)  # every unfinished request gets its "abort" event
         await super().shutdown(sockets)
 
