@@ -26,12 +26,15 @@ import urllib.error
 import urllib.request
 
 
-def _get(url: str) -> tuple[int, str]:
+def _get(url: str, timeout: float = 5) -> tuple[int, str]:
+    """(status, body); status 0 when the server did not answer within `timeout`."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, ""
+    except (TimeoutError, urllib.error.URLError):
+        return 0, ""
 
 
 def one_start(flags: list[str], env: dict, timeout: float) -> dict:
@@ -58,11 +61,18 @@ def _time_start(proc: subprocess.Popen, timeout: float) -> dict:
         raise SystemExit("jtp serve did not start:\n" + "".join(log[-40:]))
     threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
     listening = time.perf_counter() - t0
-    while _get(url + "/ready")[0] != 200:
+    slowest = 0.0  # the longest /ready took to answer while warming up
+    while True:
+        asked = time.perf_counter()
+        status = _get(url + "/ready", timeout=120)[0]
+        slowest = max(slowest, time.perf_counter() - asked)
+        if status == 200:
+            break
         if proc.poll() is not None:
             raise SystemExit("jtp serve exited:\n" + "".join(log[-40:]))
         if time.perf_counter() - t0 > timeout:
             return {"listening_s": round(listening, 2), "ready_s": None, "timed_out_s": timeout,
+                    "slowest_ready_answer_s": round(slowest, 2),
                     "log_tail": [line.strip() for line in log[-5:]]}
         time.sleep(0.05)
     ready = time.perf_counter() - t0
@@ -73,6 +83,7 @@ def _time_start(proc: subprocess.Popen, timeout: float) -> dict:
     status = proc.wait(120)
     warmup_lines = [line.strip() for line in log if "warm-up" in line and "%" not in line]
     return {"listening_s": round(listening, 2), "ready_s": round(ready, 2), "exit_s": round(time.perf_counter() - t1, 2),
+            "slowest_ready_answer_s": round(slowest, 2),
             "exit_status": status, "compilations": compilations[0] if compilations else None,
             "warmup_log": warmup_lines[-2:]}
 

@@ -8,10 +8,14 @@ Attn: q/k/v projections (+ bias for Qwen2), per-head RMSNorm on q and k (Qwen3),
 paged causal GQA; FFN: SwiGLU MLP, or top-k routed experts on MoE layers.
 Params are a pytree (see `param_layout`, which also names each weight's logical axes for
 jtp/parallel/rules.py). The loop over layers is unrolled in Python: XLA streams the weights far
-better that way than through lax.scan (docs/bench/h200.md, "Unrolled layers").
+better that way than through lax.scan (docs/bench/h200.md, "Unrolled layers"). Each layer is a
+jitted call, so a step traces and lowers one layer of each kind rather than all of them (start-up
+time), and XLA inlines the calls into the same program as before.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +63,15 @@ def feed_forward(p: dict, cfg: ModelConfig, x, routed: RoutedExperts, real_token
     return routed(x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"], real_tokens)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "attend", "routed"))
+def decoder_layer(p: dict, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, real_tokens, *, cfg: ModelConfig,
+                  attend: PagedAttention, routed: RoutedExperts):
+    """h = x + Attn(RMSNorm(x));  x = h + FFN(RMSNorm(h)).  Returns (x, the layer's updated KV)."""
+    a, kv = attention(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), cos, sin, kv, meta, attend)
+    h = x + a
+    return h + feed_forward(p, cfg, rms_norm(h, p["post_norm"], cfg.rms_norm_eps), routed, real_tokens), kv
+
+
 def forward(
     params: dict, cfg: ModelConfig, tokens, kv_cache: list[LayerKV], meta: AttentionMetadata, attend: PagedAttention,
     routed: RoutedExperts,
@@ -69,9 +82,7 @@ def forward(
     real_tokens = meta.slot_mapping >= 0  # padding tokens (-1) route to no expert
     new_cache = []
     for i, p in enumerate(params["layers"]):
-        a, kv = attention(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), cos, sin, kv_cache[i], meta, attend)
-        h = x + a
-        x = h + feed_forward(p, cfg, rms_norm(h, p["post_norm"], cfg.rms_norm_eps), routed, real_tokens)
+        x, kv = decoder_layer(p, x, cos, sin, kv_cache[i], meta, real_tokens, cfg=cfg, attend=attend, routed=routed)
         new_cache.append(kv)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
 

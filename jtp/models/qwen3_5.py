@@ -30,6 +30,8 @@ whole DeltaNet is then head-local and XLA all-reduces once, after out_proj.
 
 from __future__ import annotations
 
+import functools
+
 from typing import NamedTuple
 
 import jax
@@ -363,17 +365,38 @@ def forward(
     rows = None
     new_cache = []
     for i, p in enumerate(params["layers"]):
-        h = rms_norm_zero_centered(x, p["input_norm"], cfg.rms_norm_eps)
         if cfg.is_linear_layer(i):
             if rows is None:
                 rows = row_layout(meta, T, length, cache[i].recurrent.shape[0])
-            a, layer_cache = gated_deltanet(p, cfg, h, cache[i], rows, chunk)
+            x, layer_cache = deltanet_layer(p, x, cache[i], rows, real_tokens, cfg=cfg, chunk=chunk, routed=routed)
         else:
-            a, layer_cache = gated_attention(p, cfg, h, cos, sin, cache[i], meta, attend)
-        h = x + a
-        x = h + feed_forward(p, cfg, rms_norm_zero_centered(h, p["post_norm"], cfg.rms_norm_eps), routed, real_tokens)
+            x, layer_cache = attention_layer(p, x, cos, sin, cache[i], meta, real_tokens, cfg=cfg, attend=attend,
+                                             routed=routed)
         new_cache.append(layer_cache)
     return rms_norm_zero_centered(x, params["final_norm"], cfg.rms_norm_eps), new_cache
+
+
+# Each layer is a jitted call, so a step traces and lowers one layer of each kind rather than all
+# of them (start-up time); XLA inlines the calls into the same program.
+@functools.partial(jax.jit, static_argnames=("cfg", "chunk", "routed"))
+def deltanet_layer(p: dict, x, cache, rows, real_tokens, *, cfg: ModelConfig, chunk: int, routed: RoutedExperts):
+    """h = x + GatedDeltaNet(Norm(x));  x = h + FFN(Norm(h)).  Returns (x, the layer's updated state)."""
+    a, layer_cache = gated_deltanet(p, cfg, rms_norm_zero_centered(x, p["input_norm"], cfg.rms_norm_eps), cache, rows,
+                                    chunk)
+    h = x + a
+    return h + feed_forward(p, cfg, rms_norm_zero_centered(h, p["post_norm"], cfg.rms_norm_eps), routed,
+                            real_tokens), layer_cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attend", "routed"))
+def attention_layer(p: dict, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, real_tokens, *, cfg: ModelConfig,
+                    attend: PagedAttention, routed: RoutedExperts):
+    """h = x + GatedAttention(Norm(x));  x = h + FFN(Norm(h)).  Returns (x, the layer's updated KV)."""
+    a, kv = gated_attention(p, cfg, rms_norm_zero_centered(x, p["input_norm"], cfg.rms_norm_eps), cos, sin, kv, meta,
+                            attend)
+    h = x + a
+    return h + feed_forward(p, cfg, rms_norm_zero_centered(h, p["post_norm"], cfg.rms_norm_eps), routed,
+                            real_tokens), kv
 
 
 def mtp_forward(
