@@ -2,8 +2,8 @@
 
 Verification samples every position with the key of its own generation step and accepts drafts
 while the target sampled them too, so with speculation on the output equals the output with it
-off, token for token and logprob for logprob: greedy and seeded sampling, at tp 1 and 2, for Qwen3
-and Qwen3-MoE, in staggered mixed batches where some rows speculate and some cannot (penalties,
+off, token for token and logprob for logprob: greedy and seeded sampling, for Qwen3 at tp 1 and 2,
+Qwen3-MoE and the hybrids, in staggered mixed batches where some rows speculate and some cannot (penalties,
 opt-out). The drafts are counted: some are accepted and some rejected part-way, and the KV pool
 shrinks back exactly to the accepted tokens.
 """
@@ -162,8 +162,8 @@ def reference_runs(request):
     return get
 
 
-@pytest.mark.parametrize("family, tp", [("qwen3", 1), ("qwen3", 2), ("qwen3_moe", 1), ("qwen3_moe", 2),
-                                        ("qwen3_5_text", 1), ("qwen3_next", 2)])
+@pytest.mark.parametrize("family, tp", [("qwen3", 1), ("qwen3", 2), ("qwen3_moe", 1), ("qwen3_5_text", 1),
+                                        ("qwen3_next", 2)])
 def test_speculation_keeps_every_output(request, reference_runs, family, tp):
     """Hybrids too: a rejected draft rolls the Gated DeltaNet state back (counted), and the next
     tokens still equal the non-speculative run's. (One tp per hybrid: each tp compiles a few dozen
