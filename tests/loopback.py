@@ -1,7 +1,9 @@
-"""A real uvicorn server for an app, in a thread on a free loopback port: the server tests' harness."""
+"""Loopback harness of the server and launcher tests: a real uvicorn server for an app, in a thread on
+a free loopback port, and what a test watches from the other end of a socket."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -27,3 +29,22 @@ def serving(app, **config):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    """True once the peer hangs up within `timeout` (whatever it sends before, e.g. its greeting)."""
+    deadline = time.monotonic() + timeout
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if sock.recv(4096) == b"":
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        pass
+    return False

@@ -12,7 +12,6 @@ import concurrent.futures
 import contextlib
 import itertools
 import json
-import os
 import random
 import shutil
 import socket
@@ -266,29 +265,10 @@ def test_many_stop_strings_cut_correctly_and_do_not_slow_other_streams(dense):
 # ----------------------------------------------------------------------------- connection hygiene
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def closed_by_server(sock: socket.socket, timeout: float) -> bool:
-    """True once the server closes the socket (whatever it still sends first) within `timeout`."""
-    deadline = time.monotonic() + timeout
-    try:
-        while (left := deadline - time.monotonic()) > 0:
-            sock.settimeout(left)
-            if sock.recv(4096) == b"":
-                return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        pass
-    return False
-
-
 def test_slowloris_sockets_are_closed_and_others_are_served(dense):
     solo = greedy(dense, "Hello, world")
     host, port = dense.url.removeprefix("http://").split(":")
-    baseline = open_fds()
+    baseline = loopback.open_fds()
     slow = []
     for i in range(60):
         s = socket.create_connection((host, int(port)))
@@ -296,7 +276,7 @@ def test_slowloris_sockets_are_closed_and_others_are_served(dense):
         slow.append(s)
     assert greedy(dense, "Hello, world") == solo  # served while the partial requests hang
     t = time.perf_counter()
-    assert all(closed_by_server(s, 5) for s in slow)
+    assert all(loopback.closed_by_peer(s, 5) for s in slow)
     assert time.perf_counter() - t < LIMITS.header_timeout + 2
     # Complete headers, then a body that never finishes: a 408 in the OpenAI shape after body_timeout.
     s = socket.create_connection((host, int(port)))
@@ -313,10 +293,10 @@ def test_slowloris_sockets_are_closed_and_others_are_served(dense):
     idle = socket.create_connection((host, int(port)))
     idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     assert idle.recv(4096).startswith(b"HTTP/1.1 200")
-    assert closed_by_server(idle, LIMITS.keep_alive_timeout + 2)
+    assert loopback.closed_by_peer(idle, LIMITS.keep_alive_timeout + 2)
     for sock in (*slow, s, idle):
         sock.close()
-    assert settles(lambda: open_fds() <= baseline)
+    assert settles(lambda: loopback.open_fds() <= baseline)
     assert greedy(dense, "Hello, world") == solo
 
 

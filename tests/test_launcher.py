@@ -46,6 +46,7 @@ from jtp.distributed.launcher import fingerprint_mismatches
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 from cpu_env import cpu_env  # noqa: E402
+from loopback import closed_by_peer, open_fds  # noqa: E402
 from staggered import ENGINE_ARGS, run_staggered, snapshot_roundtrip  # noqa: E402
 
 SECRET = bytes(range(32))
@@ -148,10 +149,6 @@ def test_fingerprint_mismatches_name_each_field():
 # ----------------------------------------------------------------------------- admission
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 def greeted(port: int) -> socket.socket:
     """A connection to the control port that has read the server's greeting and sends nothing."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -164,21 +161,6 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     while len(data) < n and (chunk := sock.recv(n - len(data))):
         data += chunk
     return data
-
-
-def closed_by_peer_within(sock: socket.socket, seconds: float) -> bool:
-    """Whether the peer hangs up within `seconds` (whatever it sends before, e.g. its greeting)."""
-    deadline = time.monotonic() + seconds
-    try:
-        while (remaining := deadline - time.monotonic()) > 0:
-            sock.settimeout(remaining)
-            if sock.recv(4096) == b"":
-                return True
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
-    return False
 
 
 def join_as_follower(port: int, secret: bytes = SECRET):
@@ -217,7 +199,7 @@ def test_idle_slow_and_half_finished_connections_neither_delay_a_follower_nor_ou
     assert time.monotonic() - t < 2.0  # inside one stalled peer's 3 s deadline
     # Each stalled connection is hung up at its deadline (3 s from connecting), the trickle too.
     for sock in [*idle, half, trickle]:
-        assert closed_by_peer_within(sock, 5.0)
+        assert closed_by_peer(sock, 5.0)
     dripper.join(10)
     assert admission.pending() == 0
     admission.close()
@@ -237,14 +219,14 @@ def test_a_flood_of_connections_drops_the_oldest_and_a_follower_still_joins():
     admission = Admission(listener, SECRET, handshake_timeout=30.0, max_pending=4).start()
     try:
         flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]
-        dropped = [closed_by_peer_within(sock, 3.0) for sock in flood[:6]]
+        dropped = [closed_by_peer(sock, 3.0) for sock in flood[:6]]
         assert dropped == [True] * 6  # long before their 30 s deadline
         assert admission.pending() <= 4
         follower = join_as_follower(port)
         assert admission.next(timeout=5).hello == {"process_id": 1}
         follower.close()
         admission.close()
-        assert all(closed_by_peer_within(sock, 1.0) for sock in flood[6:])  # close() hangs up the rest
+        assert all(closed_by_peer(sock, 1.0) for sock in flood[6:])  # close() hangs up the rest
     finally:
         admission.close()
         listener.close()
@@ -768,7 +750,7 @@ def test_manual_launch_admits_the_right_follower_past_a_wrong_secret_and_squatte
         threading.Thread(target=lambda: log.extend(leader.stderr), daemon=True).start()
         wait_until(lambda: any("serving" in line for line in log), 180, "the leader to serve")
         left = squatters.stop()
-        assert all(closed_by_peer_within(sock, 2.0) for sock in left)  # hung up when admission ended
+        assert all(closed_by_peer(sock, 2.0) for sock in left)  # hung up when admission ended
         assert squatters.opened == squatters.hung_up + len(left) >= 5
         url = re.search(r"on (http://\S+?)/v1", "".join(log)).group(1)
         wait_until(lambda: httpx.get(url + "/ready").status_code == 200, 60, "ready")
