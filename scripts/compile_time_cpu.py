@@ -10,7 +10,6 @@ compile), so flag choices for the test suite are compared on numbers (docs/bench
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 import tempfile
@@ -21,10 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-EVENTS = {"backend": "/jax/core/compile/backend_compile_duration",
-          "trace": "/jax/core/compile/jaxpr_trace_duration",
-          "lower": "/jax/core/compile/jaxpr_to_mlir_module_duration"}
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -33,10 +28,9 @@ def main(argv=None) -> int:
     group.add_argument("--hybrid", action="store_true", help="the tests' tiny Qwen3-Next (built with torch)")
     args = ap.parse_args(argv)
 
-    import jax.monitoring
+    from jtp.worker.compile_cache import phase_seconds
 
-    totals = collections.defaultdict(float)
-    jax.monitoring.register_event_duration_secs_listener(lambda e, d, **_: totals.__setitem__(e, totals[e] + d))
+    phase_seconds()  # listen from here on
 
     from jtp import Engine, EngineArgs, SamplingParams
 
@@ -60,7 +54,7 @@ def main(argv=None) -> int:
     engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=1))
     wall = time.perf_counter() - start
     engine.close()
-    parts = " ".join(f"{name} {totals[event]:.1f}s" for name, event in EVENTS.items())
+    parts = " ".join(f"{name} {seconds:.1f}s" for name, seconds in phase_seconds().items())
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: wall {wall:.1f}s, {parts}")
     return 0
 

@@ -415,10 +415,8 @@ def mtp_forward(
     embedded = rms_norm_zero_centered(params["embed"][next_tokens], m["pre_fc_norm_embedding"], eps)
     x = linear(jnp.concatenate([embedded, rms_norm_zero_centered(hidden, m["pre_fc_norm_hidden"], eps)], -1), m["fc"])
     cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
-    p = m["layer"]
-    a, kv = gated_attention(p, cfg, rms_norm_zero_centered(x, p["input_norm"], eps), cos, sin, kv, meta, attend)
-    h = x + a
-    x = h + feed_forward(p, cfg, rms_norm_zero_centered(h, p["post_norm"], eps), routed, meta.slot_mapping >= 0)
+    x, kv = attention_layer(m["layer"], x, cos, sin, kv, meta, meta.slot_mapping >= 0, cfg=cfg, attend=attend,
+                            routed=routed)
     return rms_norm_zero_centered(x, m["norm"], eps), kv
 
 
