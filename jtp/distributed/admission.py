@@ -113,7 +113,9 @@ class Admission:
         deadline = time.monotonic() + self._handshake_timeout
         try:
             channel = accept_handshake(sock, self._secret, self._handshake_timeout)
-            kind, payload = channel.recv(wait=max(0.0, deadline - time.monotonic()))
+            left = max(0.01, deadline - time.monotonic())
+            channel.io_timeout = left  # HELLO's frame too must end within the handshake's deadline
+            kind, payload = channel.recv(wait=left)
             if kind is not Kind.HELLO:
                 raise ChannelError(f"expected HELLO, got {kind.name}")
             self._arrivals.put(Arrival(channel, json.loads(payload), peer))

@@ -102,12 +102,9 @@ class Channel:
         with self._send_lock:
             tag = self._tag(self._out_dir, self._sent, kind, payload)
             header = struct.pack(">I", _TAG + 1 + len(payload)) + tag + bytes([kind])
-            try:
-                self.sock.sendall(header + payload if len(payload) < 65536 else header)
-                if len(payload) >= 65536:
-                    self.sock.sendall(payload)
-            except OSError as e:
-                raise ChannelError(f"control channel closed while sending: {e}") from None
+            _send(self.sock, header + payload if len(payload) < 65536 else header)
+            if len(payload) >= 65536:
+                _send(self.sock, payload)
             self._sent += 1
 
     def recv(self, wait: float | None = None) -> tuple[Kind, bytes]:
