@@ -73,6 +73,9 @@ class FakeRunner:
     def bytes_per_block(self) -> int:
         return 1 << 16
 
+    def samples_separately(self, step) -> bool:
+        return False
+
     def bytes_per_state_slot(self) -> int:
         return 0
 

@@ -454,13 +454,17 @@ def test_compilation_count_is_bounded(qwen3):
 
     first = run_staggered(eng, prompts, params, waves=(5, 10, 3, 12, 7), gaps=(3, 2, 4, 1, 2))
     compiled = runner.compilations
-    bound = len(eng.scheduler.buckets.shapes()) * len(variants)
+    # A step runs a forward program (its shape's) and a sampling program (its rows bucket's, variant's
+    # and penalty length's): the sampling variants never multiply the forward programs.
+    forward, sampling = {s.forward for s in signatures}, {s.sampling for s in signatures}
+    buckets = eng.scheduler.buckets
+    bound = len(buckets.shapes()) + len(buckets.rows) * len(variants) * len({s.penalty_len for s in signatures})
     print(
-        f"\ncompilations: {compiled} (distinct step signatures {len(signatures)}, "
+        f"\ncompilations: {compiled} (forward programs {len(forward)}, sampling programs {len(sampling)}, "
         f"{len(variants)} sampling-flag variants, bound {bound})"
     )
-    assert compiled <= bound, f"{compiled} compilations exceed num_shapes x variants = {bound}"
-    assert compiled <= len(signatures), "the step was traced more than once for the same shapes and flags"
+    assert compiled <= bound, f"{compiled} compilations exceed shapes + rows buckets x variants x lengths = {bound}"
+    assert compiled == len(forward) + len(sampling), "a program was traced more than once for the same layout"
     for c, (p, sp) in zip(first, work):
         assert c.finish_reason == "length" and len(c.token_ids) == sp.max_tokens
         if sp.logprobs is not None:

@@ -8,6 +8,11 @@ jitted step: the step slices its arrays back out of the buffers, and the call tr
 arrays instead of two dozen. The compiled shapes are the buckets' as before; the layout adds no
 variant a `StepInput` would not have had.
 
+The int buffer ends with the sampling part (`SamplingLayout`: the rows' slots, sampling columns,
+stop ids, step count, penalty history), which depends on the rows alone: the runner's forward
+program reads the buffer up to the penalty history, and its sampling program (one per rows bucket
+and sampling variant, shared by every token bucket) reads that tail.
+
 Wire format (`PackedStep.encode` / `decode`): magic, version, a length-prefixed JSON header (the
 layout), then the two buffers' raw bytes. No pickle, nothing executable. Imports numpy only.
 """
@@ -32,9 +37,11 @@ from jtp.core.step_input import (
 )
 
 # Names of the plan's, then the sampling batch's, arrays in each buffer.
+# seq_slots opens the sampling part: the sampling program updates the sampled-token buffer with it.
 _PLAN_INTS = ("token_ids", "positions", "slot_mapping", "token_rows", "block_tables", "context_lens",
-              "row_starts", "row_lens", "seq_slots", "state_reads", "state_writes", "state_keeps", "logits_indices")
+              "row_starts", "row_lens", "state_reads", "state_writes", "state_keeps", "logits_indices", "seq_slots")
 _SAMPLING_INTS = ("top_k", "seed", "step", "logprobs")
+NO_FLAGS = SamplingFlags(needs_top_k_p_min_p=False, needs_penalties=False, num_logprobs=0)
 _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -56,14 +63,55 @@ class StepLayout(NamedTuple):
         """(int fields, float fields) as name -> (offset, shape), and the two buffers' lengths."""
         return _offsets(self)
 
-    def views(self, ints, floats) -> dict:
-        """Every field as a view (numpy) or slice (traced) of the two buffers."""
+    def views(self, ints, floats=None) -> dict:
+        """Every field as a view (numpy) or slice (traced) of the two buffers (of `ints` alone
+        without `floats`; `ints` may stop at the penalty history when there is none to read)."""
         int_fields, float_fields, _, _ = self.offsets()
-        out = {}
-        for buf, fields in ((ints, int_fields), (floats, float_fields)):
-            for name, (start, shape) in fields.items():
-                out[name] = buf[start : start + _size(shape)].reshape(shape)
-        return out
+        return _views(((ints, int_fields), (floats, float_fields)))
+
+    @property
+    def sampling(self) -> "SamplingLayout":
+        return SamplingLayout(self.num_rows, self.verify_positions, self.penalty_len, self.flags)
+
+    @property
+    def forward(self) -> "StepLayout":
+        """The layout the forward program compiles for: the sampling variant is not its business."""
+        return self._replace(penalty_len=0, flags=NO_FLAGS)
+
+    def sampling_start(self) -> int:
+        """Where the sampling part (`SamplingLayout`) begins in the int buffer."""
+        return self.offsets()[0]["seq_slots"][0]
+
+
+class SamplingLayout(NamedTuple):
+    """The static facts of a step's sampling part: the tail of its int buffer, and its float buffer."""
+
+    num_rows: int
+    verify_positions: int
+    penalty_len: int
+    flags: SamplingFlags
+
+    def views(self, tail, floats) -> dict:
+        ints, float_fields = _sampling_shapes(self.num_rows, self.penalty_len)
+        return _views(((tail, _fields(ints)[0]), (floats, _fields(float_fields)[0])))
+
+
+def _views(buffers) -> dict:
+    out = {}
+    for buf, fields in buffers:
+        if buf is None:
+            continue
+        for name, (start, shape) in fields.items():
+            out[name] = buf[start : start + _size(shape)].reshape(shape)
+    return out
+
+
+def _fields(shapes: dict) -> tuple[dict[str, tuple[int, tuple[int, ...]]], int]:
+    fields, cursor = {}, 0
+    for name, shape in shapes.items():
+        fields[name] = (cursor, shape)
+        cursor += _size(shape)
+    return fields, cursor
 
 
 def _size(shape) -> int:
@@ -74,31 +122,29 @@ def _size(shape) -> int:
 
 
 @functools.cache
-def _shapes(layout: StepLayout):
-    T, B, M = layout.num_tokens, layout.num_rows, layout.max_blocks
-    ints = {name: (T,) for name in _PLAN_INTS[:4]}
-    ints["block_tables"] = (B, M)
-    ints.update({name: (B,) for name in _PLAN_INTS[5:12]})
-    ints["logits_indices"] = (layout.verify_positions, B) if layout.verify_positions else (B,)
-    ints.update({name: (B,) for name in _SAMPLING_INTS})
-    ints["stop_ids"] = (B, STOP_IDS_WIDTH)
-    ints["num_steps"] = (1,)
-    if layout.penalty_len:
-        ints["penalty_ids"] = ints["penalty_is_output"] = (B, layout.penalty_len)
+def _sampling_shapes(B: int, penalty_len: int):
+    ints = {"seq_slots": (B,), **{name: (B,) for name in _SAMPLING_INTS}, "stop_ids": (B, STOP_IDS_WIDTH),
+            "num_steps": (1,)}
+    if penalty_len:  # last: the forward program's buffer stops before it
+        ints["penalty_ids"] = ints["penalty_is_output"] = (B, penalty_len)
     return ints, {name: (B,) for name in _SAMPLING_FLOATS}
 
 
 @functools.cache
+def _shapes(layout: StepLayout):
+    T, B, M = layout.num_tokens, layout.num_rows, layout.max_blocks
+    ints = {name: (T,) for name in _PLAN_INTS[:4]}
+    ints["block_tables"] = (B, M)
+    ints.update({name: (B,) for name in _PLAN_INTS[5:11]})
+    ints["logits_indices"] = (layout.verify_positions, B) if layout.verify_positions else (B,)
+    sampling_ints, floats = _sampling_shapes(B, layout.penalty_len)
+    return {**ints, **sampling_ints}, floats
+
+
+@functools.cache
 def _offsets(layout: StepLayout):
-    result, lengths = [], []
-    for shapes in _shapes(layout):
-        fields, cursor = {}, 0
-        for name, shape in shapes.items():
-            fields[name] = (cursor, shape)
-            cursor += _size(shape)
-        result.append(fields)
-        lengths.append(cursor)
-    return result[0], result[1], lengths[0], lengths[1]
+    (int_fields, n_int), (float_fields, n_float) = (_fields(shapes) for shapes in _shapes(layout))
+    return int_fields, float_fields, n_int, n_float
 
 
 def static_flags(sampling: SamplingBatch) -> SamplingFlags:
@@ -115,7 +161,7 @@ class PackedStep:
     floats: np.ndarray  # f32[m]
 
     MAGIC = b"JTPP"
-    VERSION = 1
+    VERSION = 2  # 2: the sampling part (seq_slots first) at the end of the int buffer
 
     @classmethod
     def empty(cls, layout: StepLayout) -> "PackedStep":

@@ -2,13 +2,15 @@
 
 Each (tokens, rows, tokens-per-row, blocks-per-row) bucket is one all-padding step (nothing is
 written to the KV cache or the state slots) with the two common sampling variants (plain, and
-top-k/top-p/min-p); penalties and logprobs compile on first use. A test checks that serving then
-compiles nothing more.
+top-k/top-p/min-p), and their logprobs variants where the runner samples in a program of its own
+(one forward program per shape, one small sampling program per rows bucket and variant);
+penalties compile on first use. A test checks that serving then compiles nothing more.
 
 Ahead of time where the runner allows it (one process): this thread traces and lowers each step
 (Python, under the GIL) while a pool of daemon threads runs XLA on the lowered programs (XLA
-releases the GIL) and the runner keeps the executables. Steps whose lowered programs are the same
-text (many buckets differ only in a bound the program does not use) share one compile. Daemon
+releases the GIL) and the runner keeps the executables, the largest shapes first (so the longest
+compiles do not start last). Steps whose lowered programs are the same (many buckets differ only
+in a bound the program does not use) share one compile. Daemon
 threads, so a stop during warm-up never waits for a compile to end. A worker group instead runs
 every padding step in order, as its followers must see the same calls.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import io
 import logging
 import os
 import queue
@@ -44,8 +47,8 @@ WORKERS_ENV = "JTP_COMPILE_WORKERS"  # compile threads (default: the CPU cores, 
 @dataclasses.dataclass(frozen=True)
 class WarmupReport:
     shapes: int  # buckets
-    variants: int  # step programs they need (sampling variants, verify steps)
-    compiled: int  # step programs traced by the warm-up (0 when an earlier warm-up had them)
+    variants: int  # padding steps that cover them (sampling variants, verify steps)
+    compiled: int  # programs traced by the warm-up (0 when an earlier warm-up had them)
     programs: int  # distinct XLA programs among them, compiled or loaded
     cache_hits: int  # of those, how many the persistent compilation cache answered
     seconds: float
@@ -73,16 +76,22 @@ def compile_workers() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
-def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None) -> list[StepInput]:
-    """The padding steps that cover every program the scheduler can pick (with the two variants)."""
+def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None,
+                 samples_separately: Callable[[StepInput], bool] = lambda step: False) -> list[StepInput]:
+    """The padding steps that cover every program the scheduler can pick: per shape the two
+    variants, and where the runner samples in a program of its own (`samples_separately`), their
+    logprobs variants too (small programs: the forward program is the same)."""
     steps = []
     for shape in scheduler.buckets.shapes():
         _, B, max_row_len, _ = shape
         # Rows of several tokens may be speculating rows: their verify steps sample [1 + k, B].
-        verify = (False, True) if speculative is not None and max_row_len > 1 else (False,)
-        for params in VARIANTS:
-            sampling = pack_sampling([params] * B, B, [0] * B, [0] * B)
-            steps += [StepInput(scheduler.padding_plan(*shape, verify=v), sampling) for v in verify]
+        for verify in (False, True) if speculative is not None and max_row_len > 1 else (False,):
+            plan = scheduler.padding_plan(*shape, verify=verify)
+            variants = [StepInput(plan, pack_sampling([params] * B, B, [0] * B, [0] * B)) for params in VARIANTS]
+            if samples_separately(variants[0]):
+                variants += [StepInput(plan, pack_sampling([dataclasses.replace(params, logprobs=1)] * B, B,
+                                                           [0] * B, [0] * B)) for params in VARIANTS]
+            steps += variants
     return steps
 
 
@@ -95,19 +104,39 @@ def compile_step_shapes(
     from tqdm import tqdm
 
     start, hits, before, phases = time.perf_counter(), cache_hits(), runner.compilations, phase_seconds()
-    steps = warmup_steps(scheduler, speculative)
+    steps = warmup_steps(scheduler, speculative, runner.samples_separately)
     workers = compile_workers() if workers is None else workers
     bar = tqdm(total=len(steps), desc="warm-up: compiling step shapes", unit="shape", disable=not progress,
                mininterval=1.0)
     with bar:
         if runner.compiles_ahead and workers > 1:
-            finished, programs = _compile_ahead(runner, steps, workers, should_stop, bar.update)
+            bar.total, bar.unit = 0, "program"  # counted as the steps are lowered
+
+            def found(n: int) -> None:
+                bar.total += n
+                bar.refresh()
+
+            finished, programs = _compile_ahead(runner, steps, workers, should_stop, bar.update, found)
         else:
             finished = _run_in_order(runner, steps, should_stop, bar.update)
             programs = runner.compilations - before  # each trace is one compile request
     return WarmupReport(len(scheduler.buckets.shapes()), len(steps), runner.compilations - before, programs,
                         cache_hits() - hits, time.perf_counter() - start, finished,
                         {name: seconds - phases[name] for name, seconds in phase_seconds().items()})
+
+
+def _size(step: StepInput) -> tuple[int, ...]:
+    """A step's shape, largest dimension first: a proxy for how long XLA takes over its program."""
+    plan = step.plan
+    return len(plan.token_ids), len(plan.context_lens), plan.block_tables.shape[1]
+
+
+def _program_digest(lowered: jax.stages.Lowered) -> bytes:
+    """The lowered program's identity: its MLIR bytecode, which is several times cheaper to write
+    than its text (this runs on the thread that feeds the compile pool, under the GIL)."""
+    buffer = io.BytesIO()
+    lowered.compiler_ir("stablehlo").operation.write_bytecode(buffer)
+    return hashlib.sha256(buffer.getbuffer()).digest()
 
 
 def _run_in_order(runner: ModelRunner, steps: list[StepInput], should_stop, done: Callable[[], None]) -> bool:
@@ -120,8 +149,8 @@ def _run_in_order(runner: ModelRunner, steps: list[StepInput], should_stop, done
 
 
 def _compile_ahead(runner: ModelRunner, steps: list[StepInput], workers: int, should_stop,
-                   done: Callable[[], None]) -> tuple[bool, int]:
-    """(finished, distinct programs)."""
+                   done: Callable[[], None], found: Callable[[int], None]) -> tuple[bool, int]:
+    """(finished, distinct programs). `found(n)`: n more programs to compile; `done()`: one is installed."""
     todo: queue.Queue = queue.Queue(maxsize=2 * workers)  # bounded: lowered programs hold their HLO
     results: queue.Queue = queue.Queue()
 
@@ -139,6 +168,7 @@ def _compile_ahead(runner: ModelRunner, steps: list[StepInput], workers: int, sh
         t.start()
     waiting: dict[bytes, list] = {}  # program -> the step keys that wait for its compile
     executables: dict[bytes, jax.stages.Compiled] = {}
+    lowered_keys: set = set()  # the runner's programs lowered so far (two steps may share one)
 
     def collect(block: bool) -> None:
         while waiting:
@@ -156,30 +186,28 @@ def _compile_ahead(runner: ModelRunner, steps: list[StepInput], workers: int, sh
                 done()
 
     try:
-        for step in steps:
+        for step in sorted(steps, key=_size, reverse=True):  # the longest compiles start first
             if should_stop():
                 return False, len(executables)
-            lowered = runner.lower(step)
-            if lowered is None:  # installed by an earlier warm-up
-                done()
-                continue
-            key, program_ir = lowered
-            program = hashlib.sha256(program_ir.as_text().encode()).digest()
-            if program in executables:
-                runner.install(key, executables[program], 0.0)
-                done()
-            elif program in waiting:
-                waiting[program].append(key)
-            else:
-                waiting[program] = [key]
-                while True:  # hand it over, installing what has finished meanwhile
-                    collect(block=False)
-                    try:
-                        todo.put((program, program_ir), timeout=0.1)
-                        break
-                    except queue.Full:
-                        if should_stop():
-                            return False, len(executables)
+            for key, program_ir in runner.lower(step, skip=lowered_keys):
+                lowered_keys.add(key)
+                found(1)
+                program = _program_digest(program_ir)
+                if program in executables:
+                    runner.install(key, executables[program], 0.0)
+                    done()
+                elif program in waiting:
+                    waiting[program].append(key)
+                else:
+                    waiting[program] = [key]
+                    while True:  # hand it over, installing what has finished meanwhile
+                        collect(block=False)
+                        try:
+                            todo.put((program, program_ir), timeout=0.1)
+                            break
+                        except queue.Full:
+                            if should_stop():
+                                return False, len(executables)
         collect(block=True)
         return not waiting, len(executables)
     finally:

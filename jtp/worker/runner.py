@@ -18,12 +18,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jtp.config.engine_args import EngineArgs
 from jtp.config.engine_config import EngineConfig
 from jtp.core.sampling_params import pack_sampling
 from jtp.core.step_input import SamplingBatch, StepInput, StepPlan
-from jtp.core.packed_step import PackedStep, StepLayout
+from jtp.core.packed_step import PackedStep, SamplingLayout, StepLayout
 from jtp.loading.weights import load_params, resolve_dtype
 from jtp.models import family_of, mtp
 from jtp.models.attention import AttentionMetadata, choose_attention, zeroed_layer_kv
@@ -39,6 +40,11 @@ def unpack(layout: StepLayout, ints, floats):
     Returns (tokens, attention metadata, logits indices, seq_slots, sampling, penalty tokens or
     None, stop ids, num_steps)."""
     f = layout.views(ints, floats)
+    return (*_plan_arrays(layout, f), *_sampling_arrays(layout.penalty_len, f))
+
+
+def _plan_arrays(layout: StepLayout, f: dict):
+    """(tokens, attention metadata, logits indices, seq_slots) from the step's fields."""
     verify = layout.verify_positions > 0  # a row's first sampled position is its last known token
     logits_indices = f["logits_indices"]
     meta = AttentionMetadata(
@@ -55,14 +61,19 @@ def unpack(layout: StepLayout, ints, floats):
         state_keeps=f["state_keeps"] if verify else None,
         keep_lens=(logits_indices[0] - f["row_starts"] + 1).astype(jnp.int32) if verify else None,
     )
+    return f["token_ids"], meta, logits_indices, f["seq_slots"]
+
+
+def _sampling_arrays(penalty_len: int, f: dict):
+    """(sampling, penalty tokens or None, stop ids, num_steps) from the step's fields."""
     sampling = SamplingBatch(
         temperature=f["temperature"], top_p=f["top_p"], top_k=f["top_k"], min_p=f["min_p"],
         repetition_penalty=f["repetition_penalty"], presence_penalty=f["presence_penalty"],
         frequency_penalty=f["frequency_penalty"], seed=jax.lax.bitcast_convert_type(f["seed"], jnp.uint32),
         step=f["step"], logprobs=f["logprobs"],
     )
-    penalty = (f["penalty_ids"], f["penalty_is_output"].astype(bool)) if layout.penalty_len else None
-    return f["token_ids"], meta, logits_indices, f["seq_slots"], sampling, penalty, f["stop_ids"], f["num_steps"][0]
+    penalty = (f["penalty_ids"], f["penalty_is_output"].astype(bool)) if penalty_len else None
+    return sampling, penalty, f["stop_ids"], f["num_steps"][0]
 
 
 def is_ready(result) -> bool:
@@ -115,10 +126,22 @@ class ModelRunner:
             donate_argnums=(1, 2),
             static_argnames=("layout",),
         )
-        self.compilations = 0  # traces of the step function: bounded by the bucket sets
+        # Steps without the MTP head or the decode loop run as two programs: the forward program (one
+        # per step shape) and a small sampling program (one per rows bucket and sampling variant), so
+        # the variants of sampling never compile the model again.
+        self._logits_sharding = NamedSharding(self.mesh, P(None, "tp") if self.cfg.vocab_size % self.tp == 0 else P())
+        self._forward_fn = jax.jit(
+            functools.partial(_forward_logits, self.family, self.cfg, self.attention, self.experts,
+                              self._logits_sharding),
+            donate_argnums=(1,),
+            static_argnames=("layout",),
+        )
+        # (a partial of its own: each runner traces, and counts, its programs, as for the others)
+        self._sample_fn = jax.jit(functools.partial(_sample_rows), donate_argnums=(1,), static_argnames=("layout",))
+        self.compilations = 0  # traces of the step's programs: bounded by the bucket sets
         self.compile_seconds = 0.0  # time spent in them: tracing, lowering, XLA or a persistent-cache load
-        # Steps compiled ahead of time (`lower` + `install`), by (decode loop?, layout): dispatch calls them.
-        self._executables: dict[tuple[bool, StepLayout], jax.stages.Compiled] = {}
+        # Programs compiled ahead of time (`lower` + `install`), by (kind, layout): dispatch calls them.
+        self._executables: dict[tuple[str, tuple], jax.stages.Compiled] = {}
         # The last token sampled for each state slot, kept on device: a plan can name it (token id -1)
         # before the host has seen it, so step N+1 is dispatched while step N still runs.
         self.sampled = jax.device_put(np.zeros(config.max_num_seqs, np.int32), replicated(self.mesh))
@@ -183,8 +206,8 @@ class ModelRunner:
         tokens each (fewer if every row sampled a stop token; later entries are then zero).
         `jax.device_get` on the result waits for the device; only sampled results come back.
         """
-        args, layout = self._step_args(step)
-        num_steps = args[-2][layout.offsets()[0]["num_steps"][0]]
+        ints, floats, layout = host_buffers(step)
+        num_steps = ints[layout.offsets()[0]["num_steps"][0]]
         loops = self._loops(layout)
         if loops:
             if not 1 <= num_steps <= self.num_scheduler_steps:
@@ -193,38 +216,72 @@ class ModelRunner:
                 raise ValueError("penalties need the token history of every step: they run one step per dispatch")
         elif num_steps != 1:
             raise ValueError(f"a step with prompt rows runs one step, not {num_steps}")
-        compiled = self._executables.get((loops, layout))
-        if compiled is not None:
-            result, self.cache, self.sampled = compiled(*args)
+        if self._splits(layout):
+            forward = layout.forward
+            logits, self.cache = self._run(("forward", forward), self._forward_fn,
+                                           (self.params, self.cache, self.sampled, ints[: forward.offsets()[2]]), forward)
+            result, self.sampled = self._run(("sample", layout.sampling), self._sample_fn,
+                                             (logits, self.sampled, ints[layout.sampling_start():], floats),
+                                             layout.sampling)
             return result
-        fn = self._decode_fn if loops else self._step_fn
+        kind, fn = ("decode", self._decode_fn) if loops else ("step", self._step_fn)
+        result, self.cache, self.sampled = self._run((kind, layout), fn,
+                                                     (self.params, self.cache, self.sampled, ints, floats), layout)
+        return result
+
+    def _run(self, key, fn, args, layout):
+        """Call the program of `key`: its ahead-of-time executable, else `fn` (tracing it the first time)."""
+        compiled = self._executables.get(key)
+        if compiled is not None:
+            return compiled(*args)
         start, before = time.perf_counter(), self.compilations
         with _count_traces(self):
-            result, self.cache, self.sampled = fn(*args, layout=layout)
+            out = fn(*args, layout=layout)
         if self.compilations != before:  # this call compiled (the step itself runs asynchronously)
             self.compile_seconds += time.perf_counter() - start
-        return result
+        return out
+
+    def _splits(self, layout: StepLayout) -> bool:
+        """Whether this step runs as a forward program and a sampling program (see __init__)."""
+        return not self.mtp_drafts and not self._loops(layout)
+
+    def samples_separately(self, step: PackedStep | StepInput) -> bool:
+        """Whether `step` samples in a program of its own (so its sampling variants are small programs)."""
+        return self._splits(host_buffers(step)[2])
 
     # Ahead-of-time compilation (warm-up): `lower` traces on the calling thread (Python, under the GIL);
     # `Lowered.compile()` can then run on any thread (XLA releases the GIL), and `install` hands the
     # executable to `dispatch`, so the first real step of that shape compiles nothing.
 
-    def lower(self, step: PackedStep | StepInput):
-        """(key, `jax.stages.Lowered`) of the program `dispatch` would run for this step's shapes;
-        None when that program is installed already. Nothing runs on the device."""
-        args, layout = self._step_args(step)
-        key = (self._loops(layout), layout)
-        if key in self._executables:
-            return None
-        fn = self._decode_fn if key[0] else self._step_fn
-        start = time.perf_counter()
-        with _count_traces(self):
-            lowered = fn.lower(*args, layout=layout)
-        self.compile_seconds += time.perf_counter() - start
-        return key, lowered
+    def lower(self, step: PackedStep | StepInput, skip=frozenset(), again: bool = False) -> list:
+        """[(key, `jax.stages.Lowered`)] of the programs `dispatch` would run for this step's shapes,
+        but those installed already (unless `again`) or in `skip`. Nothing runs on the device."""
+        ints, floats, layout = host_buffers(step)
+        if self._splits(layout):
+            forward = layout.forward
+            B = layout.num_rows * max(1, layout.verify_positions)
+            logits = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), jnp.float32, sharding=self._logits_sharding)
+            programs = [
+                (("forward", forward), self._forward_fn, (self.params, self.cache, self.sampled,
+                                                          ints[: forward.offsets()[2]]), forward),
+                (("sample", layout.sampling), self._sample_fn, (logits, self.sampled, ints[layout.sampling_start():],
+                                                                floats), layout.sampling),
+            ]
+        else:
+            kind, fn = ("decode", self._decode_fn) if self._loops(layout) else ("step", self._step_fn)
+            programs = [((kind, layout), fn, (self.params, self.cache, self.sampled, ints, floats), layout)]
+        out = []
+        for key, fn, args, static in programs:
+            if key in skip or (key in self._executables and not again):
+                continue
+            start = time.perf_counter()
+            with _count_traces(self):
+                out.append((key, fn.lower(*args, layout=static)))
+            self.compile_seconds += time.perf_counter() - start
+        return out
 
     def install(self, key, compiled: jax.stages.Compiled, seconds: float) -> None:
-        """Use `compiled` (from `lower(...)[1].compile()`, which took `seconds`) for steps of `key`."""
+        """Use `compiled` (from `lower(...)[i][1].compile()`, which took `seconds`) for programs of `key`."""
         self._executables[key] = compiled
         self.compile_seconds += seconds
 
@@ -233,12 +290,12 @@ class ModelRunner:
         return self.num_scheduler_steps > 1 and layout.max_row_len == 1
 
     def compiled_text(self, plan: StepPlan, sampling: SamplingBatch | None = None, penalty_tokens=None) -> str:
-        """The optimized HLO of the serving step (what `dispatch` runs) for this plan's shapes, to
-        inspect its collectives. Sampling defaults to greedy rows without logprobs."""
+        """The optimized HLO of the serving step's programs (what `dispatch` runs) for this plan's
+        shapes, to inspect its collectives. Sampling defaults to greedy rows without logprobs."""
         if sampling is None:
             sampling = pack_sampling([], len(plan.context_lens), [], [])
-        args, layout = self._step_args(StepInput(plan, sampling, penalty_tokens))
-        return self._step_fn.lower(*args, layout=layout).compile().as_text()
+        return "\n".join(lowered.compile().as_text()
+                         for _, lowered in self.lower(StepInput(plan, sampling, penalty_tokens), again=True))
 
     # Snapshot pages (jtp/engine/snapshot_store.py): device work every process of a group runs in step order.
 
@@ -267,12 +324,6 @@ class ModelRunner:
         self.params = self.cache = self.sampled = None
         self._executables.clear()
 
-    def _step_args(self, step: PackedStep | StepInput):
-        """The step's positional arguments and its static layout."""
-        ints, floats, layout = host_buffers(step)
-        return (self.params, self.cache, self.sampled, ints, floats), layout
-
-
 def host_buffers(step: PackedStep | StepInput):
     """(ints, floats, layout): a step's host arrays as the two numpy buffers the jitted step takes.
     The jitted call's C++ path transfers them (replicated) far faster than one `jax.device_put` per
@@ -282,15 +333,35 @@ def host_buffers(step: PackedStep | StepInput):
     return step.ints, step.floats, step.layout
 
 
+def _forward_logits(family, cfg, attention, experts, logits_sharding, params, cache, sampled, ints, layout):
+    """The forward program of a step: the model over the ragged batch, then f32 logits [N, V] at the
+    rows' sample positions (N = B, or (1 + k) x B position-major in a verify step), split over the
+    vocabulary like the LM head. One program per step shape, whatever the rows' sampling asks."""
+    _TRACES.count += 1
+    tokens, meta, logits_indices, seq_slots = _plan_arrays(layout, layout.views(ints))
+    hidden, cache, _ = _forward(family, cfg, attention, experts, params, cache, sampled, tokens, meta, seq_slots)
+    logits = family.compute_logits(params, hidden[logits_indices.reshape(-1)])
+    return jax.lax.with_sharding_constraint(logits, logits_sharding), cache
+
+
+def _sample_rows(logits, sampled, tail, floats, layout: SamplingLayout):
+    """The sampling program of a step: each row's token (and logprobs) from the forward program's
+    logits, recorded in the sampled-token buffer. One program per rows bucket and sampling variant."""
+    _TRACES.count += 1
+    f = layout.views(tail, floats)
+    sampling, penalty_tokens, _, _ = _sampling_arrays(layout.penalty_len, f)
+    positions = _sample_positions(logits, sampling, penalty_tokens, layout.flags, max(1, layout.verify_positions))
+    return _stack(positions), _record(sampled, f["seq_slots"], positions[0].tokens)
+
+
 def _step(family, cfg, attention, experts, mtp_drafts, params, cache, sampled, ints, floats, layout):
-    """The serving step: forward over the ragged batch, logits at each row's index, sampling.
-    Results get a leading axis of one step (the decode loop's results have several)."""
+    """A step as one program, forward and sampling together (with the MTP head, which drafts from
+    both). Results get a leading axis of one step (the decode loop's results have several)."""
     _TRACES.count += 1
     tokens, meta, logits_indices, seq_slots, sampling, penalty_tokens, _, _ = unpack(layout, ints, floats)
-    flags = layout.flags
     result, cache, sampled = _forward_and_sample(
         family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
-        sampling, penalty_tokens, flags,
+        sampling, penalty_tokens, layout.flags,
     )
     if logits_indices.ndim == 1:
         result = jax.tree.map(lambda x: x[None], result)
@@ -349,51 +420,62 @@ def _decode_steps(
     return results, cache, sampled
 
 
+def _forward(family, cfg, attention, experts, params, cache, sampled, tokens, meta, seq_slots):
+    """(hidden [T, H], the model's cache, tokens): the model over the batch, token -1 read from the
+    sampled-token buffer. The cache's last layer is the MTP head's K/V when the head is loaded."""
+    slot_of_token = seq_slots[meta.token_rows]
+    tokens = jnp.where(tokens >= 0, tokens, sampled[jnp.maximum(slot_of_token, 0)])
+    model_cache = cache[:-1] if "mtp" in params else cache
+    hidden, model_cache = family.forward(params, cfg, tokens, model_cache, meta, attention, experts)
+    return hidden, model_cache, tokens
+
+
+def _sample_positions(logits, sampling, penalty_tokens, flags, num_positions: int) -> list[SampleResult]:
+    """Sample logits [num_positions x B, V] (position-major): position j of a row samples generation
+    step `step + j`, with the key a step-by-step decode would use there (a verify step: the host
+    accepts; otherwise one position)."""
+    penalty_ids, penalty_is_output = penalty_tokens if penalty_tokens is not None else (None, None)
+    B = logits.shape[0] // num_positions
+    return [
+        sample(logits[j * B : (j + 1) * B], sampling._replace(step=sampling.step + j),
+               needs_top_k_p_min_p=flags.needs_top_k_p_min_p, needs_penalties=flags.needs_penalties,
+               num_logprobs=flags.num_logprobs, penalty_ids=penalty_ids, penalty_is_output=penalty_is_output)
+        for j in range(num_positions)
+    ]
+
+
+def _stack(per_position: list[SampleResult]) -> SampleResult:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *per_position)
+
+
+def _record(sampled, seq_slots, tokens):
+    """The sampled-token buffer with each row's token at its slot (padding rows point past the end
+    and are dropped). Speculating engines run lockstep and never read it: a verify step records
+    position 0."""
+    slots = jnp.where(seq_slots >= 0, seq_slots, sampled.shape[0])
+    return sampled.at[slots].set(tokens, mode="drop")
+
+
 def _forward_and_sample(
     family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
     sampling, penalty_tokens, flags,
 ):
-    slot_of_token = seq_slots[meta.token_rows]
-    tokens = jnp.where(tokens >= 0, tokens, sampled[jnp.maximum(slot_of_token, 0)])
-    mtp_kv = cache[-1] if "mtp" in params else None
-    hidden, cache = family.forward(
-        params, cfg, tokens, cache[:-1] if mtp_kv is not None else cache, meta, attention, experts
-    )
-    penalty_ids, penalty_is_output = penalty_tokens if penalty_tokens is not None else (None, None)
-
-    def sample_at(indices, sampling):
-        return sample(
-            family.compute_logits(params, hidden[indices]),
-            sampling,
-            needs_top_k_p_min_p=flags.needs_top_k_p_min_p,
-            needs_penalties=flags.needs_penalties,
-            num_logprobs=flags.num_logprobs,
-            penalty_ids=penalty_ids,
-            penalty_is_output=penalty_is_output,
-        )
-
-    if logits_indices.ndim == 2:
-        # A verify step: position j of a speculating row samples generation step `step + j`, with
-        # the key a step-by-step decode would use there. Results [1 + k, B]; the host accepts. The
-        # sampled-token buffer gets position 0 (speculating engines run lockstep and never read it).
-        per_position = [sample_at(idx, sampling._replace(step=sampling.step + j)) for j, idx in enumerate(logits_indices)]
-        result = jax.tree.map(lambda *xs: jnp.stack(xs), *per_position)
-        first = per_position[0]
-    else:
-        result = first = sample_at(logits_indices, sampling)
-        per_position = [first]
-    if mtp_kv is not None:
+    hidden, model_cache, tokens = _forward(family, cfg, attention, experts, params, cache, sampled, tokens, meta,
+                                           seq_slots)
+    verify = logits_indices.ndim == 2
+    logits = family.compute_logits(params, hidden[logits_indices.reshape(-1)])
+    per_position = _sample_positions(logits, sampling, penalty_tokens, flags, logits_indices.shape[0] if verify else 1)
+    result = _stack(per_position) if verify else per_position[0]
+    if "mtp" in params:
         drafts, mtp_kv = mtp.propose_drafts(
             family, cfg, attention, experts, mtp_drafts, params, hidden, tokens, meta, logits_indices, seq_slots,
-            jnp.stack([r.tokens for r in per_position]), mtp_kv,
+            jnp.stack([r.tokens for r in per_position]), cache[-1],
         )
         # [B, num_drafts] per step; a verify step's results are per position, each carries the same drafts.
         result = result._replace(draft=jnp.broadcast_to(drafts, (len(per_position), *drafts.shape))
-                                 if logits_indices.ndim == 2 else drafts)
-        cache = [*cache, mtp_kv]
-    # Rows without a slot (padding) point past the end and are dropped.
-    slots = jnp.where(seq_slots >= 0, seq_slots, sampled.shape[0])
-    return result, cache, sampled.at[slots].set(first.tokens, mode="drop")
+                                 if verify else drafts)
+        model_cache = [*model_cache, mtp_kv]
+    return result, model_cache, _record(sampled, seq_slots, per_position[0].tokens)
 
 
 class _TraceCounter(threading.local):
