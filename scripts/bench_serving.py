@@ -86,9 +86,15 @@ class Workload:
     rng: random.Random
     follow_up_len: int | None = None  # user-turn length of turns 2..T (None: input_len)
     words: str = "english"  # or "placeholder": t<id> words
+    range_ratio: float = 0.0  # lengths drawn uniformly from [len x (1 - r), len x (1 + r)]
+
+    def _length(self, n: int) -> int:
+        if not self.range_ratio:
+            return n
+        return self.rng.randint(max(1, round(n * (1 - self.range_ratio))), max(1, round(n * (1 + self.range_ratio))))
 
     def user_turn(self, turn: int = 1) -> str | list[int]:
-        n = self.input_len if turn == 1 or self.follow_up_len is None else self.follow_up_len
+        n = self._length(self.input_len if turn == 1 or self.follow_up_len is None else self.follow_up_len)
         if self.prompt_kind == "tokens":
             return [self.rng.randrange(self.vocab_size) for _ in range(n)]
         if self.words == "placeholder":
@@ -97,7 +103,7 @@ class Workload:
 
     def payload(self, history: list[dict]) -> dict:
         """The request body for a conversation so far (`history`: chat messages, last one the user's)."""
-        body = {"model": self.model, "max_tokens": self.output_len, "stream": True,
+        body = {"model": self.model, "max_tokens": self._length(self.output_len), "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": self.ignore_eos, "temperature": 0.0}
         if self.endpoint.endswith("/chat/completions"):
             body["messages"] = history
@@ -338,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-prompts", type=int, default=64, help="requests, or conversations with --multi-turn")
     ap.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (per turn)")
     ap.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    ap.add_argument("--random-range-ratio", type=float, default=0.0, metavar="R",
+                    help="draw each prompt's and output's length uniformly from [len x (1 - R), len x (1 + R)] "
+                         "(as vLLM's benchmark; default 0: every length exactly --input-len / --output-len)")
     ap.add_argument("--prompt-kind", choices=["auto", "tokens", "text"], default="auto",
                     help="random token ids or random words (auto: token ids for single-turn completions)")
     ap.add_argument("--vocab-size", type=int, default=1000,
@@ -368,6 +377,8 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("num_prompts", "input_len", "output_len", "multi_turn", "vocab_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.random_range_ratio < 1:
+        ap.error("--random-range-ratio must be in [0, 1)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         ap.error("--max-concurrency must be at least 1")
     if args.follow_up_len is not None and args.follow_up_len < 1:
@@ -404,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot list the models at {args.base_url}: {e}", file=sys.stderr)
         return 1
     workload = Workload(args.endpoint, model, args.input_len, args.output_len, args.prompt_kind,
-                        args.vocab_size, args.ignore_eos, random.Random(args.seed), args.follow_up_len, args.words)
+                        args.vocab_size, args.ignore_eos, random.Random(args.seed), args.follow_up_len, args.words,
+                        args.random_range_ratio)
     results, duration = asyncio.run(run_benchmark(args, workload))
     summary = summarize(results, duration, args.percentiles)
     print(format_table(summary, args.percentiles))

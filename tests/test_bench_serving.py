@@ -221,6 +221,19 @@ def test_placeholder_words_and_short_follow_ups(stub, tmp_path):
     assert all(int(w[1:]) < 50 for w in (first[0]["content"] + second[2]["content"]).split())
 
 
+def test_random_range_ratio_draws_lengths_in_range_and_counts_them(stub, tmp_path):
+    result = run_bench(tmp_path, "--base-url", stub.url, "--model", "m", "--num-prompts", "40", "--input-len", "20",
+                       "--output-len", "10", "--random-range-ratio", "0.5", "--skip-test-request",
+                       "--vocab-size", "50")
+    prompts = [len(b["prompt"]) for b in stub.bodies]
+    outputs = [b["max_tokens"] for b in stub.bodies]
+    assert all(10 <= n <= 30 for n in prompts) and all(5 <= n <= 15 for n in outputs)
+    assert len(set(prompts)) > 5 and len(set(outputs)) > 3  # they vary
+    assert result["summary"]["total_output_tokens"] == sum(outputs)  # the stub streams max_tokens each
+    with pytest.raises(SystemExit):
+        bench.main(["--base-url", stub.url, "--random-range-ratio", "1.0"])
+
+
 def test_fixed_request_rate_spaces_the_starts(stub, tmp_path):
     result = run_bench(tmp_path, "--base-url", stub.url, "--model", "m", "--num-prompts", "4", "--input-len", "2",
                        "--output-len", "2", "--request-rate", "5", "--arrival", "constant", "--skip-test-request")
