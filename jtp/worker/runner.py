@@ -217,12 +217,8 @@ class ModelRunner:
         elif num_steps != 1:
             raise ValueError(f"a step with prompt rows runs one step, not {num_steps}")
         if self._splits(layout):
-            forward = layout.forward
-            logits, self.cache = self._run(("forward", forward), self._forward_fn,
-                                           (self.params, self.cache, self.sampled, ints[: forward.offsets()[2]]), forward)
-            result, self.sampled = self._run(("sample", layout.sampling), self._sample_fn,
-                                             (logits, self.sampled, ints[layout.sampling_start():], floats),
-                                             layout.sampling)
+            logits, self.cache = self._run(*self._forward_program(ints, layout))
+            result, self.sampled = self._run(*self._sampling_program(logits, ints, floats, layout))
             return result
         kind, fn = ("decode", self._decode_fn) if loops else ("step", self._step_fn)
         result, self.cache, self.sampled = self._run((kind, layout), fn,
@@ -245,6 +241,17 @@ class ModelRunner:
         """Whether this step runs as a forward program and a sampling program (see __init__)."""
         return not self.mtp_drafts and not self._loops(layout)
 
+    def _forward_program(self, ints, layout: StepLayout):
+        """(key, jitted fn, arguments, static layout) of a split step's forward program."""
+        forward = layout.forward
+        return ("forward", forward), self._forward_fn, (self.params, self.cache, self.sampled,
+                                                        ints[: forward.offsets()[2]]), forward
+
+    def _sampling_program(self, logits, ints, floats, layout: StepLayout):
+        """The same for its sampling program (`logits`: the forward program's, or their shape)."""
+        return (("sample", layout.sampling), self._sample_fn,
+                (logits, self.sampled, ints[layout.sampling_start():], floats), layout.sampling)
+
     def samples_separately(self, step: PackedStep | StepInput) -> bool:
         """Whether `step` samples in a program of its own (so its sampling variants are small programs)."""
         return self._splits(host_buffers(step)[2])
@@ -258,15 +265,9 @@ class ModelRunner:
         but those installed already (unless `again`) or in `skip`. Nothing runs on the device."""
         ints, floats, layout = host_buffers(step)
         if self._splits(layout):
-            forward = layout.forward
-            B = layout.num_rows * max(1, layout.verify_positions)
-            logits = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), jnp.float32, sharding=self._logits_sharding)
-            programs = [
-                (("forward", forward), self._forward_fn, (self.params, self.cache, self.sampled,
-                                                          ints[: forward.offsets()[2]]), forward),
-                (("sample", layout.sampling), self._sample_fn, (logits, self.sampled, ints[layout.sampling_start():],
-                                                                floats), layout.sampling),
-            ]
+            positions = layout.num_rows * max(1, layout.verify_positions)
+            logits = jax.ShapeDtypeStruct((positions, self.cfg.vocab_size), jnp.float32, sharding=self._logits_sharding)
+            programs = [self._forward_program(ints, layout), self._sampling_program(logits, ints, floats, layout)]
         else:
             kind, fn = ("decode", self._decode_fn) if self._loops(layout) else ("step", self._step_fn)
             programs = [((kind, layout), fn, (self.params, self.cache, self.sampled, ints, floats), layout)]
