@@ -74,7 +74,7 @@ def reference_step(sched: Scheduler, rows) -> StepInput:
     if sampling.static_flags().needs_penalties:
         reqs = [r.request if r.picks_next_token else None for r in rows]
         penalty = pack_penalty_tokens([q.prompt_ids if q else None for q in reqs],
-                                      [q.output_ids if q else None for q in reqs], B)
+                                      [q.output_ids if q else None for q in reqs], B, sched.max_model_len)
     stop_ids = np.full((B, STOP_IDS_WIDTH), -1, np.int32)
     for b, row in enumerate(rows):
         ids = sorted(row.request.stop_ids)[:STOP_IDS_WIDTH]

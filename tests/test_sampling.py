@@ -149,7 +149,7 @@ def test_process_logits_matches_reference(data, num_rows, vocab, mode, np_seed):
     prompts = [list(rng.integers(0, vocab, rng.integers(0, 6))) for _ in params]
     outputs = [list(rng.integers(0, vocab, rng.integers(0, 6))) for _ in params]
     batch = pack_sampling(params, num_rows, seeds=[0] * num_rows, steps=[0] * num_rows)
-    ids, is_output = pack_penalty_tokens(prompts, outputs, num_rows, min_length=16)
+    ids, is_output = pack_penalty_tokens(prompts, outputs, num_rows, length=16)
     flags = batch.static_flags()
     penalised, processed = device_process(
         logits, batch, ids, is_output, needs_top_k_p_min_p=flags.needs_top_k_p_min_p,
@@ -227,7 +227,7 @@ def test_build_penalty_counts_matches_bincount():
     vocab = 23
     prompts = [list(rng.integers(0, vocab, n)) for n in (0, 5, 17)]
     outputs = [list(rng.integers(0, vocab, n)) for n in (9, 0, 30)]
-    ids, is_output = pack_penalty_tokens(prompts, outputs, num_rows=4, min_length=8)
+    ids, is_output = pack_penalty_tokens(prompts, outputs, num_rows=4, length=64)
     assert ids.shape == (4, 64) and ids[3].tolist() == [-1] * 64
     counts, prompt_mask = build_penalty_counts(jnp.asarray(ids), jnp.asarray(is_output), vocab)
     for r in range(4):

@@ -147,11 +147,18 @@ def _offsets(layout: StepLayout):
     return int_fields, float_fields, n_int, n_float
 
 
-def static_flags(sampling: SamplingBatch) -> SamplingFlags:
-    """The sampling batch's compile-time flags, with any top-n request rounded up to MAX_LOGPROBS
-    (one compiled variant instead of twenty)."""
-    flags = sampling.static_flags()
+def compiled_flags(flags: SamplingFlags) -> SamplingFlags:
+    """The sampling variant a step with these needs compiles as: any top-n request rounded up to
+    MAX_LOGPROBS (one variant instead of twenty); with penalties, every option on (one variant per
+    history length instead of four: penalised steps are the rare ones)."""
+    if flags.needs_penalties:
+        return SamplingFlags(needs_top_k_p_min_p=True, needs_penalties=True, num_logprobs=MAX_LOGPROBS)
     return flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
+
+
+def static_flags(sampling: SamplingBatch) -> SamplingFlags:
+    """The sampling batch's compile-time flags (`compiled_flags`)."""
+    return compiled_flags(sampling.static_flags())
 
 
 @dataclasses.dataclass

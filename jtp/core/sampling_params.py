@@ -201,17 +201,40 @@ def pack_sampling(params: Sequence[SamplingParams | None], num_rows: int,
     )
 
 
+PENALTY_MIN_LEN = 256  # the penalty history's shortest compiled length
+
+
+def penalty_lengths(max_model_len: int) -> tuple[int, ...]:
+    """The penalty history's compiled lengths: powers of four from PENALTY_MIN_LEN below
+    max_model_len, then max_model_len (each one a sampling program per rows bucket: few)."""
+    out, n = [], PENALTY_MIN_LEN
+    while n < max_model_len:
+        out.append(n)
+        n *= 4
+    return (*out, max_model_len)
+
+
+def penalty_len(longest: int, max_model_len: int | None = None) -> int:
+    """The compiled length of a history of `longest` tokens (one of `penalty_lengths`)."""
+    n = PENALTY_MIN_LEN
+    while n < longest:
+        n *= 4
+    return n if max_model_len is None else min(n, max_model_len)
+
+
 def pack_penalty_tokens(prompts: Sequence[Sequence[int] | None],
                         outputs: Sequence[Sequence[int] | None], num_rows: int,
-                        min_length: int = 64) -> tuple[np.ndarray, np.ndarray]:
+                        max_model_len: int | None = None, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Token history for penalties: (penalty_ids i32[B, L], penalty_is_output bool[B, L]).
 
-    Row i holds prompts[i] then outputs[i], padded with -1. L is rounded up to
-    a power of two (>= min_length) so the step compiles for few lengths.
+    Row i holds prompts[i] then outputs[i], padded with -1. L is `length`, else `penalty_len` of
+    the longest row (so the step compiles for few lengths).
     """
     rows = [(list(p or ()), list(o or ())) for p, o in zip(prompts, outputs, strict=True)]
     longest = max((len(p) + len(o) for p, o in rows), default=0)
-    length = max(min_length, 1 << max(0, longest - 1).bit_length())
+    length = penalty_len(longest, max_model_len) if length is None else length
+    if longest > length:
+        raise ValueError(f"a penalty history of {longest} tokens does not fit length {length}")
     ids = np.full((num_rows, length), -1, np.int32)
     is_output = np.zeros((num_rows, length), bool)
     for i, (p, o) in enumerate(rows):

@@ -213,6 +213,7 @@ class Scheduler:
         self.cache_root = cache_root
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.num_scheduler_steps = num_scheduler_steps
         self.speculative = speculative
         max_blocks = -(-max_model_len // pool.block_size)

@@ -2,9 +2,10 @@
 
 Each (tokens, rows, tokens-per-row, blocks-per-row) bucket is one all-padding step (nothing is
 written to the KV cache or the state slots) with the two common sampling variants (plain, and
-top-k/top-p/min-p), and their logprobs variants where the runner samples in a program of its own
-(one forward program per shape, one small sampling program per rows bucket and variant);
-penalties compile on first use. A test checks that serving then compiles nothing more.
+top-k/top-p/min-p); where the runner samples in a program of its own (one forward program per
+shape, one small sampling program per rows bucket and variant), also their logprobs variants and,
+per rows bucket, the penalty variant at each history length. A test checks that serving then
+compiles nothing more.
 
 Ahead of time where the runner allows it (one process): this thread traces and lowers each step
 (Python, under the GIL) while a pool of daemon threads runs XLA on the lowered programs (XLA
@@ -31,7 +32,7 @@ from typing import Callable
 import jax
 
 from jtp.config.speculative import SpeculativeConfig
-from jtp.core.sampling_params import SamplingParams, pack_sampling
+from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling, penalty_lengths
 from jtp.core.scheduler import Scheduler
 from jtp.core.step_input import StepInput
 from jtp.errors import ConfigError
@@ -41,6 +42,7 @@ from jtp.worker.runner import ModelRunner
 log = logging.getLogger(__name__)
 
 VARIANTS = (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9))
+PENALISED = SamplingParams(temperature=1.0, repetition_penalty=1.1)  # penalties compile as one variant
 WORKERS_ENV = "JTP_COMPILE_WORKERS"  # compile threads (default: the CPU cores, at most 8; 1: no pool)
 
 
@@ -79,20 +81,30 @@ def compile_workers() -> int:
 def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None,
                  samples_separately: Callable[[StepInput], bool] = lambda step: False) -> list[StepInput]:
     """The padding steps that cover every program the scheduler can pick: per shape the two
-    variants, and where the runner samples in a program of its own (`samples_separately`), their
-    logprobs variants too (small programs: the forward program is the same)."""
-    steps = []
+    variants; where the runner samples in a program of its own (`samples_separately`), their
+    logprobs variants too, and per rows bucket the penalty variant at each history length (small
+    programs: the forward program is the shape's)."""
+    steps, rows_seen = [], set()
     for shape in scheduler.buckets.shapes():
         _, B, max_row_len, _ = shape
         # Rows of several tokens may be speculating rows: their verify steps sample [1 + k, B].
         for verify in (False, True) if speculative is not None and max_row_len > 1 else (False,):
             plan = scheduler.padding_plan(*shape, verify=verify)
-            variants = [StepInput(plan, pack_sampling([params] * B, B, [0] * B, [0] * B)) for params in VARIANTS]
+            variants = [StepInput(plan, _sampling(params, B)) for params in VARIANTS]
             if samples_separately(variants[0]):
-                variants += [StepInput(plan, pack_sampling([dataclasses.replace(params, logprobs=1)] * B, B,
-                                                           [0] * B, [0] * B)) for params in VARIANTS]
+                variants += [StepInput(plan, _sampling(dataclasses.replace(params, logprobs=1), B))
+                             for params in VARIANTS]
+                if (B, verify) not in rows_seen:
+                    rows_seen.add((B, verify))
+                    variants += [StepInput(plan, _sampling(PENALISED, B), pack_penalty_tokens([[]] * B, [[]] * B, B,
+                                                                                               length=length))
+                                 for length in penalty_lengths(scheduler.max_model_len)]
             steps += variants
     return steps
+
+
+def _sampling(params: SamplingParams, B: int):
+    return pack_sampling([params] * B, B, [0] * B, [0] * B)
 
 
 def compile_step_shapes(

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jtp.core.packed_step import MAX_LOGPROBS, PackedStep, StepLayout
+from jtp.core.packed_step import PackedStep, StepLayout, compiled_flags
+from jtp.core.sampling_params import penalty_len
 from jtp.core.scheduler import Buckets
 from jtp.core.scheduler_output import SchedulerOutput
 from jtp.core.step_input import GREEDY_EPS, STOP_IDS_WIDTH, SamplingFlags
@@ -25,7 +26,6 @@ from jtp.core.step_input import GREEDY_EPS, STOP_IDS_WIDTH, SamplingFlags
 _FLOAT_COLUMNS = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
                   "presence_penalty": 0.0, "frequency_penalty": 0.0}
 _INT_COLUMNS = {"top_k": 0, "seed": 0, "step": 0, "logprobs": -1}
-PENALTY_MIN_LEN = 64  # the penalty history's length: a power of two >= this (few compiled lengths)
 
 
 class InputBatch:
@@ -91,17 +91,16 @@ class InputBatch:
         M = Buckets.pick(self.buckets.blocks, int(out.num_blocks.max()))
         verify = len(out.draft_tokens) > 0
         sampling_slots = slots if all_sample else slots[samples]
-        flags = SamplingFlags(
+        flags = compiled_flags(SamplingFlags(
             needs_top_k_p_min_p=bool(self.truncates[sampling_slots].any()),
             needs_penalties=bool(self.penalised[sampling_slots].any()),
-            num_logprobs=MAX_LOGPROBS if (self.sampling_ints[sampling_slots, 3] > 0).any() else 0,
-        )
-        penalty_len = 0
+            num_logprobs=int((self.sampling_ints[sampling_slots, 3] > 0).any()),
+        ))
+        history_len = 0
         if flags.needs_penalties:
             known = np.where(samples, self.num_known[slots], 0)
-            longest = int(known.max(initial=0))
-            penalty_len = max(PENALTY_MIN_LEN, 1 << max(0, longest - 1).bit_length())
-        layout = StepLayout(T, B, M, max_row_len, self.verify_positions if verify else 0, penalty_len, flags)
+            history_len = penalty_len(int(known.max(initial=0)), self.token_table.shape[1])
+        layout = StepLayout(T, B, M, max_row_len, self.verify_positions if verify else 0, history_len, flags)
         ints, floats = (buf.copy() for buf in self._template(layout))
         packed = PackedStep(layout, ints, floats)
         f = packed.fields()
@@ -156,10 +155,10 @@ class InputBatch:
         sampling_floats[:, :n][:, rows] = self.sampling_floats[slots[rows]].T
         # A sampling row generates its token number (tokens so far) - (prompt).
         sampling_ints[2, :n] = np.where(samples, starts + lens - out.num_drafts - self.num_prompt[slots], 0)
-        if penalty_len:
-            cols = np.arange(penalty_len, dtype=np.int32)[None, :]
-            history = np.zeros((n, penalty_len), np.int32)
-            w = min(penalty_len, width)
+        if history_len:
+            cols = np.arange(history_len, dtype=np.int32)[None, :]
+            history = np.zeros((n, history_len), np.int32)
+            w = min(history_len, width)
             history[:, :w] = self.token_table[slots, :w]
             in_history = cols < known[:, None]
             f["penalty_ids"][:n] = np.where(in_history, history, -1)
