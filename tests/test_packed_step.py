@@ -79,3 +79,30 @@ def test_without_penalties_and_bad_messages(engine):
 def test_imports_numpy_only():
     code = "import sys, jtp.core.packed_step; sys.exit('jax' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "jtp.core.packed_step imported jax"
+
+
+@pytest.mark.parametrize("verify, penalty_len", [(0, 0), (0, 256), (4, 1024)])
+def test_the_sampling_part_is_the_int_buffers_tail_and_the_forward_part_its_head(verify, penalty_len):
+    """The runner's two programs read one buffer: the forward program its head (everything but the
+    penalty history), the sampling program its tail from seq_slots on. Both must see the fields the
+    whole layout puts there."""
+    from jtp.core.packed_step import NO_FLAGS, StepLayout
+    from jtp.core.step_input import SamplingFlags
+
+    flags = SamplingFlags(True, bool(penalty_len), 20)
+    layout = StepLayout(64, 8, 16, 16, verify, penalty_len, flags)
+    _, _, n_int, n_float = layout.offsets()
+    ints, floats = np.arange(n_int, dtype=np.int32), np.arange(n_float, dtype=np.float32)
+    whole = layout.views(ints, floats)
+    tail = layout.sampling.views(ints[layout.sampling_start():], floats)
+    assert set(tail) == {"seq_slots", "top_k", "seed", "step", "logprobs", "stop_ids", "num_steps", "temperature",
+                         "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"} | (
+                            {"penalty_ids", "penalty_is_output"} if penalty_len else set())
+    for name, view in tail.items():
+        np.testing.assert_array_equal(view, whole[name], err_msg=name)
+    forward = layout.forward
+    assert forward.flags == NO_FLAGS and forward.penalty_len == 0
+    head = forward.views(ints[: forward.offsets()[2]])
+    assert set(head) == set(whole) - {"penalty_ids", "penalty_is_output"} - set(layout.offsets()[1])
+    for name, view in head.items():
+        np.testing.assert_array_equal(view, whole[name], err_msg=name)

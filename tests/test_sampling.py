@@ -505,3 +505,16 @@ def test_from_dict():
         SamplingParams.from_dict({"ignore_eos": 1})
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams.from_dict({"temperature": "hot"})
+
+
+def test_penalty_history_lengths_are_few_and_cover_every_history():
+    from jtp.core.sampling_params import penalty_len, penalty_lengths
+
+    assert penalty_lengths(40960) == (256, 1024, 4096, 16384, 40960)
+    assert penalty_lengths(128) == (128,) and penalty_lengths(256) == (256,)
+    for max_len in (100, 256, 1000, 4096, 40960):
+        lengths = penalty_lengths(max_len)
+        for longest in range(0, max_len + 1, 7):
+            n = penalty_len(longest, max_len)
+            assert n in lengths and n >= longest
+            assert all(m < longest for m in lengths if m < n)  # the shortest that holds it
