@@ -220,9 +220,7 @@ class ModelRunner:
             logits, self.cache = self._run(*self._forward_program(ints, layout))
             result, self.sampled = self._run(*self._sampling_program(logits, ints, floats, layout))
             return result
-        kind, fn = ("decode", self._decode_fn) if loops else ("step", self._step_fn)
-        result, self.cache, self.sampled = self._run((kind, layout), fn,
-                                                     (self.params, self.cache, self.sampled, ints, floats), layout)
+        result, self.cache, self.sampled = self._run(*self._fused_program(ints, floats, layout))
         return result
 
     def _run(self, key, fn, args, layout):
@@ -252,6 +250,11 @@ class ModelRunner:
         return (("sample", layout.sampling), self._sample_fn,
                 (logits, self.sampled, ints[layout.sampling_start():], floats), layout.sampling)
 
+    def _fused_program(self, ints, floats, layout: StepLayout):
+        """The same for a step that is one program (the decode loop's, or one with the MTP head)."""
+        kind, fn = ("decode", self._decode_fn) if self._loops(layout) else ("step", self._step_fn)
+        return (kind, layout), fn, (self.params, self.cache, self.sampled, ints, floats), layout
+
     def samples_separately(self, step: PackedStep | StepInput) -> bool:
         """Whether `step` samples in a program of its own (so its sampling variants are small programs)."""
         return self._splits(host_buffers(step)[2])
@@ -269,8 +272,7 @@ class ModelRunner:
             logits = jax.ShapeDtypeStruct((positions, self.cfg.vocab_size), jnp.float32, sharding=self._logits_sharding)
             programs = [self._forward_program(ints, layout), self._sampling_program(logits, ints, floats, layout)]
         else:
-            kind, fn = ("decode", self._decode_fn) if self._loops(layout) else ("step", self._step_fn)
-            programs = [((kind, layout), fn, (self.params, self.cache, self.sampled, ints, floats), layout)]
+            programs = [self._fused_program(ints, floats, layout)]
         out = []
         for key, fn, args, static in programs:
             if key in skip or (key in self._executables and not again):
