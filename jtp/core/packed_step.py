@@ -41,8 +41,8 @@ from jtp.core.step_input import (
 _PLAN_INTS = ("token_ids", "positions", "slot_mapping", "token_rows", "block_tables", "context_lens",
               "row_starts", "row_lens", "state_reads", "state_writes", "state_keeps", "logits_indices", "seq_slots")
 _SAMPLING_INTS = ("top_k", "seed", "step", "logprobs")
-NO_FLAGS = SamplingFlags(needs_top_k_p_min_p=False, needs_penalties=False, num_logprobs=0)
 _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+NO_FLAGS = SamplingFlags(needs_top_k_p_min_p=False, needs_penalties=False, num_logprobs=0)  # the forward program's
 
 
 class StepLayout(NamedTuple):

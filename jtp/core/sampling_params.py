@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jtp.core.step_input import GREEDY_EPS, SamplingBatch, SamplingFlags  # noqa: F401 - numpy-only step inputs
+from jtp.core.step_input import GREEDY_EPS, SamplingBatch, SamplingFlags, bucket_sizes  # noqa: F401 - numpy-only step inputs
 
 MAX_LOGPROBS = 20
 # Stop strings live in a per-request automaton on the step thread: bound its size.
@@ -207,11 +207,7 @@ PENALTY_MIN_LEN = 256  # the penalty history's shortest compiled length
 def penalty_lengths(max_model_len: int) -> tuple[int, ...]:
     """The penalty history's compiled lengths: powers of four from PENALTY_MIN_LEN below
     max_model_len, then max_model_len (each one a sampling program per rows bucket: few)."""
-    out, n = [], PENALTY_MIN_LEN
-    while n < max_model_len:
-        out.append(n)
-        n *= 4
-    return (*out, max_model_len)
+    return bucket_sizes(PENALTY_MIN_LEN, max_model_len, base=4)
 
 
 def penalty_len(longest: int, max_model_len: int | None = None) -> int:

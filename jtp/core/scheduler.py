@@ -39,7 +39,7 @@ from jtp.core.page_pool import PagePool
 from jtp.core.sampling_params import SamplingParams
 from jtp.core.scheduler_output import NewRequest, SchedulerOutput
 from jtp.core.state_pool import StatePool
-from jtp.core.step_input import StepPlan
+from jtp.core.step_input import StepPlan, bucket_sizes
 
 
 class Status(enum.Enum):
@@ -131,13 +131,13 @@ class Buckets:
         """`bucket_row_lens=False`: the step's program ignores the tokens-per-row bound beyond 1 (the
         dense model's reference attention), so every step with a longer row takes the loosest, T."""
         return cls(
-            tokens=_powers(16, max_num_batched_tokens),
-            rows=_powers(8, max_num_seqs),
+            tokens=bucket_sizes(16, max_num_batched_tokens),
+            rows=bucket_sizes(8, max_num_seqs),
             # The GPU decode kernel reads a row's pages several per iteration, a count that must
             # divide the table's width (else it falls back to one page per iteration, 4x the
             # latency): round the width up to a multiple of 16 pages; the extra entries are 0.
-            blocks=_powers(1, max_blocks_per_seq, base=4) if bucket_blocks else (-(-max_blocks_per_seq // 16) * 16,),
-            row_lens=(1,) + (_powers(4, max_num_batched_tokens, base=4) if bucket_row_lens else (max_num_batched_tokens,)),
+            blocks=bucket_sizes(1, max_blocks_per_seq, base=4) if bucket_blocks else (-(-max_blocks_per_seq // 16) * 16,),
+            row_lens=(1,) + (bucket_sizes(4, max_num_batched_tokens, base=4) if bucket_row_lens else (max_num_batched_tokens,)),
         )
 
     @staticmethod
@@ -161,14 +161,6 @@ class Buckets:
             for m in {2} | {q for q in self.row_lens if 2 <= q <= T} | {T}
         }
         return [(T, B, q, M) for T, B, q in sorted(decode) + sorted(mixed) for M in self.blocks]
-
-
-def _powers(lo: int, hi: int, base: int = 2) -> tuple[int, ...]:
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= base
-    return tuple(out) + (hi,)
 
 
 @dataclasses.dataclass

@@ -18,6 +18,15 @@ GREEDY_EPS = 1e-5  # temperatures below this are greedy (x / 1e-6 would overflow
 STOP_IDS_WIDTH = 4  # stop tokens per row the device checks in a multi-step decode
 
 
+def bucket_sizes(lo: int, hi: int, base: int = 2) -> tuple[int, ...]:
+    """A static dimension's sizes: lo, lo x base, ... below hi, then hi itself."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= base
+    return tuple(out) + (hi,)
+
+
 def pack_stop_ids(stop_ids: list[frozenset[int]], num_rows: int) -> np.ndarray:
     """i32[num_rows, STOP_IDS_WIDTH]: each row's stop tokens (the first few, sorted), -1 padded."""
     out = np.full((num_rows, STOP_IDS_WIDTH), -1, np.int32)
