@@ -60,7 +60,7 @@ def run_engine(model_dir: Path, tp: int, dtype: str, prompts, max_tokens: int, b
         outs = [dict(tokens=c.token_ids, top=c.top_logprobs) for c in engine.generate(prompts, params)]
         if collectives is not None:  # a decode step of 8 rows, at the engine's own bucketed shape
             buckets = engine.scheduler.buckets
-            plan = engine.scheduler.padding_plan(*buckets.step_shape(8, 8, 1), buckets.blocks[-1])
+            plan = engine.scheduler.padding_plan(*buckets.step_shape(8, 8, 1))
             collectives.append(step_collectives(engine.runner, plan))
         return outs
     finally:

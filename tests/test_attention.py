@@ -106,6 +106,48 @@ def _random_rows(rng, B, T, max_ctx):
     return rows
 
 
+def _dense_attention(q, cache, meta, scale, n_real):
+    """Each real token's causal attention over its row's pages, in float64 numpy, one token at a time."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, cache.k, cache.v))
+    block_size, hkv = k.shape[1], k.shape[2]
+    group = q.shape[1] // hkv
+    tables, rows, positions = (np.asarray(x) for x in (meta.block_tables, meta.token_rows, meta.positions))
+    out = np.zeros_like(q)
+    for t in range(n_real):
+        n = int(positions[t]) + 1
+        pos = np.arange(n)
+        slots = tables[rows[t], pos // block_size] * block_size + pos % block_size
+        keys = k.reshape(-1, hkv, k.shape[-1])[slots]  # [n, hkv, D]
+        values = v.reshape(-1, hkv, v.shape[-1])[slots]
+        for h in range(q.shape[1]):
+            scores = keys[:, h // group] @ q[t, h] * scale
+            p = np.exp(scores - scores.max())
+            out[t, h] = (p / p.sum()) @ values[:, h // group]
+    return out
+
+
+def test_reference_matches_dense_attention_over_several_chunks_and_any_table_width():
+    """The reference walks the table CHUNK_KEYS keys at a time for as many chunks as the longest
+    context needs: the same numbers as a dense softmax per token, and the same for any table width
+    (which is why the scheduler needs one width only)."""
+    from jtp.models.attention import CHUNK_KEYS
+
+    rng, tag = _rng(900)
+    block_size, T, B = 16, 64, 8
+    longest = 2 * CHUNK_KEYS + 37  # three chunks
+    rows = [(1, longest), (20, 20), (1, 1), (30, CHUNK_KEYS + 30), (1, CHUNK_KEYS)]
+    max_blocks = -(-longest // block_size) + 3  # not a multiple of the pages per chunk
+    q, cache, meta, n_real = make_batch(rng, rows, T, B, 2, 2, 32, jnp.float32, block_size, num_blocks=160,
+                                        max_blocks=max_blocks)
+    out = np.asarray(jax.jit(paged_attention_reference, static_argnums=3)(q, cache, meta, 0.2))
+    assert np.isfinite(out).all(), "padding tokens must not produce NaN"
+    dense = _dense_attention(q, cache, meta, 0.2, n_real)
+    err = np.abs(out[:n_real] - dense[:n_real]).max()
+    assert err < 1e-4, f"max error {err:.3g} ({tag})"
+    wider = meta._replace(block_tables=jnp.pad(meta.block_tables, ((0, 0), (0, 45))))
+    np.testing.assert_array_equal(np.asarray(paged_attention_reference(q, cache, wider, 0.2))[:n_real], out[:n_real])
+
+
 CASES = [
     # (group, hkv, D, dtype, config)  config = (tq, pages/iter, splits, warps, stages) or None
     (1, 2, 64, jnp.float32, None),
@@ -377,15 +419,13 @@ def test_kernel_tiles_fit_shared_memory_in_float32():
 def test_kernel_block_tables_keep_several_pages_per_iteration():
     """The GPU decode kernel reads `pages per iteration` pages at a time, a count that must divide
     the block table's width (else it falls back to one page per iteration: 1.5x the attention time
-    of Qwen3-8B at B=1 on an H200). The scheduler's kernel-path width is a multiple of 16 pages for
-    any max_model_len, e.g. bench.py's 2049 tokens (129 pages of 16)."""
+    of Qwen3-8B at B=1 on an H200). The scheduler's width is a multiple of 16 pages for any
+    max_model_len, e.g. bench.py's 2049 tokens (129 pages of 16)."""
     from jtp.core.scheduler import Buckets
     from jtp.kernels.ragged_paged_attention import choose_decode_config
 
     for max_blocks in (1, 7, 64, 129, 2560):
-        (width,) = Buckets.make(2048, 64, max_blocks, bucket_blocks=False).blocks
+        width = Buckets.make(2048, 64, max_blocks).table_width
         assert width >= max_blocks and width % 16 == 0
         _, ppi, _, _, _ = choose_decode_config(16, 8, 8, 4, 16, width)
         assert ppi == 4  # JTP_ATTN_DECODE_KEYS 64 / block_size 16
-    # The reference path (no kernel) buckets the width instead: powers of four up to the maximum.
-    assert Buckets.make(2048, 64, 129).blocks == (1, 4, 16, 64, 129)

@@ -20,7 +20,7 @@ from jtp.core.block_hash import root_key
 from jtp.core.packed_step import PackedStep
 from jtp.core.page_pool import PagePool
 from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling
-from jtp.core.scheduler import Buckets, Request, Scheduler, Status
+from jtp.core.scheduler import Request, Scheduler, Status
 from jtp.core.state_pool import StatePool
 from jtp.core.step_input import STOP_IDS_WIDTH, StepInput, StepPlan
 from jtp.worker.input_batch import InputBatch
@@ -34,8 +34,7 @@ def reference_plan(sched: Scheduler, rows) -> StepPlan:
     total = sum(r.num_tokens for r in rows)
     T, B, max_row_len = sched.buckets.step_shape(total, len(rows), max(r.num_tokens for r in rows))
     tables = [sched.pool.block_table(r.request.id) for r in rows]
-    M = Buckets.pick(sched.buckets.blocks, max(len(t) for t in tables))
-    plan = StepPlan.padding(T, B, max_row_len, M)
+    plan = StepPlan.padding(T, B, max_row_len, sched.buckets.table_width)
     plan.row_starts[:] = total
     plan.num_steps = rows[0].steps
     verify = any(r.drafts for r in rows)

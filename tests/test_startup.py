@@ -109,7 +109,7 @@ def test_ahead_of_time_warmup_gives_the_jitted_steps_results_and_compiles_nothin
         shapes = eng.scheduler.buckets.shapes()
         looped = [s for s in shapes if steps > 1 and s[2] == 1]
         apart = [s for s in shapes if s not in looped]
-        rows, lengths = len({B for _, B, _, _ in apart}), len(penalty_lengths(SMALL["max_model_len"]))
+        rows, lengths = len({B for _, B, _ in apart}), len(penalty_lengths(SMALL["max_model_len"]))
         assert lengths == 1  # max_model_len 128: one length, the whole context
         assert compiled == 2 * len(looped) + len(apart) + rows * (4 + lengths)
         assert report.variants == 2 * len(looped) + 4 * len(apart) + rows * lengths
@@ -126,11 +126,11 @@ def test_a_dense_model_on_the_reference_path_ignores_the_tokens_per_row_bound(de
 
     with Engine.from_args(EngineArgs(model=str(demo_dir), warmup=False, **SMALL)) as eng:
         assert not eng.runner.uses_row_len_bound
-        assert {q for _, _, q, _ in eng.scheduler.buckets.shapes()} == {1, 16, 32}  # 1, or the step's tokens
+        assert {q for _, _, q in eng.scheduler.buckets.shapes()} == {1, 16, 32}  # 1, or the step's tokens
         B = eng.scheduler.buckets.rows[-1]
         sampling = pack_sampling([SamplingParams(temperature=1.0)] * B, B, [0] * B, [0] * B)
         texts = {q: [lowered.as_text() for _, lowered in
-                     eng.runner.lower(StepInput(eng.scheduler.padding_plan(32, B, q, 4), sampling))]
+                     eng.runner.lower(StepInput(eng.scheduler.padding_plan(32, B, q), sampling))]
                  for q in (4, 32)}
         assert texts[4] == texts[32]
 

@@ -111,22 +111,20 @@ class Buckets:
     rows: powers of two from 8 to max_num_seqs. A pure decode step picks it from its row count;
       a step with a longer row takes the most rows its token bucket can hold (padding rows
       cost almost nothing there, and the step shape then depends on the tokens alone);
-    tokens per row: 1 in a pure decode step, else a power of four from 4, at most the tokens;
-    blocks per row: powers of four up to the blocks of max_model_len; just that maximum (rounded
-      up to 16) when attention cost does not depend on the table's width (the GPU kernels walk a
-      row's own pages; only the plain-jnp reference gathers the whole table).
-    The last two are coarse because they multiply every other dimension (see `shapes`).
+    tokens per row: 1 in a pure decode step, else a power of four from 4, at most the tokens
+      (coarse, as it multiplies the other dimensions: see `shapes`).
+    The block table has one width, the blocks of max_model_len rounded up to 16: every attention
+    walks a row's own pages, so its cost follows the context, not the width.
     """
 
     tokens: tuple[int, ...]
     rows: tuple[int, ...]
-    blocks: tuple[int, ...]
+    table_width: int
     row_lens: tuple[int, ...]
 
     @classmethod
     def make(
-        cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, bucket_blocks: bool = True,
-        bucket_row_lens: bool = True,
+        cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, bucket_row_lens: bool = True,
     ) -> "Buckets":
         """`bucket_row_lens=False`: the step's program ignores the tokens-per-row bound beyond 1 (the
         dense model's reference attention), so every step with a longer row takes the loosest, T."""
@@ -136,7 +134,7 @@ class Buckets:
             # The GPU decode kernel reads a row's pages several per iteration, a count that must
             # divide the table's width (else it falls back to one page per iteration, 4x the
             # latency): round the width up to a multiple of 16 pages; the extra entries are 0.
-            blocks=bucket_sizes(1, max_blocks_per_seq, base=4) if bucket_blocks else (-(-max_blocks_per_seq // 16) * 16,),
+            table_width=-(-max_blocks_per_seq // 16) * 16,
             row_lens=(1,) + (bucket_sizes(4, max_num_batched_tokens, base=4) if bucket_row_lens else (max_num_batched_tokens,)),
         )
 
@@ -151,16 +149,19 @@ class Buckets:
             return T, self.pick(self.rows, num_rows), 1
         return T, self.pick(self.rows, min(T, self.rows[-1])), min(self.pick(self.row_lens, longest_row), T)
 
-    def shapes(self) -> list[tuple[int, int, int, int]]:
-        """Every (tokens, rows, tokens per row, blocks per row) the scheduler can pick, decode first."""
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every (tokens, rows, tokens per row) the scheduler can pick, decode first."""
         decode = {self.step_shape(n, n, 1) for n in range(1, self.rows[-1] + 1)}
-        # A step with a row of m >= 2 tokens has at least m tokens: any token bucket T >= m.
+        # A step with a row of m >= 2 tokens has at least m tokens: any token bucket T >= m. It has
+        # at most rows[-1] rows of at most q tokens, so a tokens bucket past rows[-1] * q is unreachable.
+        smallest = dict(zip(self.tokens, (1,) + tuple(t + 1 for t in self.tokens[:-1])))  # fewest tokens of each bucket
         mixed = {
-            self.step_shape(T, 1, m)
+            shape
             for T in self.tokens
             for m in {2} | {q for q in self.row_lens if 2 <= q <= T} | {T}
+            if self.rows[-1] * (shape := self.step_shape(T, 1, m))[2] >= smallest[T]
         }
-        return [(T, B, q, M) for T, B, q in sorted(decode) + sorted(mixed) for M in self.blocks]
+        return sorted(decode) + sorted(mixed)
 
 
 @dataclasses.dataclass
@@ -185,7 +186,7 @@ class ScheduledRow:
 class Scheduler:
     def __init__(
         self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-        bucket_blocks: bool = True, states: StatePool | None = None, cache_root: bytes | None = None,
+        states: StatePool | None = None, cache_root: bytes | None = None,
         bucket_row_lens: bool = True,
         num_scheduler_steps: int = 1, speculative: SpeculativeConfig | None = None,
     ):
@@ -209,7 +210,7 @@ class Scheduler:
         self.num_scheduler_steps = num_scheduler_steps
         self.speculative = speculative
         max_blocks = -(-max_model_len // pool.block_size)
-        self.buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, max_blocks, bucket_blocks, bucket_row_lens)
+        self.buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, max_blocks, bucket_row_lens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_seq_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -585,7 +586,7 @@ class Scheduler:
             block_updates=block_updates, finished_slots=finished,
         )
 
-    def padding_plan(self, T: int, B: int, max_row_len: int, M: int, verify: bool = False) -> StepPlan:
+    def padding_plan(self, T: int, B: int, max_row_len: int, verify: bool = False) -> StepPlan:
         """A step of the given shape with nothing in it: no K/V or state is written (warm-up).
         `verify`: sample like a speculative verify step ([1 + k, B] logits indices)."""
-        return StepPlan.padding(T, B, max_row_len, M, self.speculative.verify_positions if verify else 0)
+        return StepPlan.padding(T, B, max_row_len, self.buckets.table_width, self.speculative.verify_positions if verify else 0)

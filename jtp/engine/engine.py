@@ -97,7 +97,7 @@ class Engine:
         self.cache_identity = f"{cfg!r}|{self.runner.dtype}|block_size={config.block_size}|tp={self.runner.tp}"
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            bucket_blocks=self.runner.attention.impl != "kernel", bucket_row_lens=self.runner.uses_row_len_bound,
+            bucket_row_lens=self.runner.uses_row_len_bound,
             states=self.states, cache_root=root_key(self.cache_identity) if config.enable_prefix_caching else None,
             num_scheduler_steps=config.num_scheduler_steps, speculative=self.speculative,
         )

@@ -1,6 +1,6 @@
 """Warm-up: compile the step for every shape the scheduler can produce, before the first request.
 
-Each (tokens, rows, tokens-per-row, blocks-per-row) bucket is one all-padding step (nothing is
+Each (tokens, rows, tokens-per-row) bucket is one all-padding step (nothing is
 written to the KV cache or the state slots) with the two common sampling variants (plain, and
 top-k/top-p/min-p); where the runner samples in a program of its own (one forward program per
 shape, one small sampling program per rows bucket and variant), also their logprobs variants and,
@@ -86,7 +86,7 @@ def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None,
     programs: the forward program is the shape's)."""
     steps, rows_seen = [], set()
     for shape in scheduler.buckets.shapes():
-        _, B, max_row_len, _ = shape
+        _, B, max_row_len = shape
         # Rows of several tokens may be speculating rows: their verify steps sample [1 + k, B].
         for verify in (False, True) if speculative is not None and max_row_len > 1 else (False,):
             plan = scheduler.padding_plan(*shape, verify=verify)

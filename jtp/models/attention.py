@@ -28,6 +28,7 @@ from jtp.parallel.sharding import kv_head_replicas
 # Masked scores use a large finite value, not -inf: a padding token whose row has no context
 # then yields a harmless uniform softmax instead of NaN.
 _MASKED = -1e30
+CHUNK_KEYS = 256  # keys the reference attention reads per loop iteration
 
 
 class AttentionMetadata(NamedTuple):
@@ -87,28 +88,47 @@ def write_kv(cache: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 def paged_attention_reference(q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float) -> jax.Array:
     """Causal GQA attention of q [T, q_heads, D] over each token's row context, in plain jnp.
 
-    Gathers every token's context pages (T x max_blocks x block_size keys): simple and exact,
-    meant for CPUs, tests and as the yardstick of the GPU kernels.
+    Walks the block table CHUNK_KEYS keys at a time, for as many chunks as the longest context
+    needs (a while loop: the work follows the contexts, not the table's width, so one program
+    serves every width), with an online softmax in f32. Meant for CPUs, tests and as the
+    yardstick of the GPU kernels.
     """
     T, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = cache.k.shape
     group = num_q_heads // num_kv_heads
+    pages = max(1, CHUNK_KEYS // block_size)  # pages per chunk
+    keys_per_chunk = pages * block_size
 
     tables = meta.block_tables[meta.token_rows]  # [T, max_blocks]
-    slots = (tables[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, -1)  # [T, S]
+    width = -(-tables.shape[1] // pages) * pages
+    tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
+    # Keys a token sees: its row's context up to its own position.
+    visible_len = jnp.minimum(meta.positions + 1, meta.context_lens[meta.token_rows])  # [T]
+    num_chunks = jnp.minimum(-(-jnp.max(visible_len) // keys_per_chunk), width // pages)
     flat_k = cache.k.reshape(-1, num_kv_heads, head_dim)
     flat_v = cache.v.reshape(-1, num_kv_heads, head_dim)
-    keys, values = flat_k[slots], flat_v[slots]  # [T, S, kv_heads, D]
-
     qg = q.reshape(T, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, preferred_element_type=jnp.float32) * scale
-    key_pos = jnp.arange(slots.shape[1])
-    visible = (key_pos[None, :] <= meta.positions[:, None]) & (
-        key_pos[None, :] < meta.context_lens[meta.token_rows][:, None]
-    )
-    scores = jnp.where(visible[:, None, None, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("tkgs,tskd->tkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+
+    def chunk(carry):
+        i, running_max, denominator, out = carry
+        page_ids = jax.lax.dynamic_slice_in_dim(tables, i * pages, pages, axis=1)  # [T, pages]
+        slots = (page_ids[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, keys_per_chunk)
+        keys, values = flat_k[slots], flat_v[slots]  # [T, S, kv_heads, D]
+        scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, preferred_element_type=jnp.float32) * scale
+        key_pos = i * keys_per_chunk + jnp.arange(keys_per_chunk)
+        scores = jnp.where((key_pos[None, :] < visible_len[:, None])[:, None, None, :], scores, _MASKED)
+        new_max = jnp.maximum(running_max, scores.max(axis=-1))
+        rescale = jnp.exp(running_max - new_max)
+        probs = jnp.exp(scores - new_max[..., None])
+        denominator = denominator * rescale + probs.sum(axis=-1)
+        out = out * rescale[..., None] + jnp.einsum(
+            "tkgs,tskd->tkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        return i + 1, new_max, denominator, out
+
+    stats = jnp.full((T, num_kv_heads, group), _MASKED, jnp.float32)
+    init = (jnp.int32(0), stats, jnp.zeros_like(stats), jnp.zeros((T, num_kv_heads, group, head_dim), jnp.float32))
+    _, _, denominator, out = jax.lax.while_loop(lambda c: c[0] < num_chunks, chunk, init)
+    out = out / jnp.maximum(denominator, 1e-30)[..., None]
     return out.reshape(T, num_q_heads, head_dim).astype(q.dtype)
 
 

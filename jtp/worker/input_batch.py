@@ -40,14 +40,14 @@ class InputBatch:
         self.token_table = np.zeros((S, max_model_len), np.int32)
         self.num_known = np.zeros(S, np.int32)  # tokens of the slot's request the host knows
         self.num_prompt = np.zeros(S, np.int32)
-        self.block_table = np.zeros((S, max(buckets.blocks)), np.int32)
+        self.block_table = np.zeros((S, buckets.table_width), np.int32)
         self.sampling_floats = np.tile(np.array(list(_FLOAT_COLUMNS.values()), np.float32), (S, 1))
         self.sampling_ints = np.tile(np.array(list(_INT_COLUMNS.values()), np.int32), (S, 1))
         self.stop_ids = np.full((S, STOP_IDS_WIDTH), -1, np.int32)
         # Per-slot facts behind the step's static sampling flags.
         self.truncates = np.zeros(S, bool)  # samples (not greedy) and uses top-k / top-p / min-p
         self.penalised = np.zeros(S, bool)
-        self._arange = np.arange(max(buckets.tokens[-1], max(buckets.blocks), verify_positions, S) + 1, dtype=np.int32)
+        self._arange = np.arange(max(buckets.tokens[-1], buckets.table_width, verify_positions, S) + 1, dtype=np.int32)
         self._templates: dict[StepLayout, tuple[np.ndarray, np.ndarray]] = {}
 
     # ------------------------------------------------------------------ diffs
@@ -88,7 +88,7 @@ class InputBatch:
         all_sample = bool(samples.all())
         total = int(lens.sum())
         T, B, max_row_len = self.buckets.step_shape(total, n, int(lens.max()))
-        M = Buckets.pick(self.buckets.blocks, int(out.num_blocks.max()))
+        M = self.buckets.table_width
         verify = len(out.draft_tokens) > 0
         sampling_slots = slots if all_sample else slots[samples]
         flags = compiled_flags(SamplingFlags(
