@@ -31,6 +31,7 @@ import itertools
 import logging
 import threading
 import time
+from typing import Callable
 from pathlib import Path
 
 import jax
@@ -479,12 +480,11 @@ class Engine:
 
     # ------------------------------------------------------------------ warm-up
 
-    def warmup(self, progress: bool = False) -> int:
-        """Compile the step for every shape the scheduler can produce (jtp/engine/warmup.py), then
-        set `ready`. Returns how many step variants were compiled; `warmup_report` says more."""
+    def warmup(self, progress: bool = False, interrupted: Callable[[], bool] = lambda: False) -> int:
+        """Compile every step shape (engine/warmup.py), then set `ready`; give up on stop() or `interrupted()`."""
         with self.paused():
             report = self.warmup_report = compile_step_shapes(
-                self.scheduler, self.runner, self.speculative, lambda: self._stopping, progress)
+                self.scheduler, self.runner, self.speculative, lambda: self._stopping or interrupted(), progress)
             if not report.finished:  # stop() / close() during warm-up (Ctrl-C): gave up
                 return report.compiled
         self.ready.set()

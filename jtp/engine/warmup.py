@@ -140,7 +140,7 @@ def compile_step_shapes(
 def _size(step: StepInput) -> tuple[int, ...]:
     """A step's shape, largest dimension first: a proxy for how long XLA takes over its program."""
     plan = step.plan
-    return len(plan.token_ids), len(plan.context_lens), plan.block_tables.shape[1]
+    return len(plan.token_ids), len(plan.context_lens), plan.max_row_len or len(plan.token_ids)
 
 
 def _program_digest(lowered: jax.stages.Lowered) -> bytes:

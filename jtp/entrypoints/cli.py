@@ -31,6 +31,7 @@ from jtp.entrypoints.cli_support import (
     add_compile_cache_arg,
     exit_now,
     interrupt_guard,
+    interrupted,
     note,
     open_engine,
     raise_if_interrupted,
@@ -207,7 +208,7 @@ def cmd_warmup(args: argparse.Namespace, warmup_argv: list[str]) -> int:
         return run_follower(engine_args)
     with open_engine(engine_args) as engine:
         try:
-            engine.warmup(progress=True)
+            engine.warmup(progress=True, interrupted=interrupted)
             raise_if_interrupted()
         except KeyboardInterrupt:
             if engine.runner.compiles_ahead:  # compile threads may be inside XLA
