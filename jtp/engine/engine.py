@@ -31,8 +31,8 @@ import itertools
 import logging
 import threading
 import time
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import jax
 

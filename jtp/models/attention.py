@@ -99,9 +99,8 @@ def paged_attention_reference(q: jax.Array, cache: LayerKV, meta: AttentionMetad
     pages = max(1, CHUNK_KEYS // block_size)  # pages per chunk
     keys_per_chunk = pages * block_size
 
-    tables = meta.block_tables[meta.token_rows]  # [T, max_blocks]
-    width = -(-tables.shape[1] // pages) * pages
-    tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
+    width = -(-meta.block_tables.shape[1] // pages) * pages
+    tables = jnp.pad(meta.block_tables, ((0, 0), (0, width - meta.block_tables.shape[1])))  # [B, width]
     # Keys a token sees: its row's context up to its own position.
     visible_len = jnp.minimum(meta.positions + 1, meta.context_lens[meta.token_rows])  # [T]
     num_chunks = jnp.minimum(-(-jnp.max(visible_len) // keys_per_chunk), width // pages)
@@ -111,7 +110,7 @@ def paged_attention_reference(q: jax.Array, cache: LayerKV, meta: AttentionMetad
 
     def chunk(carry):
         i, running_max, denominator, out = carry
-        page_ids = jax.lax.dynamic_slice_in_dim(tables, i * pages, pages, axis=1)  # [T, pages]
+        page_ids = jax.lax.dynamic_slice_in_dim(tables, i * pages, pages, axis=1)[meta.token_rows]  # [T, pages]
         slots = (page_ids[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, keys_per_chunk)
         keys, values = flat_k[slots], flat_v[slots]  # [T, S, kv_heads, D]
         scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, preferred_element_type=jnp.float32) * scale
