@@ -149,11 +149,15 @@ def _offsets(layout: StepLayout):
 
 def compiled_flags(flags: SamplingFlags) -> SamplingFlags:
     """The sampling variant a step with these needs compiles as: any top-n request rounded up to
-    MAX_LOGPROBS (one variant instead of twenty); with penalties, every option on (one variant per
-    history length instead of four: penalised steps are the rare ones)."""
+    MAX_LOGPROBS with truncation on (one variant instead of forty); with penalties, every option on
+    (one variant per history length instead of four). Truncation with top_k 0, top_p 1 and min_p 0
+    keeps every token, so a row samples the same tokens in every variant; the rarer steps pay for
+    the options they did not ask for, and warm-up has fewer programs to compile."""
     if flags.needs_penalties:
         return SamplingFlags(needs_top_k_p_min_p=True, needs_penalties=True, num_logprobs=MAX_LOGPROBS)
-    return flags._replace(num_logprobs=MAX_LOGPROBS if flags.num_logprobs else 0)
+    if flags.num_logprobs:
+        return SamplingFlags(needs_top_k_p_min_p=True, needs_penalties=False, num_logprobs=MAX_LOGPROBS)
+    return flags
 
 
 def static_flags(sampling: SamplingBatch) -> SamplingFlags:

@@ -111,8 +111,10 @@ class Buckets:
     rows: powers of two from 8 to max_num_seqs. A pure decode step picks it from its row count;
       a step with a longer row takes the most rows its token bucket can hold (padding rows
       cost almost nothing there, and the step shape then depends on the tokens alone);
-    tokens per row: 1 in a pure decode step, else a power of four from 4, at most the tokens
-      (coarse, as it multiplies the other dimensions: see `shapes`).
+    tokens per row: 1 in a pure decode step, else a power of four from 16, at most the tokens
+      (coarse, as it multiplies the other dimensions: see `shapes`; 16, not 4, because a row of
+      2-16 tokens costs the same in the attention kernel's 16-row tiles and the DeltaNet chunks,
+      and each extra bound is one more forward program to compile before ready).
     The block table has one width, the blocks of max_model_len rounded up to 16: every attention
     walks a row's own pages, so its cost follows the context, not the width.
     """
@@ -135,7 +137,7 @@ class Buckets:
             # divide the table's width (else it falls back to one page per iteration, 4x the
             # latency): round the width up to a multiple of 16 pages; the extra entries are 0.
             table_width=-(-max_blocks_per_seq // 16) * 16,
-            row_lens=(1,) + (bucket_sizes(4, max_num_batched_tokens, base=4) if bucket_row_lens else (max_num_batched_tokens,)),
+            row_lens=(1,) + (bucket_sizes(16, max_num_batched_tokens, base=4) if bucket_row_lens else (max_num_batched_tokens,)),
         )
 
     @staticmethod

@@ -3,7 +3,7 @@
 Each (tokens, rows, tokens-per-row) bucket is one all-padding step (nothing is
 written to the KV cache or the state slots) with the two common sampling variants (plain, and
 top-k/top-p/min-p); where the runner samples in a program of its own (one forward program per
-shape, one small sampling program per rows bucket and variant), also their logprobs variants and,
+shape, one small sampling program per rows bucket and variant), also the logprobs variant and,
 per rows bucket, the penalty variant at each history length. A test checks that serving then
 compiles nothing more.
 
@@ -42,6 +42,7 @@ from jtp.worker.runner import ModelRunner
 log = logging.getLogger(__name__)
 
 VARIANTS = (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9))
+WITH_LOGPROBS = SamplingParams(temperature=1.0, logprobs=1)  # truncation on: one variant (compiled_flags)
 PENALISED = SamplingParams(temperature=1.0, repetition_penalty=1.1)  # penalties compile as one variant
 WORKERS_ENV = "JTP_COMPILE_WORKERS"  # compile threads (default: the CPU cores, at most 8; 1: no pool)
 
@@ -82,7 +83,7 @@ def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None,
                  samples_separately: Callable[[StepInput], bool] = lambda step: False) -> list[StepInput]:
     """The padding steps that cover every program the scheduler can pick: per shape the two
     variants; where the runner samples in a program of its own (`samples_separately`), their
-    logprobs variants too, and per rows bucket the penalty variant at each history length (small
+    logprobs variant too, and per rows bucket the penalty variant at each history length (small
     programs: the forward program is the shape's)."""
     steps, rows_seen = [], set()
     for shape in scheduler.buckets.shapes():
@@ -92,8 +93,7 @@ def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None,
             plan = scheduler.padding_plan(*shape, verify=verify)
             variants = [StepInput(plan, _sampling(params, B)) for params in VARIANTS]
             if samples_separately(variants[0]):
-                variants += [StepInput(plan, _sampling(dataclasses.replace(params, logprobs=1), B))
-                             for params in VARIANTS]
+                variants.append(StepInput(plan, _sampling(WITH_LOGPROBS, B)))
                 if (B, verify) not in rows_seen:
                     rows_seen.add((B, verify))
                     variants += [StepInput(plan, _sampling(PENALISED, B), pack_penalty_tokens([[]] * B, [[]] * B, B,
