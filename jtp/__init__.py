@@ -5,6 +5,8 @@
 The names load on first use, so `import jtp` stays cheap (no jax import).
 """
 
+__version__ = "0.1.0"  # the package's version (pyproject.toml reads it from here)
+
 _PUBLIC = {
     "EngineArgs": "jtp.config.engine_args",
     "EngineConfig": "jtp.config.engine_config",

@@ -135,6 +135,12 @@ def test_text_that_can_never_fit_is_400_before_tokenizing(dense):
                  "request_too_complex")
 
 
+# The bound on one /health round trip while a hostile request is processed: a request that held the
+# GIL (a long C call) would show as seconds; below this is the scheduling noise of two cores shared
+# with other test processes' XLA compiles (0.19 s seen once under `pytest -n 3`).
+HEALTH_LATENCY_BOUND = 0.5
+
+
 def health_latencies(url: str, busy: threading.Event) -> list[float]:
     """/health round trips (seconds) while `busy` is set, one every 10 ms."""
     out = []
@@ -175,7 +181,7 @@ def test_health_answers_in_milliseconds_while_big_requests_are_processed(dense):
     assert len(latencies) >= 5
     print(f"/health during attack: n={len(latencies)} median={statistics.median(latencies) * 1e3:.1f} ms "
           f"max={max(latencies) * 1e3:.1f} ms")
-    assert max(latencies) < 0.1
+    assert max(latencies) < HEALTH_LATENCY_BOUND, latencies
     assert greedy(dense, "The quick brown fox", 16) == solo
     assert settles(lambda: kv_in_use(dense.engine) == 0)
 
@@ -363,7 +369,7 @@ def test_hostile_chat_templates_are_400s_and_health_stays_fast(tmp_path):
             t = time.perf_counter()
             error = assert_error(looping.result(), 400, "chat_template_limit")
             assert "time limit" in error["message"]
-        assert max(latencies) < 0.1, latencies
+        assert max(latencies) < HEALTH_LATENCY_BOUND, latencies
         t = time.perf_counter()
         assert_error(chat("big"), 400, "chat_template_limit")
         assert time.perf_counter() - t < 1.0
@@ -392,7 +398,7 @@ def test_a_long_text_under_the_character_bound_is_counted_in_pieces():
             latencies = health_latencies(url, busy)
             assert_error(refused.result(), 400, "context_length_exceeded")
         print(f"/health beside a 3 MB prompt: n={len(latencies)} max={max(latencies) * 1e3:.1f} ms")
-        assert max(latencies) < 0.1
+        assert max(latencies) < HEALTH_LATENCY_BOUND, latencies
         ok = httpx.post(url + "/v1/completions", json={"prompt": "hello " * 20_000}, timeout=60)  # 120 kB: fits
         assert ok.status_code == 200, ok.text
 

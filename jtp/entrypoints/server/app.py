@@ -1,7 +1,9 @@
 """The Starlette app: routes, API-key check, and errors in the OpenAI shape.
 
     POST /v1/completions, /v1/chat/completions    generation (JSON or SSE)
-    GET  /v1/models                               the served model
+    GET  /v1/models, /v1/models/{id}              the served model
+    POST /tokenize, /detokenize                   vLLM's token-id helpers (behind the key, like /v1)
+    GET  /version                                 jtp's version
     GET  /health  (alive)  /ready  (warmed up)  /metrics  (Prometheus)   never need a key
 
 No request can take the server down: whatever a handler raises becomes an error response. While
@@ -32,6 +34,7 @@ from jtp.entrypoints.server.intake import Intake
 from jtp.entrypoints.server.limits import ServerLimits
 from jtp.entrypoints.server.metrics import ServerMetrics
 from jtp.entrypoints.server.serving import OpenAIServing
+from jtp import __version__
 from jtp.errors import RequestError
 
 log = logging.getLogger(__name__)
@@ -40,11 +43,12 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def build_app(engine, model_name: str, api_key: str | None = None, reasoning_parser: str | None = None,
-              limits: ServerLimits = ServerLimits()) -> Starlette:
+              limits: ServerLimits = ServerLimits(), tool_parser: str | None = None) -> Starlette:
     """The OpenAI-compatible app over a started engine (the caller warms it up and closes it)."""
     metrics = ServerMetrics(engine, model_name)
     intake = Intake(limits)
-    serving = OpenAIServing(engine, model_name, metrics, intake, reasoning_parser, limits.chat_template_timeout)
+    serving = OpenAIServing(engine, model_name, metrics, intake, reasoning_parser, limits.chat_template_timeout,
+                            tool_parser)
     created = int(time.time())
     draining = threading.Event()  # set by `jtp serve` on SIGTERM
 
@@ -79,10 +83,29 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
         async with intake.body(request) as raw:
             return await _cancel_on_disconnect(request, serving.chat(raw))
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "jtp",
+            "max_model_len": engine.max_model_len}
+
     async def models(request: Request) -> Response:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "jtp",
-                "max_model_len": engine.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(request: Request) -> Response:  # the openai client's models.retrieve
+        name = request.path_params["name"]
+        if name != model_name:
+            raise APIError(f"the model {name!r} does not exist; this server serves {model_name!r}", 404,
+                           code="model_not_found", param="model")
+        return JSONResponse(card)
+
+    async def tokenize(request: Request) -> Response:
+        async with intake.body(request) as raw:
+            return await serving.tokenize(raw)
+
+    async def detokenize(request: Request) -> Response:
+        async with intake.body(request) as raw:
+            return await serving.detokenize(raw)
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": __version__})
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "draining" if draining.is_set() else "ok"})  # alive either way
@@ -104,6 +127,10 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
         Route("/v1/completions", api(completions, generates=True), methods=["POST"]),
         Route("/v1/chat/completions", api(chat, generates=True), methods=["POST"]),
         Route("/v1/models", api(models), methods=["GET"]),
+        Route("/v1/models/{name:path}", api(model), methods=["GET"]),
+        Route("/tokenize", api(tokenize), methods=["POST"]),
+        Route("/detokenize", api(detokenize), methods=["POST"]),
+        Route("/version", version, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),

@@ -1,8 +1,8 @@
 """One choice of a response, built from the engine's events.
 
-`add(event)` returns the event's piece of the choice as a stream chunk's choice object (or
-None when it carries nothing) and keeps it; `result()` is the whole choice for a non-streamed
-response. Both come from the same pieces, so streamed and whole outputs always agree.
+`add(event)` returns the event's pieces of the choice as stream chunks' choice objects (none when
+it carries nothing) and keeps them; `result()` is the whole choice for a non-streamed response.
+Both come from the same pieces, so streamed and whole outputs always agree.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from jtp.entrypoints.server.logprobs import (
     merge_completion_logprobs,
 )
 from jtp.entrypoints.server.reasoning import Qwen3ReasoningParser
+from jtp.entrypoints.server.tool_parsers import ToolCall, ToolCallParser
 
 
 class CompletionChoice:
@@ -28,7 +29,7 @@ class CompletionChoice:
     def opening(self) -> None:
         return None  # a completions stream starts with the first text
 
-    def add(self, event) -> dict | None:
+    def add(self, event) -> list[dict]:
         logprobs = None
         if self.wants_logprobs and event.token_ids:
             logprobs, self.text_offset = completion_logprobs(
@@ -38,8 +39,8 @@ class CompletionChoice:
         if event.finished:
             self.finish_reason = event.finish_reason
         if not (event.text or logprobs or event.finished):
-            return None
-        return {"index": self.index, "text": event.text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+            return []
+        return [{"index": self.index, "text": event.text, "logprobs": logprobs, "finish_reason": self.finish_reason}]
 
     def result(self) -> dict:
         return {
@@ -52,12 +53,14 @@ class CompletionChoice:
 
 class ChatChoice:
     def __init__(self, index: int, names: TokenNames, num_logprobs: int | None,
-                 reasoning: Qwen3ReasoningParser | None):
+                 reasoning: Qwen3ReasoningParser | None, tools: ToolCallParser | None = None):
         self.index, self.names = index, names
         self.wants_logprobs = num_logprobs is not None
         self.reasoning_parser = reasoning
+        self.tool_parser = tools
         self.contents: list[str] = []
         self.reasonings: list[str] = []
+        self.tool_calls: list[ToolCall] = []
         self.logprobs: list[dict] = []
         self.finish_reason: str | None = None
 
@@ -66,8 +69,9 @@ class ChatChoice:
         return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
-    def add(self, event) -> dict | None:
+    def add(self, event) -> list[dict]:
         reasoning, content = self._split(event.text, event.finished)
+        content, calls = self._calls(content, event.finished)
         self.reasonings.append(reasoning)
         self.contents.append(content)
         logprobs = None
@@ -75,20 +79,27 @@ class ChatChoice:
             logprobs = chat_logprobs(self.names, event.token_ids, event.logprobs, event.top_logprobs)
             self.logprobs += logprobs
         if event.finished:
-            self.finish_reason = event.finish_reason
+            self.finish_reason = _finish_reason(event.finish_reason, self.tool_calls)
         delta = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
-        if not (delta or logprobs or event.finished):
-            return None
-        return {
-            "index": self.index,
-            "delta": delta,
-            "logprobs": {"content": logprobs, "refusal": None} if logprobs else None,
-            "finish_reason": self.finish_reason,
-        }
+        pieces = []
+        # Each new call as OpenAI streams one: its id and name first, then its arguments.
+        for call in calls:
+            k = self.tool_calls.index(call)
+            pieces.append({"tool_calls": [{"index": k, "id": call.id, "type": "function",
+                                           "function": {"name": call.name, "arguments": ""}}]})
+            pieces.append({"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]})
+        if delta or not pieces:
+            pieces.insert(0, delta)
+        if not (delta or calls or logprobs or event.finished):
+            return []
+        out = [{"index": self.index, "delta": d, "logprobs": None, "finish_reason": None} for d in pieces]
+        out[0]["logprobs"] = {"content": logprobs, "refusal": None} if logprobs else None
+        out[-1]["finish_reason"] = self.finish_reason
+        return out
 
     def _split(self, text: str, finished: bool) -> tuple[str, str]:
         if self.reasoning_parser is None:
@@ -99,13 +110,31 @@ class ChatChoice:
             reasoning, content = reasoning + rest_reasoning, content + rest_content
         return reasoning, content
 
+    def _calls(self, content: str, finished: bool) -> tuple[str, list[ToolCall]]:
+        if self.tool_parser is None:
+            return content, []
+        content, calls = self.tool_parser.feed(content)
+        if finished:
+            rest, more = self.tool_parser.finish()
+            content, calls = content + rest, calls + more
+        self.tool_calls += calls
+        return content, calls
+
     def result(self) -> dict:
-        message = {"role": "assistant", "content": "".join(self.contents)}
+        content = "".join(self.contents)
+        message = {"role": "assistant", "content": content if content or not self.tool_calls else None}
         if self.reasoning_parser is not None:
             message["reasoning_content"] = "".join(self.reasonings) or None
+        if self.tool_parser is not None:
+            message["tool_calls"] = [call.message_entry() for call in self.tool_calls]
         return {
             "index": self.index,
             "message": message,
             "logprobs": {"content": self.logprobs, "refusal": None} if self.wants_logprobs else None,
             "finish_reason": self.finish_reason,
         }
+
+
+def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
+    """OpenAI's "tool_calls" when the model stopped after calling tools (a cut-off output keeps "length")."""
+    return "tool_calls" if calls and reason == "stop" else reason

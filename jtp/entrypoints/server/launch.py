@@ -38,6 +38,7 @@ from jtp.entrypoints.server.app import build_app
 from jtp.entrypoints.server.connections import header_timeout_protocol
 from jtp.entrypoints.server.limits import ServerLimits
 from jtp.entrypoints.server.reasoning import REASONING_PARSERS
+from jtp.entrypoints.server.tool_parsers import TOOL_PARSERS
 from jtp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class ServerArgs:
     port: int = 8000
     api_key: str | None = None
     reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     drain_timeout: float = 30.0
     max_request_bytes: int = ServerLimits.max_request_bytes
     max_buffered_bytes: int = ServerLimits.max_buffered_bytes
@@ -76,6 +79,17 @@ class ServerArgs:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(f"--reasoning-parser {self.reasoning_parser!r}: known parsers are "
                               f"{', '.join(REASONING_PARSERS)}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ConfigError(f"--tool-call-parser {self.tool_call_parser!r}: known parsers are "
+                              f"{', '.join(TOOL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser NAME (the format of the model's "
+                              f"calls: {', '.join(TOOL_PARSERS)})")
+
+    @property
+    def tool_parser(self) -> str | None:
+        """The parser of tool calls in responses: only with --enable-auto-tool-choice (vLLM's rule)."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
@@ -95,6 +109,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         f"(default: {d.drain_timeout:g})")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="return <think>...</think> as reasoning_content in chat responses")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse the model's tool calls into message.tool_calls (tool_choice \"auto\"); needs "
+                        "--tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=tuple(TOOL_PARSERS), default=None,
+                   help="the format of the model's tool calls: hermes (Qwen3's <tool_call>{json}</tool_call>) or "
+                        "qwen3_coder (Qwen3-Coder's and Qwen3.5's <function=...><parameter=...>)")
     g = p.add_argument_group("limits per client (see docs/security.md)")
     g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                    help=f"largest request body accepted; larger is a 413 (default: {d.max_request_bytes})")
@@ -133,7 +153,8 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
     try:
         engine.start()
         limits = server_args.limits()
-        app = build_app(engine, engine_args.model_name(), server_args.api_key, server_args.reasoning_parser, limits)
+        app = build_app(engine, engine_args.model_name(), server_args.api_key, server_args.reasoning_parser, limits,
+                        server_args.tool_parser)
         _probe_template(app, engine_args.model_name())
         config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10,
                                 http=header_timeout_protocol(limits.header_timeout),

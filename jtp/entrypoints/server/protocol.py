@@ -2,13 +2,15 @@
 
 Known fields are type-checked (a wrong type is a 400 naming the field); fields this server
 does not know, such as `user` or `metadata`, are ignored as OpenAI clients expect. Fields
-that would change the result but are not implemented (`logit_bias`, `echo`, ...) are refused
-rather than silently ignored. `null` means "not given" for every optional field.
+that would change the result but are not implemented (`logit_bias`, `echo`, the legacy
+`functions`, ...) are refused rather than silently ignored. `null` means "not given" for every optional field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from typing import Any
 
 from jtp.core.sampling_params import MAX_LOGPROBS, SamplingParams, check_stop_strings
@@ -47,6 +49,8 @@ _COMPLETION_FIELDS: dict[str, tuple] = {
     "echo": (bool,),
     "suffix": (str,),
     "best_of": (int,),
+    "tools": (list,),
+    "tool_choice": (str, dict),
 }
 _CHAT_FIELDS: dict[str, tuple] = {
     **_COMMON_FIELDS,
@@ -56,6 +60,10 @@ _CHAT_FIELDS: dict[str, tuple] = {
     "max_completion_tokens": (int,),
     "chat_template_kwargs": (dict,),
     "tools": (list,),
+    "tool_choice": (str, dict),
+    "parallel_tool_calls": (bool,),
+    "functions": (list,),
+    "function_call": (str, dict),
     "response_format": (dict,),
 }
 
@@ -84,6 +92,9 @@ class ChatRequest(GenerationRequest):
     messages: list[dict]
     tools: list[dict] | None
     template_kwargs: dict[str, Any]
+    # "none", "auto", "required" or a function's name; None when the request has no tools
+    tool_choice: str | None = None
+    parallel_tool_calls: bool = True
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -93,6 +104,10 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         raise APIError("echo is not supported", param="echo")
     if fields.get("suffix"):
         raise APIError("suffix is not supported", param="suffix")
+    for name in ("tools", "tool_choice"):
+        if name in fields:
+            raise APIError(f"{name} is a chat field: /v1/completions takes no tools; use /v1/chat/completions",
+                           param=name)
     n = _n(fields)
     if fields.get("best_of", n) != n:
         raise APIError("best_of other than n is not supported", param="best_of")
@@ -116,12 +131,22 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if top is not None and not fields.get("logprobs"):
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
+    for legacy, name in (("functions", "tools"), ("function_call", "tool_choice")):
+        if legacy in fields:
+            raise APIError(f"the legacy {legacy} field is not supported; send {name}", param=legacy)
+    tools = _tools(fields.get("tools"))
+    n = _n(fields)
+    tool_choice = _tool_choice(fields.get("tool_choice"), tools)
+    if tool_choice not in (None, "none") and n > 1:
+        raise APIError("n > 1 is not supported with tools; ask for one choice", param="n")
     return ChatRequest(
-        **_common(fields, _n(fields), max_tokens),
+        **_common(fields, n, max_tokens),
         num_logprobs=(top or 0) if fields.get("logprobs") else None,
         messages=_messages(fields.get("messages")),
-        tools=fields.get("tools"),
+        tools=tools,
         template_kwargs=fields.get("chat_template_kwargs") or {},
+        tool_choice=tool_choice,
+        parallel_tool_calls=fields.get("parallel_tool_calls", True),
     )
 
 
@@ -214,6 +239,54 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
                    param="prompt")
 
 
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _tools(tools: list | None) -> list[dict] | None:
+    """Function tools, each {"type": "function", "function": {"name", "description"?, "parameters"?}}."""
+    if not tools:
+        return None
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise APIError(f"{where} must be an object of type \"function\" (the only tool type served)",
+                           param="tools")
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(f"{where}.function must be an object with a string name", param="tools")
+        if not _FUNCTION_NAME.fullmatch(function["name"]):
+            raise APIError(f"{where}.function.name {function['name']!r} must be 1-64 letters, digits, "
+                           f"underscores, dashes, dots or colons", param="tools")
+        if function["name"] in names:
+            raise APIError(f"{where}: a second tool named {function['name']!r}", param="tools")
+        names.add(function["name"])
+        if not isinstance(function.get("parameters", {}), dict):
+            raise APIError(f"{where}.function.parameters must be a JSON schema object", param="tools")
+    return [{"type": "function", "function": t["function"]} for t in tools]
+
+
+def _tool_choice(choice: str | dict | None, tools: list[dict] | None) -> str | None:
+    """"none", "auto", "required" or the name of a declared function (None: no tools)."""
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                           '"function": {"name": ...}}', param="tool_choice")
+        if not tools or name not in {t["function"]["name"] for t in tools}:
+            raise APIError(f"tool_choice names the function {name!r}, which is not among the request's tools",
+                           param="tool_choice")
+        return name
+    if choice is not None and choice not in ("none", "auto", "required"):
+        raise APIError(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
+                       param="tool_choice")
+    if choice in ("auto", "required") and not tools:
+        raise APIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+    if not tools:
+        return None
+    return choice or "auto"
+
+
 def _messages(messages: Any) -> list[dict]:
     if not messages:
         raise APIError("messages must be a non-empty array", param="messages")
@@ -234,4 +307,29 @@ def _message(message: Any, i: int) -> dict:
         message = {**message, "content": "\n".join(texts)}
     elif content is not None and not isinstance(content, str):
         raise APIError(f"{where}.content must be a string, an array of text parts or null", param="messages")
+    if message.get("tool_calls") is not None:
+        message = {**message, "tool_calls": _message_tool_calls(message["tool_calls"], where)}
     return message
+
+
+def _message_tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's earlier calls, their arguments as objects: chat templates iterate over
+    them (Qwen3-Coder's) or write them as JSON (Qwen3's), and a string would be written twice quoted."""
+    if not isinstance(calls, list):
+        raise APIError(f"{where}.tool_calls must be an array", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(f"{where}.tool_calls[{j}].function must be an object with a string name",
+                           param="messages")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise APIError(f"{where}.tool_calls[{j}].function.arguments is not valid JSON", param="messages") from None
+        if not isinstance(arguments, dict):
+            raise APIError(f"{where}.tool_calls[{j}].function.arguments must be a JSON object", param="messages")
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out

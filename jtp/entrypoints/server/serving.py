@@ -36,6 +36,7 @@ from jtp.entrypoints.server.protocol import (
 )
 from jtp.entrypoints.server.reasoning import make_reasoning_parser
 from jtp.entrypoints.server.sse import DONE, EventStream, sse_data
+from jtp.entrypoints.server.tool_parsers import ToolCallParser, make_tool_parser
 from jtp.errors import ContextLengthError
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,12 @@ class OpenAIServing:
     loop only submits and streams."""
 
     def __init__(self, engine, model_name: str, metrics: ServerMetrics, intake: Intake,
-                 reasoning_parser: str | None = None, template_timeout: float = TemplateLimits.time_limit):
+                 reasoning_parser: str | None = None, template_timeout: float = TemplateLimits.time_limit,
+                 tool_parser: str | None = None):
+        """`tool_parser`: the format of the model's tool calls (`TOOL_PARSERS`), set by
+        --enable-auto-tool-choice --tool-call-parser; None: requests with tool_choice "auto" are refused."""
         self.engine, self.model_name, self.metrics, self.intake = engine, model_name, metrics, intake
-        self.reasoning_parser = reasoning_parser
+        self.reasoning_parser, self.tool_parser = reasoning_parser, tool_parser
         self.names = TokenNames(engine.tokenizer)
         tok = engine.tokenizer
         self.max_prompt_chars = engine.max_model_len * NORMALIZATION_SLACK * (tok.max_token_chars if tok else 1)
@@ -83,9 +87,18 @@ class OpenAIServing:
 
     async def chat(self, raw: bytes) -> Response:
         req, text, ids, max_tokens = await self.intake.run(self._prepare_chat, raw)
-        choices = [ChatChoice(i, self.names, req.num_logprobs, make_reasoning_parser(self.reasoning_parser, text))
+        choices = [ChatChoice(i, self.names, req.num_logprobs, make_reasoning_parser(self.reasoning_parser, text),
+                              self._tool_call_parser(req))
                    for i in range(req.n)]
         return await self._respond(CHAT, req, [(ids, max_tokens)], choices)
+
+    async def tokenize(self, raw: bytes) -> Response:
+        """vLLM's POST /tokenize: a prompt, or chat messages rendered by the chat template, as token ids."""
+        return JSONResponse(await self.intake.run(self._tokenize, raw))
+
+    async def detokenize(self, raw: bytes) -> Response:
+        """vLLM's POST /detokenize: token ids back to text."""
+        return JSONResponse(await self.intake.run(self._detokenize, raw))
 
     def probe_template(self) -> None:
         """Render a one-message chat as a request would; TemplateLimitError (or the template's own
@@ -105,12 +118,53 @@ class OpenAIServing:
     def _prepare_chat(self, raw: bytes) -> tuple:
         req = parse_chat_request(parse_json(raw, self.max_json_values))
         self._check_model(req.model)
+        self._check_tool_choice(req.tool_choice)
         self._check_choices(req.n)
         self._check_chars(sum(len(m.get("content") or "") for m in req.messages), "the messages' content")
         text = self._render_chat(req)
         ids = self._prompt_ids(text)
         max_tokens = req.max_tokens if req.max_tokens is not None else self._rest_of_context(ids)
         return req, text, ids, max_tokens
+
+    def _tokenize(self, raw: bytes) -> dict:
+        body = parse_json(raw, self.max_json_values)
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object")
+        self._check_model(body.get("model"))
+        tok = self._tokenizer("prompt")
+        if body.get("messages") is not None:
+            req = parse_chat_request({k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if k in body})
+            generation_prompt = body.get("add_generation_prompt", True)
+            if not isinstance(generation_prompt, bool):
+                raise APIError(f"add_generation_prompt must be a boolean, got {generation_prompt!r}",
+                               param="add_generation_prompt")
+            text, special = self._render_chat(req, generation_prompt), body.get("add_special_tokens", False)
+        elif isinstance(body.get("prompt"), str):
+            text, special = body["prompt"], body.get("add_special_tokens", True)
+        else:
+            raise APIError("give prompt (a string) or messages (an array)", param="prompt")
+        if not isinstance(special, bool):
+            raise APIError(f"add_special_tokens must be a boolean, got {special!r}", param="add_special_tokens")
+        self._check_chars(len(text), "the text")
+        ids = tok.encode(text, add_special_tokens=special)
+        strs = [tok.id_to_token(i) for i in ids] if body.get("return_token_strs") else None
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def _detokenize(self, raw: bytes) -> dict:
+        body = parse_json(raw, self.max_json_values)
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object")
+        self._check_model(body.get("model"))
+        tok, ids = self._tokenizer("tokens"), body.get("tokens")
+        vocab = tok.vocab_size
+        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab for i in ids):
+            raise APIError(f"tokens must be an array of token ids in [0, {vocab})", param="tokens")
+        return {"prompt": tok.decode(ids)}
+
+    def _tokenizer(self, param: str):
+        if self.engine.tokenizer is None:
+            raise APIError("this model has no tokenizer", param=param)
+        return self.engine.tokenizer
 
     # ------------------------------------------------------------------ shared flow
 
@@ -159,8 +213,7 @@ class OpenAIServing:
                     yield sse_data({**head, "choices": [opening], **usage_field})
             async for i, event in generation.events():
                 _raise_if_failed(event)
-                piece = choices[i].add(event)
-                if piece is not None:
+                for piece in choices[i].add(event):
                     yield sse_data({**head, "choices": [piece], **usage_field})
             if include_usage:
                 yield sse_data({**head, "choices": [], "usage": generation.usage()})
@@ -177,6 +230,21 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise APIError(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            404, code="model_not_found", param="model")
+
+    def _check_tool_choice(self, tool_choice: str | None) -> None:
+        if tool_choice == "auto" and self.tool_parser is None:
+            raise APIError('tool_choice "auto" (the default when tools are given) needs a server started with '
+                           '--enable-auto-tool-choice --tool-call-parser NAME; send tool_choice "none" to pass the '
+                           'tools to the chat template only', param="tool_choice")
+        if tool_choice not in (None, "none", "auto"):
+            what = "required" if tool_choice == "required" else "a named function"
+            raise APIError(f"tool_choice {what} is not supported yet: it needs grammar-constrained decoding; "
+                           f'use "auto"', param="tool_choice")
+
+    def _tool_call_parser(self, req: ChatRequest) -> ToolCallParser | None:
+        if req.tool_choice != "auto":
+            return None
+        return make_tool_parser(self.tool_parser, req.tools, req.parallel_tool_calls)
 
     def _check_choices(self, count: int) -> None:
         """n choices of every prompt are submitted at once: more than the waiting queue holds can
@@ -211,12 +279,12 @@ class OpenAIServing:
             _refuse_surrogates(prompt)
             raise
 
-    def _render_chat(self, req: ChatRequest) -> str:
+    def _render_chat(self, req: ChatRequest, add_generation_prompt: bool = True) -> str:
         if self.engine.tokenizer is None:
             raise APIError("this model has no tokenizer, so no chat template", param="messages")
         try:
-            return self.engine.tokenizer.render_chat(req.messages, True, req.tools, req.template_kwargs,
-                                                     self.template_limits)
+            return self.engine.tokenizer.render_chat(req.messages, add_generation_prompt, req.tools,
+                                                     req.template_kwargs, self.template_limits)
         except TemplateOutputError as e:
             raise ContextLengthError(f"{e}: more than the model's context length ({self.engine.max_model_len} "
                                      f"tokens) can hold") from e

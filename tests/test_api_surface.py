@@ -1,0 +1,75 @@
+"""The endpoints vLLM users script against beside generation: GET /v1/models/{id} (the openai
+client's models.retrieve), POST /tokenize and /detokenize (vLLM's shapes), GET /version; checked
+against the tokenizer itself and the package's metadata, on a live uvicorn server on loopback."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import httpx
+import openai
+import pytest
+from loopback import serving
+from scripted_engine import ScriptedEngine
+
+from jtp.demo import ensure_demo_checkpoint
+from jtp.engine.tokenizer import Tokenizer
+from jtp.entrypoints.server import build_app
+
+KEY = "surface-key"
+
+
+@pytest.fixture(scope="module")
+def served():
+    tokenizer = Tokenizer.from_dir(ensure_demo_checkpoint())
+    with serving(build_app(ScriptedEngine(tokenizer, max_model_len=512), "surface", api_key=KEY)) as url:
+        yield tokenizer, url
+
+
+def post(url: str, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+
+
+def test_models_retrieve_and_version(served):
+    _, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    model = client.models.retrieve("surface")
+    assert model.id == "surface" and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("other")
+    assert missing.value.body["code"] == "model_not_found"
+    assert httpx.get(url + "/version").json() == {"version": importlib.metadata.version("jtp")}
+
+
+def test_tokenize_and_detokenize_agree_with_the_tokenizer(served):
+    tokenizer, url = served
+    text = "Hello, world: Grüße"
+    got = post(url, "/tokenize", {"prompt": text}).json()
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    assert got == {"count": len(ids), "max_model_len": 512, "tokens": ids, "token_strs": None}
+    strs = post(url, "/tokenize", {"prompt": text, "return_token_strs": True}).json()["token_strs"]
+    assert strs == [tokenizer.id_to_token(i) for i in ids]
+    assert post(url, "/detokenize", {"tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
+
+    messages = [{"role": "user", "content": text}]
+    chat = post(url, "/tokenize", {"messages": messages}).json()
+    assert chat["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(messages))
+    bare = post(url, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False))
+    assert bare["count"] < chat["count"]
+
+
+def test_bad_tokenize_requests_are_400s_and_the_key_is_checked(served):
+    tokenizer, url = served
+    assert post(url, "/tokenize", {"prompt": "hi"}, key=None).status_code == 401
+    for path, body, param in [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/tokenize", {"messages": "hi"}, "messages"),
+        ("/detokenize", {"tokens": [1, tokenizer.vocab_size]}, "tokens"),
+        ("/detokenize", {"tokens": [True]}, "tokens"),
+        ("/detokenize", {"tokens": [1], "model": "other"}, "model"),
+    ]:
+        r = post(url, path, body)
+        assert r.status_code in (400, 404), (body, r.text)
+        assert r.json()["error"]["param"] == param, (body, r.text)
