@@ -383,7 +383,7 @@ def test_one_compile_for_many_parameter_values():
         return sample(*args, **kwargs)
 
     jitted = jax.jit(counted, static_argnames=(
-        "needs_top_k_p_min_p", "needs_penalties", "num_logprobs"))
+        "needs_top_k_p_min_p", "needs_penalties", "num_logprobs", "needs_mask"))
     rng = np.random.default_rng(5)
     seen_flags = set()
     for _ in range(12):
@@ -440,7 +440,7 @@ def test_pack_sampling_pads_with_greedy_defaults():
     assert batch.step.tolist() == [3, 0, 0, 0]
     assert batch.logprobs.tolist() == [-1] * 4
     assert all(a.shape == (4,) for a in batch)
-    assert batch.static_flags() == (False, False, 0)
+    assert batch.static_flags() == (False, False, 0, False)
     hash(batch.static_flags())
     with pytest.raises(ValueError):
         pack_sampling(params, 1, [0, 0], [0, 0])

@@ -104,16 +104,16 @@ def test_ahead_of_time_warmup_gives_the_jitted_steps_results_and_compiles_nothin
         report = eng.warmup_report
         assert report.finished and compiled == report.compiled == eng.runner.compilations >= report.programs
         # Each shape of the decode loop: one program per sampling variant (two). Every other shape: one
-        # forward program, plus one sampling program per rows bucket and variant (three: plain, truncated,
-        # and logprobs, which truncates too),
+        # forward program, plus one sampling program per rows bucket and variant (four: plain, truncated,
+        # logprobs, which truncates too, and a token mask, with truncation and logprobs),
         # and per rows bucket one penalty variant per history length.
         shapes = eng.scheduler.buckets.shapes()
         looped = [s for s in shapes if steps > 1 and s[2] == 1]
         apart = [s for s in shapes if s not in looped]
         rows, lengths = len({B for _, B, _ in apart}), len(penalty_lengths(SMALL["max_model_len"]))
         assert lengths == 1  # max_model_len 128: one length, the whole context
-        assert compiled == 2 * len(looped) + len(apart) + rows * (3 + lengths)
-        assert report.variants == 2 * len(looped) + 3 * len(apart) + rows * lengths
+        assert compiled == 2 * len(looped) + len(apart) + rows * (4 + lengths)
+        assert report.variants == 2 * len(looped) + 3 * len(apart) + rows * (1 + lengths)
         assert eng.runner.compile_seconds > 0
         got = [r.token_ids for r in eng.generate(prompts, params)]
         assert eng.runner.compilations == compiled, "a step compiled after the ahead-of-time warm-up"
@@ -141,8 +141,8 @@ def test_a_dense_model_on_the_reference_path_ignores_the_tokens_per_row_bound(de
 
 def _request(url: str, tokenizer, rng: random.Random, prefixes: list[str], penalties: bool) -> dict:
     """One random completion request: prompt length, output length, greedy or seeded sampling (top-p
-    or not), logprobs or not, stop strings, n, and a prompt that repeats an earlier one's prefix (a
-    prefix-cache hit) or not; with `penalties`, penalties too."""
+    or not), logprobs or not, stop strings, n, structured outputs or not, and a prompt that repeats an
+    earlier one's prefix (a prefix-cache hit) or not; with `penalties`, penalties too."""
     words = "the cat sat on a mat and then it ran to see what the dog did".split()
     prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 20)))
     if rng.random() < 0.4:
@@ -159,6 +159,8 @@ def _request(url: str, tokenizer, rng: random.Random, prefixes: list[str], penal
         body["stop"] = [rng.choice(words)]
     if rng.random() < 0.3:
         body["logprobs"] = rng.randint(0, 5)
+    if rng.random() < 0.2:  # structured outputs: a token mask in the step
+        body["structured_outputs"] = rng.choice([{"regex": "[a-z ]{1,40}"}, {"choice": ["yes", "no"]}])
     if penalties and rng.random() < 0.4:
         body[rng.choice(["presence_penalty", "frequency_penalty", "repetition_penalty"])] = 1.2
     r = httpx.post(url + "/v1/completions", json=body, timeout=300)
@@ -173,7 +175,7 @@ def _workload(serve: Serve, demo_dir, penalties: bool) -> list[dict]:
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         bodies = list(pool.map(lambda i: _request(serve.url, tokenizer, random.Random(i), prefixes, penalties), range(40)))
     assert any(b["n"] > 1 for b in bodies) and any("seed" in b for b in bodies) and any("stop" in b for b in bodies)
-    assert any(b.get("logprobs") for b in bodies)
+    assert any(b.get("logprobs") for b in bodies) and any("structured_outputs" in b for b in bodies)
     assert serve.metric("jtp:prefix_cache_hits_total") > hits
     return bodies
 

@@ -55,6 +55,7 @@ class StepLayout(NamedTuple):
     verify_positions: int  # 1 + k in a speculative verify step ([1 + k, B] logits indices), else 0
     penalty_len: int  # L of the [B, L] penalty history, 0 without one
     flags: SamplingFlags
+    mask_words: int = 0  # W of the [B, W] token mask (flags.needs_mask), 0 without one
 
     def shapes(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         return _shapes(self)
@@ -71,12 +72,12 @@ class StepLayout(NamedTuple):
 
     @property
     def sampling(self) -> "SamplingLayout":
-        return SamplingLayout(self.num_rows, self.verify_positions, self.penalty_len, self.flags)
+        return SamplingLayout(self.num_rows, self.verify_positions, self.penalty_len, self.flags, self.mask_words)
 
     @property
     def forward(self) -> "StepLayout":
         """The layout the forward program compiles for: the sampling variant is not its business."""
-        return self._replace(penalty_len=0, flags=NO_FLAGS)
+        return self._replace(penalty_len=0, flags=NO_FLAGS, mask_words=0)
 
     def sampling_start(self) -> int:
         """Where the sampling part (`SamplingLayout`) begins in the int buffer."""
@@ -90,9 +91,10 @@ class SamplingLayout(NamedTuple):
     verify_positions: int
     penalty_len: int
     flags: SamplingFlags
+    mask_words: int = 0
 
     def views(self, tail, floats) -> dict:
-        ints, float_fields = _sampling_shapes(self.num_rows, self.penalty_len)
+        ints, float_fields = _sampling_shapes(self.num_rows, self.penalty_len, self.mask_words)
         return _views(((tail, _fields(ints)[0]), (floats, _fields(float_fields)[0])))
 
 
@@ -122,11 +124,13 @@ def _size(shape) -> int:
 
 
 @functools.cache
-def _sampling_shapes(B: int, penalty_len: int):
+def _sampling_shapes(B: int, penalty_len: int, mask_words: int = 0):
     ints = {"seq_slots": (B,), **{name: (B,) for name in _SAMPLING_INTS}, "stop_ids": (B, STOP_IDS_WIDTH),
             "num_steps": (1,)}
     if penalty_len:  # last: the forward program's buffer stops before it
         ints["penalty_ids"] = ints["penalty_is_output"] = (B, penalty_len)
+    if mask_words:
+        ints["token_mask"] = (B, mask_words)
     return ints, {name: (B,) for name in _SAMPLING_FLOATS}
 
 
@@ -137,7 +141,7 @@ def _shapes(layout: StepLayout):
     ints["block_tables"] = (B, M)
     ints.update({name: (B,) for name in _PLAN_INTS[5:11]})
     ints["logits_indices"] = (layout.verify_positions, B) if layout.verify_positions else (B,)
-    sampling_ints, floats = _sampling_shapes(B, layout.penalty_len)
+    sampling_ints, floats = _sampling_shapes(B, layout.penalty_len, layout.mask_words)
     return {**ints, **sampling_ints}, floats
 
 
@@ -149,14 +153,17 @@ def _offsets(layout: StepLayout):
 
 def compiled_flags(flags: SamplingFlags) -> SamplingFlags:
     """The sampling variant a step with these needs compiles as: any top-n request rounded up to
-    MAX_LOGPROBS with truncation on (one variant instead of forty); with penalties, every option on
-    (one variant per history length instead of four). Truncation with top_k 0, top_p 1 and min_p 0
-    keeps every token, so a row samples the same tokens in every variant; the rarer steps pay for
+    MAX_LOGPROBS with truncation on (one variant instead of forty); a token mask with truncation and
+    logprobs on too; with penalties, every option on, the mask included (one variant per history
+    length instead of eight). Truncation with top_k 0, top_p 1 and min_p 0 keeps every token, and so
+    does a mask of ones, so a row samples the same tokens in every variant; the rarer steps pay for
     the options they did not ask for, and warm-up has fewer programs to compile."""
     if flags.needs_penalties:
-        return SamplingFlags(needs_top_k_p_min_p=True, needs_penalties=True, num_logprobs=MAX_LOGPROBS)
-    if flags.num_logprobs:
-        return SamplingFlags(needs_top_k_p_min_p=True, needs_penalties=False, num_logprobs=MAX_LOGPROBS)
+        return SamplingFlags(needs_top_k_p_min_p=True, needs_penalties=True, num_logprobs=MAX_LOGPROBS,
+                             needs_mask=True)
+    if flags.needs_mask or flags.num_logprobs:
+        return SamplingFlags(needs_top_k_p_min_p=True, needs_penalties=False, num_logprobs=MAX_LOGPROBS,
+                             needs_mask=flags.needs_mask)
     return flags
 
 
@@ -172,7 +179,7 @@ class PackedStep:
     floats: np.ndarray  # f32[m]
 
     MAGIC = b"JTPP"
-    VERSION = 2  # 2: the sampling part (seq_slots first) at the end of the int buffer
+    VERSION = 3  # 2: the sampling part (seq_slots first) at the end of the int buffer; 3: token masks
 
     @classmethod
     def empty(cls, layout: StepLayout) -> "PackedStep":
@@ -192,9 +199,15 @@ class PackedStep:
         """Pack an explicit `StepInput` (warm-up, tests, tools)."""
         plan, sampling, penalty = step.plan, step.sampling, step.penalty_tokens
         li = plan.logits_indices
+        flags = static_flags(sampling)
+        if step.token_mask is not None:
+            flags = compiled_flags(flags._replace(needs_mask=True))
+        if step.token_mask is None:  # (a penalised step without a mask: the engine's always has one)
+            flags = flags._replace(needs_mask=False)
         layout = StepLayout(
             len(plan.token_ids), *plan.block_tables.shape, plan.max_row_len, li.shape[0] if li.ndim == 2 else 0,
-            penalty[0].shape[1] if penalty is not None else 0, static_flags(sampling),
+            penalty[0].shape[1] if penalty is not None else 0, flags,
+            step.token_mask.shape[1] if step.token_mask is not None else 0,
         )
         packed = cls.empty(layout)
         f = packed.fields()
@@ -208,6 +221,8 @@ class PackedStep:
         f["num_steps"][0] = plan.num_steps
         if penalty is not None:
             f["penalty_ids"][...], f["penalty_is_output"][...] = penalty
+        if step.token_mask is not None:
+            f["token_mask"][...] = step.token_mask
         return packed
 
     def to_step_input(self) -> StepInput:
@@ -218,10 +233,10 @@ class PackedStep:
         sampling = SamplingBatch(**{name: f[name] for name in _SAMPLING_INTS + _SAMPLING_FLOATS})
         sampling = sampling._replace(seed=sampling.seed.view(np.uint32))
         penalty = (f["penalty_ids"], f["penalty_is_output"].astype(bool)) if self.layout.penalty_len else None
-        return StepInput(plan, sampling, penalty, f["stop_ids"])
+        return StepInput(plan, sampling, penalty, f["stop_ids"], f.get("token_mask"))
 
     def encode(self) -> bytes:
-        header = json.dumps({"layout": [*self.layout[:6], list(self.layout.flags)]}).encode()
+        header = json.dumps({"layout": [*self.layout[:6], list(self.layout.flags), self.layout.mask_words]}).encode()
         return b"".join([self.MAGIC, struct.pack("<HI", self.VERSION, len(header)), header,
                          np.ascontiguousarray(self.ints, np.int32).tobytes(),
                          np.ascontiguousarray(self.floats, np.float32).tobytes()])
@@ -237,7 +252,8 @@ class PackedStep:
         fields = json.loads(bytes(data[10 : 10 + length]))["layout"]
         flags = fields[6]
         layout = StepLayout(*(int(x) if x is not None else None for x in fields[:6]),
-                            SamplingFlags(bool(flags[0]), bool(flags[1]), int(flags[2])))
+                            SamplingFlags(bool(flags[0]), bool(flags[1]), int(flags[2]), bool(flags[3])),
+                            int(fields[7]))
         _, _, n_int, n_float = layout.offsets()
         start = 10 + length
         if len(data) != start + 4 * (n_int + n_float):

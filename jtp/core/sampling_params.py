@@ -42,6 +42,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None => none; n >= 0 => chosen logprob + top-n
     speculate: bool = True  # False: never draft for this request (when the engine speculates)
+    # vLLM's structured outputs: exactly one of {"json": schema, "json_object": true, "regex": str,
+    # "choice": [str, ...], "grammar": Lark or GBNF text}; the output then follows it (a token mask).
+    structured_outputs: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -50,6 +53,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def structure(self) -> tuple[str, Any] | None:
+        """(kind, spec) of the structured output asked for, else None (validate first)."""
+        return next(iter(self.structured_outputs.items())) if self.structured_outputs else None
 
     @property
     def has_penalties(self) -> bool:
@@ -90,6 +98,7 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
                              f"are allowed")
+        check_structured_outputs(self.structured_outputs)
         for t in self.stop_token_ids:
             if not _is_type(t, (int,)) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 allowed = "ints >= 0" if vocab_size is None else f"ints in [0, {vocab_size})"
@@ -111,6 +120,31 @@ class SamplingParams:
         params = cls(**{k: (list(v) if isinstance(v, list) else v) for k, v in d.items()})
         params.validate(vocab_size)
         return params
+
+
+STRUCTURE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def check_structured_outputs(spec: dict | None) -> None:
+    """Raise ValueError unless `spec` is None or one structure of STRUCTURE_KINDS of the right type
+    (whether the schema, regex or grammar itself is valid is the grammar compiler's to say)."""
+    if spec is None:
+        return
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURE_KINDS:
+        raise ValueError(f"structured_outputs must hold exactly one of {', '.join(STRUCTURE_KINDS)}, got {spec!r}"[:300])
+    kind, value = next(iter(spec.items()))
+    ok = {
+        "json": isinstance(value, (dict, str, bool)),
+        "json_object": value is True,
+        "regex": isinstance(value, str) and value != "",
+        "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) for c in value),
+        "grammar": isinstance(value, str) and value.strip() != "",
+    }[kind]
+    if not ok:
+        allowed = {"json": "a JSON schema (an object or its text)", "json_object": "true",
+                   "regex": "a non-empty string", "choice": "a non-empty list of strings",
+                   "grammar": "a non-empty Lark or GBNF grammar"}[kind]
+        raise ValueError(f"structured_outputs.{kind} must be {allowed}, got {value!r}"[:300])
 
 
 def check_stop_strings(stop: list) -> None:
@@ -142,6 +176,7 @@ _FIELD_TYPES: dict[str, tuple] = {
     "ignore_eos": (bool,),
     "logprobs": (int, type(None)),
     "speculate": (bool,),
+    "structured_outputs": (dict, type(None)),
 }
 assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -158,7 +193,7 @@ def _is_type(value: Any, kinds: tuple) -> bool:
 
 def _type_names(kinds: tuple) -> str:
     names = {int: "an int", float: "a number", bool: "a bool", str: "a string",
-             list: "a list", type(None): "null"}
+             list: "a list", dict: "an object", type(None): "null"}
     return " or ".join(names[k] for k in kinds)
 
 

@@ -30,6 +30,7 @@ import dataclasses
 import enum
 import time
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -78,6 +79,7 @@ class Request:
     # request goes back to if a draft is rejected (`Scheduler.accepted`).
     spec_state_kept: int = -1
     mtp_drafts: list[int] = dataclasses.field(default_factory=list)  # the MTP head's guesses after the last token
+    grammar: Any = None  # structured outputs: the engine's matcher of the request's grammar (None: free text)
     # What the worker's persistent batch holds of this request (see `Scheduler.output`).
     num_sent_tokens: int = 0
     num_sent_blocks: int = 0

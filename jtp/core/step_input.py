@@ -27,6 +27,11 @@ def bucket_sizes(lo: int, hi: int, base: int = 2) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
+def mask_words(vocab_size: int) -> int:
+    """Words of one row's token mask: 32 tokens a word."""
+    return -(-vocab_size // 32)
+
+
 def pack_stop_ids(stop_ids: list[frozenset[int]], num_rows: int) -> np.ndarray:
     """i32[num_rows, STOP_IDS_WIDTH]: each row's stop tokens (the first few, sorted), -1 padded."""
     out = np.full((num_rows, STOP_IDS_WIDTH), -1, np.int32)
@@ -79,6 +84,7 @@ class SamplingFlags(NamedTuple):
     needs_top_k_p_min_p: bool
     needs_penalties: bool
     num_logprobs: int
+    needs_mask: bool = False  # a token mask per row (structured outputs): [B, ceil(V / 32)] bits
 
 
 class SamplingBatch(NamedTuple):
@@ -118,3 +124,6 @@ class StepInput:
     # i32[B, STOP_IDS_WIDTH]: tokens that end each row (-1 = none). A multi-step decode stops early
     # once every row has sampled one; rows with more stop ids than fit are only checked on the host.
     stop_ids: np.ndarray | None = None
+    # i32[B, ceil(V / 32)]: the tokens each row may sample, bit t % 32 of word t // 32 (llguidance's
+    # bitmask layout; -1 allows every token). None: no mask.
+    token_mask: np.ndarray | None = None

@@ -41,6 +41,7 @@ from jtp.config.engine_config import EngineConfig
 from jtp.core.block_hash import root_key
 from jtp.core.sampling_params import SamplingParams
 from jtp.core.scheduler import Request, ScheduledRow, Scheduler, Status
+from jtp.core.step_input import mask_words
 from jtp.engine import snapshot_store
 from jtp.engine.input_processor import InputProcessor
 from jtp.engine.memory import allocate_pools
@@ -48,6 +49,7 @@ from jtp.engine.output_processor import Completion, OutputProcessor, RequestStre
 from jtp.engine.snapshot_manager import SnapshotManager
 from jtp.engine.stats import EngineStats, collect_stats
 from jtp.engine.step_timing import StepTiming
+from jtp.engine.structured_output import GrammarCompiler, StructuredOutputError
 from jtp.engine.tokenizer import Tokenizer
 from jtp.engine.warmup import compile_step_shapes
 from jtp.errors import EngineClosedError, QueueFullError, RequestError, WorkerGroupError
@@ -102,17 +104,21 @@ class Engine:
             states=self.states, cache_root=root_key(self.cache_identity) if config.enable_prefix_caching else None,
             num_scheduler_steps=config.num_scheduler_steps, speculative=self.speculative,
         )
+        has_tokenizer = not config.skip_tokenizer_init and (self.model_dir / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer.from_dir(self.model_dir) if has_tokenizer else None
+        self.eos_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else cfg.eos_token_ids)
+        # Structured outputs' grammars (the tokenizer's vocabulary, the model's width).
+        self.grammars = (GrammarCompiler((self.model_dir / "tokenizer.json").read_text(), cfg.vocab_size, self.eos_ids)
+                         if has_tokenizer else None)
         # The worker's persistent rows, updated each step from the scheduler's output.
         self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size, self.scheduler.buckets,
-                                      self.speculative.verify_positions if self.speculative is not None else 0)
+                                      self.speculative.verify_positions if self.speculative is not None else 0,
+                                      mask_words(cfg.vocab_size))
         per_block, budget = self.runner.bytes_per_block(), config.snapshot_budget_bytes
         self.snapshots = SnapshotManager(
             config.max_snapshots, budget if budget is not None else self.pool.total_blocks * per_block // 2,
             self.scheduler, self.pool, self.states, per_block, self.runner.bytes_per_state_slot(),
         )
-        has_tokenizer = not config.skip_tokenizer_init and (self.model_dir / "tokenizer.json").is_file()
-        self.tokenizer = Tokenizer.from_dir(self.model_dir) if has_tokenizer else None
-        self.eos_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else cfg.eos_token_ids)
         self.inputs = InputProcessor(cfg, self.max_model_len, self.pool, self.eos_ids, config.seed)
         self.ready = threading.Event()  # set once warmed up (or at once without warm-up): servers' readiness
         # Whether a dispatched step has finished on the device: the step loop asks it to choose
@@ -168,6 +174,7 @@ class Engine:
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         self.inputs.validate(prompt_ids, params)
+        grammar = self._grammar(params)  # compiled here, on the caller's thread, never on the step loop
         with self._intake:
             if self.failure is not None:
                 raise WorkerGroupError(self.failure)
@@ -184,10 +191,25 @@ class Engine:
             if rid in self.outputs:
                 raise RequestError(f"request id {rid!r} is already in use")
             req = self.inputs.make_request(rid, prompt_ids, params)
+            req.grammar = grammar
             self.outputs.add(req)
             self._inbox.append(("add", req))
             self._intake.notify_all()
         return rid
+
+    def _grammar(self, params: SamplingParams):
+        """The matcher of the request's structured output (None without one), or RequestError."""
+        if params.structured_outputs is None:
+            return None
+        unsupported = ("--num-scheduler-steps > 1" if self.config.num_scheduler_steps > 1 else
+                       "speculative decoding" if self.speculative is not None else
+                       "this model has no tokenizer" if self.grammars is None else None)
+        if unsupported:
+            raise RequestError(f"structured outputs are not supported here: {unsupported}")
+        try:
+            return self.grammars.matcher(params.structured_outputs)
+        except StructuredOutputError as e:
+            raise RequestError(str(e)) from None
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it already finished or is unknown.
@@ -253,10 +275,11 @@ class Engine:
             self.apply_inbox()
             previous, self._inflight = self._inflight, None
             events = []
-            # Penalties need the exact token history, and n-gram drafts the last token: lockstep.
+            # Penalties need the exact token history, n-gram drafts the last token, and a grammar's
+            # mask the token before: lockstep.
             if previous is not None and (
                 self.step_done(previous[1]) or self.speculative is not None
-                or any(r.params.has_penalties for r in self.scheduler.running)
+                or any(r.params.has_penalties or r.grammar is not None for r in self.scheduler.running)
             ):
                 events, previous = self._process(*previous), None
             t = time.perf_counter()
@@ -279,8 +302,11 @@ class Engine:
     def _dispatch(self, rows: list[ScheduledRow]):
         t0 = time.perf_counter()
         out = self.scheduler.output(rows)
+        constrained = [(row.request.grammar, b) for b, row in enumerate(rows)
+                       if row.request.grammar is not None and row.picks_next_token]
         t1 = time.perf_counter()
-        packed = self.input_batch.prepare(out)
+        mask = self.grammars.fill(constrained, len(rows)) if constrained else None
+        packed = self.input_batch.prepare(out, mask)
         t2 = time.perf_counter()
         compilations = self.runner.compilations
         result = self.runner.dispatch(packed)
@@ -344,6 +370,14 @@ class Engine:
 
     def _append(self, req: Request, token: int, result, b: int) -> TokenEvent:
         event, reason = self.outputs.append_token(req, token, result, b)
+        if req.grammar is not None and not reason:
+            # The mask allowed only tokens the grammar takes; it ends the output once it is complete.
+            if not req.grammar.consume_token(token):
+                log.warning("request %s: the grammar refused sampled token %d (%s)", req.id, token,
+                            req.grammar.get_error())
+                reason = "stop"
+            elif req.grammar.is_stopped():
+                reason = "stop"
         if reason:
             self._finish(self.outputs.get(req.id), reason, event)
         return event

@@ -30,11 +30,12 @@ import time
 from typing import Callable
 
 import jax
+import numpy as np
 
 from jtp.config.speculative import SpeculativeConfig
 from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling, penalty_lengths
 from jtp.core.scheduler import Scheduler
-from jtp.core.step_input import StepInput
+from jtp.core.step_input import StepInput, mask_words
 from jtp.errors import ConfigError
 from jtp.worker.compile_cache import cache_hits, phase_seconds
 from jtp.worker.runner import ModelRunner
@@ -80,10 +81,12 @@ def compile_workers() -> int:
 
 
 def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None,
-                 samples_separately: Callable[[StepInput], bool] = lambda step: False) -> list[StepInput]:
+                 samples_separately: Callable[[StepInput], bool] = lambda step: False,
+                 mask_words: int = 0) -> list[StepInput]:
     """The padding steps that cover every program the scheduler can pick: per shape the two
-    variants; where the runner samples in a program of its own (`samples_separately`), their
-    logprobs variant too, and per rows bucket the penalty variant at each history length (small
+    variants; where the runner samples in a program of its own (`samples_separately`), the
+    logprobs variant too, and per rows bucket the token-mask variant (`mask_words` > 0: structured
+    outputs) and the penalty variant at each history length, which carries the mask too (small
     programs: the forward program is the shape's)."""
     steps, rows_seen = [], set()
     for shape in scheduler.buckets.shapes():
@@ -96,8 +99,12 @@ def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None,
                 variants.append(StepInput(plan, _sampling(WITH_LOGPROBS, B)))
                 if (B, verify) not in rows_seen:
                     rows_seen.add((B, verify))
+                    mask = np.full((B, mask_words), -1, np.int32) if mask_words else None
+                    if mask is not None and not verify:  # structured outputs never speculate
+                        variants.append(StepInput(plan, _sampling(VARIANTS[0], B), token_mask=mask))
                     variants += [StepInput(plan, _sampling(PENALISED, B), pack_penalty_tokens([[]] * B, [[]] * B, B,
-                                                                                               length=length))
+                                                                                               length=length),
+                                           token_mask=mask)
                                  for length in penalty_lengths(scheduler.max_model_len)]
             steps += variants
     return steps
@@ -116,7 +123,7 @@ def compile_step_shapes(
     from tqdm import tqdm
 
     start, hits, before, phases = time.perf_counter(), cache_hits(), runner.compilations, phase_seconds()
-    steps = warmup_steps(scheduler, speculative, runner.samples_separately)
+    steps = warmup_steps(scheduler, speculative, runner.samples_separately, mask_words(runner.cfg.vocab_size))
     workers = compile_workers() if workers is None else workers
     bar = tqdm(total=len(steps), desc="warm-up: compiling step shapes", unit="shape", disable=not progress,
                mininterval=1.0)

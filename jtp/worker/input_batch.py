@@ -30,9 +30,11 @@ _INT_COLUMNS = {"top_k": 0, "seed": 0, "step": 0, "logprobs": -1}
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, buckets: Buckets,
-                 verify_positions: int = 0):
-        """`verify_positions`: 1 + k of the speculative config (0: never a verify step)."""
+                 verify_positions: int = 0, mask_words: int = 0):
+        """`verify_positions`: 1 + k of the speculative config (0: never a verify step).
+        `mask_words`: words of a row's token mask (`step_input.mask_words` of the vocabulary; 0: no masks)."""
         self.buckets = buckets
+        self.mask_words = mask_words
         self.block_size = block_size
         self.verify_positions = verify_positions
         S = max_num_seqs
@@ -79,8 +81,9 @@ class InputBatch:
 
     # ------------------------------------------------------------------ the step's arrays
 
-    def prepare(self, out: SchedulerOutput) -> PackedStep:
-        """Apply the diffs, then lay the step out: a `PackedStep` padded to the buckets."""
+    def prepare(self, out: SchedulerOutput, token_mask: np.ndarray | None = None) -> PackedStep:
+        """Apply the diffs, then lay the step out: a `PackedStep` padded to the buckets.
+        `token_mask` i32[num_rows, mask_words]: the scheduled rows' token masks (-1: any token)."""
         self.update(out)
         n = out.num_rows
         slots, starts, lens = out.slots, out.starts, out.num_tokens
@@ -95,12 +98,16 @@ class InputBatch:
             needs_top_k_p_min_p=bool(self.truncates[sampling_slots].any()),
             needs_penalties=bool(self.penalised[sampling_slots].any()),
             num_logprobs=int((self.sampling_ints[sampling_slots, 3] > 0).any()),
+            needs_mask=token_mask is not None,
         ))
+        if not self.mask_words:
+            flags = flags._replace(needs_mask=False)
         history_len = 0
         if flags.needs_penalties:
             known = np.where(samples, self.num_known[slots], 0)
             history_len = penalty_len(int(known.max(initial=0)), self.token_table.shape[1])
-        layout = StepLayout(T, B, M, max_row_len, self.verify_positions if verify else 0, history_len, flags)
+        layout = StepLayout(T, B, M, max_row_len, self.verify_positions if verify else 0, history_len, flags,
+                            self.mask_words if flags.needs_mask else 0)
         ints, floats = (buf.copy() for buf in self._template(layout))
         packed = PackedStep(layout, ints, floats)
         f = packed.fields()
@@ -142,6 +149,8 @@ class InputBatch:
         else:
             f["logits_indices"][:n] = last
         f["stop_ids"][:n] = self.stop_ids[slots]
+        if token_mask is not None and flags.needs_mask:
+            f["token_mask"][:n] = token_mask
         f["num_steps"][0] = out.num_steps
 
         # Sampling: the slot's columns for rows that sample (the template's neutral values elsewhere),
@@ -175,6 +184,8 @@ class InputBatch:
                 f[name][...] = -1
             if layout.penalty_len:
                 f["penalty_ids"][...] = -1
+            if layout.mask_words:
+                f["token_mask"][...] = -1  # every token allowed
             for name, default in _INT_COLUMNS.items():
                 f[name][...] = default
             for name, default in _FLOAT_COLUMNS.items():

@@ -353,7 +353,8 @@ def _sample_rows(logits, sampled, tail, floats, layout: SamplingLayout):
     _TRACES.count += 1
     f = layout.views(tail, floats)
     sampling, penalty_tokens, _, _ = _sampling_arrays(layout.penalty_len, f)
-    positions = _sample_positions(logits, sampling, penalty_tokens, layout.flags, max(1, layout.verify_positions))
+    positions = _sample_positions(logits, sampling, penalty_tokens, layout.flags, max(1, layout.verify_positions),
+                                  f.get("token_mask"))
     return _stack(positions), _record(sampled, f["seq_slots"], positions[0].tokens)
 
 
@@ -433,16 +434,19 @@ def _forward(family, cfg, attention, experts, params, cache, sampled, tokens, me
     return hidden, model_cache, tokens
 
 
-def _sample_positions(logits, sampling, penalty_tokens, flags, num_positions: int) -> list[SampleResult]:
+def _sample_positions(logits, sampling, penalty_tokens, flags, num_positions: int,
+                      token_mask=None) -> list[SampleResult]:
     """Sample logits [num_positions x B, V] (position-major): position j of a row samples generation
     step `step + j`, with the key a step-by-step decode would use there (a verify step: the host
-    accepts; otherwise one position)."""
+    accepts; otherwise one position). `token_mask` [B, W]: the tokens each row may sample (one
+    position: structured outputs never speculate)."""
     penalty_ids, penalty_is_output = penalty_tokens if penalty_tokens is not None else (None, None)
     B = logits.shape[0] // num_positions
     return [
         sample(logits[j * B : (j + 1) * B], sampling._replace(step=sampling.step + j),
                needs_top_k_p_min_p=flags.needs_top_k_p_min_p, needs_penalties=flags.needs_penalties,
-               num_logprobs=flags.num_logprobs, penalty_ids=penalty_ids, penalty_is_output=penalty_is_output)
+               num_logprobs=flags.num_logprobs, needs_mask=token_mask is not None, penalty_ids=penalty_ids,
+               penalty_is_output=penalty_is_output, token_mask=token_mask)
         for j in range(num_positions)
     ]
 

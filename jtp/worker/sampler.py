@@ -141,6 +141,12 @@ def process_logits(logits: jax.Array, batch: SamplingBatch, *, needs_top_k_p_min
     return scaled
 
 
+def unpack_token_mask(words: jax.Array, vocab: int) -> jax.Array:
+    """bool[B, V] from i32[B, ceil(V / 32)]: token t is allowed when bit t % 32 of word t // 32 is set."""
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab].astype(bool)
+
+
 def row_keys(batch: SamplingBatch) -> jax.Array:
     """Per-row PRNG keys fold_in(key(seed), step); same bits as PRNGKey(seed)."""
     seeds = jnp.asarray(batch.seed).astype(jnp.uint32)
@@ -149,15 +155,18 @@ def row_keys(batch: SamplingBatch) -> jax.Array:
 
 
 def sample(logits: jax.Array, batch: SamplingBatch, *, needs_top_k_p_min_p: bool,
-           needs_penalties: bool, num_logprobs: int,
+           needs_penalties: bool, num_logprobs: int, needs_mask: bool = False,
            penalty_ids: jax.Array | None = None, penalty_is_output: jax.Array | None = None,
            output_counts: jax.Array | None = None,
-           prompt_mask: jax.Array | None = None) -> SampleResult:
+           prompt_mask: jax.Array | None = None, token_mask: jax.Array | None = None) -> SampleResult:
     """Sample one token per row. Pass the flags from `batch.static_flags()` as static.
 
     With needs_penalties, give either penalty_ids/penalty_is_output (see
-    `pack_penalty_tokens`) or prebuilt output_counts/prompt_mask [B, V].
+    `pack_penalty_tokens`) or prebuilt output_counts/prompt_mask [B, V]. With needs_mask, give
+    token_mask i32[B, ceil(V / 32)] (`unpack_token_mask`): a row samples only the tokens it allows.
     """
+    if needs_mask != (token_mask is not None):
+        raise ValueError("needs_mask and token_mask go together")
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
     if needs_penalties and output_counts is None:
@@ -165,7 +174,9 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, needs_top_k_p_min_p: bool
             raise ValueError("needs_penalties requires penalty_ids and penalty_is_output "
                              "(or output_counts and prompt_mask)")
         output_counts, prompt_mask = build_penalty_counts(penalty_ids, penalty_is_output, vocab)
-    processed = process_logits(logits, batch, needs_top_k_p_min_p=needs_top_k_p_min_p,
+    # The raw distribution gives the logprobs; the allowed tokens alone are sampled from.
+    allowed = logits if token_mask is None else jnp.where(unpack_token_mask(token_mask, vocab), logits, -jnp.inf)
+    processed = process_logits(allowed, batch, needs_top_k_p_min_p=needs_top_k_p_min_p,
                                needs_penalties=needs_penalties, output_counts=output_counts,
                                prompt_mask=prompt_mask)
 
@@ -187,5 +198,5 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, needs_top_k_p_min_p: bool
 
 # flags are Python values baked into the trace: one compile per (flags, shapes)
 sample_jit = jax.jit(sample, static_argnames=(
-    "needs_top_k_p_min_p", "needs_penalties", "num_logprobs"))
+    "needs_top_k_p_min_p", "needs_penalties", "num_logprobs", "needs_mask"))
 

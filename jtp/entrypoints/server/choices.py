@@ -79,7 +79,8 @@ class ChatChoice:
             logprobs = chat_logprobs(self.names, event.token_ids, event.logprobs, event.top_logprobs)
             self.logprobs += logprobs
         if event.finished:
-            self.finish_reason = _finish_reason(event.finish_reason, self.tool_calls)
+            self.finish_reason = (self.tool_parser.finish_reason(event.finish_reason) if self.tool_parser
+                                  else event.finish_reason)
         delta = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
@@ -134,7 +135,3 @@ class ChatChoice:
             "finish_reason": self.finish_reason,
         }
 
-
-def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
-    """OpenAI's "tool_calls" when the model stopped after calling tools (a cut-off output keeps "length")."""
-    return "tool_calls" if calls and reason == "stop" else reason

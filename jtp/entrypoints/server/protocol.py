@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from jtp.core.sampling_params import MAX_LOGPROBS, SamplingParams, check_stop_strings
+from jtp.core.sampling_params import MAX_LOGPROBS, SamplingParams, check_stop_strings, check_structured_outputs
 from jtp.entrypoints.server.errors import APIError
 
 MAX_N = 128  # choices per request; each is a separate engine request
@@ -41,6 +41,13 @@ _COMMON_FIELDS: dict[str, tuple] = {
     "max_tokens": (int,),
     "seed": (int,),
     "logit_bias": (dict,),
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its legacy guided_* names
+    "response_format": (dict,),
+    "structured_outputs": (dict,),
+    "guided_json": (dict, str),
+    "guided_regex": (str,),
+    "guided_choice": (list,),
+    "guided_grammar": (str,),
 }
 _COMPLETION_FIELDS: dict[str, tuple] = {
     **_COMMON_FIELDS,
@@ -64,7 +71,6 @@ _CHAT_FIELDS: dict[str, tuple] = {
     "parallel_tool_calls": (bool,),
     "functions": (list,),
     "function_call": (str, dict),
-    "response_format": (dict,),
 }
 
 
@@ -80,6 +86,7 @@ class GenerationRequest:
     seed: int | None
     num_logprobs: int | None  # None: no logprobs; k: the sampled token's plus the top k
     sampling: dict[str, Any]  # the remaining SamplingParams fields that were given
+    structure_param: str | None  # the field that asked for a structured output (for its errors), else None
 
 
 @dataclasses.dataclass
@@ -123,9 +130,6 @@ def parse_completion_request(body: Any) -> CompletionRequest:
 def parse_chat_request(body: Any) -> ChatRequest:
     fields = _checked(body, _CHAT_FIELDS)
     _refuse_unsupported(fields)
-    response_format = fields.get("response_format") or {"type": "text"}
-    if response_format.get("type") != "text":
-        raise APIError("only response_format {\"type\": \"text\"} is supported", param="response_format")
     top = fields.get("top_logprobs")
     _check_range("top_logprobs", top, 0, MAX_LOGPROBS)
     if top is not None and not fields.get("logprobs"):
@@ -139,8 +143,16 @@ def parse_chat_request(body: Any) -> ChatRequest:
     tool_choice = _tool_choice(fields.get("tool_choice"), tools)
     if tool_choice not in (None, "none") and n > 1:
         raise APIError("n > 1 is not supported with tools; ask for one choice", param="n")
+    common = _common(fields, n, max_tokens)
+    if tool_choice not in (None, "none", "auto"):  # the grammar makes the model call
+        if common["structure_param"] is not None:
+            raise APIError(f"tool_choice {tool_choice!r} and {common['structure_param']} both constrain the "
+                           f"output; give one", param="tool_choice")
+        common["sampling"]["structured_outputs"] = {
+            "json": forced_calls_schema(tools, tool_choice, fields.get("parallel_tool_calls", True))}
+        common["structure_param"] = "tool_choice"
     return ChatRequest(
-        **_common(fields, n, max_tokens),
+        **common,
         num_logprobs=(top or 0) if fields.get("logprobs") else None,
         messages=_messages(fields.get("messages")),
         tools=tools,
@@ -213,6 +225,10 @@ def _common(fields: dict[str, Any], n: int, max_tokens: int | None) -> dict[str,
             check_stop_strings([stop] if isinstance(stop, str) else stop)
         except ValueError as e:
             raise APIError(str(e), param="stop") from e
+    sampling = {k: v for k, v in fields.items() if k in _SAMPLING_FIELDS}
+    structure, structure_param = _structure(fields)
+    if structure is not None:
+        sampling["structured_outputs"] = structure
     return dict(
         model=fields.get("model"),
         n=n,
@@ -220,8 +236,60 @@ def _common(fields: dict[str, Any], n: int, max_tokens: int | None) -> dict[str,
         include_usage=include_usage,
         max_tokens=max_tokens,
         seed=fields.get("seed"),
-        sampling={k: v for k, v in fields.items() if k in _SAMPLING_FIELDS},
+        sampling=sampling,
+        structure_param=structure_param,
     )
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structure(fields: dict[str, Any]) -> tuple[dict | None, str | None]:
+    """(SamplingParams.structured_outputs, the field that asked) from whichever field was given."""
+    given = [name for name in ("response_format", "structured_outputs", *_GUIDED) if name in fields]
+    if given == ["response_format"] and fields["response_format"].get("type") == "text":
+        return None, None
+    if len(given) > 1:
+        raise APIError(f"{' and '.join(given)} both constrain the output; give one", param=given[1])
+    if not given:
+        return None, None
+    name = given[0]
+    value = fields[name]
+    if name == "response_format":
+        kind = value.get("type")
+        if kind == "json_object":
+            spec = {"json_object": True}
+        elif kind == "json_schema":
+            schema = (value.get("json_schema") or {}).get("schema") if isinstance(value.get("json_schema"), dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise APIError("response_format json_schema needs json_schema.schema, a JSON schema object",
+                               param="response_format")
+            spec = {"json": schema}
+        else:
+            raise APIError(f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}',
+                           param="response_format")
+    elif name == "structured_outputs":
+        spec = {k: v for k, v in value.items() if v is not None and v is not False}
+    else:
+        spec = {_GUIDED[name]: value}
+    try:
+        check_structured_outputs(spec)
+    except ValueError as e:
+        raise APIError(str(e), param=name) from None
+    return spec, name
+
+
+def forced_calls_schema(tools: list[dict], tool_choice: str, parallel: bool = True) -> dict:
+    """The JSON the model must write when it has to call: a named function's arguments, or
+    ("required") a list of one or more {"name", "parameters"} calls of the declared functions (one
+    at most without parallel tool calls)."""
+    parameters = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    if tool_choice != "required":
+        return parameters[tool_choice]
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for name, schema in parameters.items()]
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:

@@ -19,6 +19,7 @@ from typing import AsyncIterator
 import jinja2
 from starlette.responses import JSONResponse, Response
 
+from jtp.engine.structured_output import StructuredOutputError
 from jtp.engine.template_sandbox import TemplateLimitError, TemplateLimits, TemplateOutputError
 
 from jtp.entrypoints.server.choices import ChatChoice, CompletionChoice
@@ -111,6 +112,7 @@ class OpenAIServing:
     def _prepare_completion(self, raw: bytes) -> tuple:
         req = parse_completion_request(parse_json(raw, self.max_json_values))
         self._check_model(req.model)
+        self._check_structure(req)
         self._check_choices(len(req.prompts) * req.n)
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         return req, [(self._prompt_ids(p), max_tokens) for p in req.prompts]
@@ -119,6 +121,7 @@ class OpenAIServing:
         req = parse_chat_request(parse_json(raw, self.max_json_values))
         self._check_model(req.model)
         self._check_tool_choice(req.tool_choice)
+        self._check_structure(req)
         self._check_choices(req.n)
         self._check_chars(sum(len(m.get("content") or "") for m in req.messages), "the messages' content")
         text = self._render_chat(req)
@@ -236,15 +239,25 @@ class OpenAIServing:
             raise APIError('tool_choice "auto" (the default when tools are given) needs a server started with '
                            '--enable-auto-tool-choice --tool-call-parser NAME; send tool_choice "none" to pass the '
                            'tools to the chat template only', param="tool_choice")
-        if tool_choice not in (None, "none", "auto"):
-            what = "required" if tool_choice == "required" else "a named function"
-            raise APIError(f"tool_choice {what} is not supported yet: it needs grammar-constrained decoding; "
-                           f'use "auto"', param="tool_choice")
+
+    def _check_structure(self, req: GenerationRequest) -> None:
+        """Compile the request's grammar now (cached for its submit), so a bad schema is a 400 naming its field."""
+        spec = req.sampling.get("structured_outputs")
+        if spec is None:
+            return
+        grammars = getattr(self.engine, "grammars", None)
+        if grammars is None:
+            raise APIError("structured outputs need the model's tokenizer, which this server has not loaded",
+                           param=req.structure_param)
+        try:
+            grammars.grammar(spec)
+        except StructuredOutputError as e:
+            raise APIError(str(e), param=req.structure_param) from None
 
     def _tool_call_parser(self, req: ChatRequest) -> ToolCallParser | None:
-        if req.tool_choice != "auto":
+        if req.tool_choice in (None, "none"):
             return None
-        return make_tool_parser(self.tool_parser, req.tools, req.parallel_tool_calls)
+        return make_tool_parser(self.tool_parser, req.tools, req.parallel_tool_calls, req.tool_choice)
 
     def _check_choices(self, count: int) -> None:
         """n choices of every prompt are submitted at once: more than the waiting queue holds can

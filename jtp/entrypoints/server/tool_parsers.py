@@ -110,6 +110,40 @@ class ToolCallParser:
     def parse_block(self, body: str) -> ToolCall | None:
         raise NotImplementedError
 
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's "tool_calls" when the model stopped after calling (a cut-off output keeps "length")."""
+        return "tool_calls" if self.calls and reason == "stop" else reason
+
+
+class ForcedToolCalls(ToolCallParser):
+    """tool_choice "required" or a named function: the grammar made the whole output the calls' JSON
+    (`protocol.forced_calls_schema`), read once it is complete. A named call finishes with "stop",
+    as vLLM (and OpenAI) answer it; "required" with "tool_calls"."""
+
+    def __init__(self, tools: list[dict], tool_choice: str, parallel: bool = True):
+        super().__init__(tools, parallel)
+        self.tool_choice = tool_choice
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self._held += delta
+        return "", []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        held, self._held = self._held, ""
+        try:
+            value = json.loads(held)
+        except ValueError:  # cut off by max_tokens: the text as it is
+            return held, []
+        if self.tool_choice == "required":
+            calls = [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+        else:
+            calls = [ToolCall(self.tool_choice, json.dumps(value, ensure_ascii=False))]
+        self.calls = calls if self.parallel else calls[:1]
+        return "", list(self.calls)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return reason if self.tool_choice != "required" else super().finish_reason(reason)
+
 
 class HermesToolParser(ToolCallParser):
     def parse_block(self, body: str) -> ToolCall | None:
@@ -193,7 +227,12 @@ def _typed(value: str, kind: Any) -> Any:
 TOOL_PARSERS = {"hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser}
 
 
-def make_tool_parser(name: str, tools: list[dict], parallel: bool = True) -> ToolCallParser:
+def make_tool_parser(name: str | None, tools: list[dict], parallel: bool = True,
+                     tool_choice: str = "auto") -> ToolCallParser:
+    """The parser of a response's calls: the model's own format (`name`) for tool_choice "auto",
+    else the forced calls' JSON."""
+    if tool_choice != "auto":
+        return ForcedToolCalls(tools, tool_choice, parallel)
     if name not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(TOOL_PARSERS)}")
     return TOOL_PARSERS[name](tools, parallel)
