@@ -321,7 +321,7 @@ def test_completion_request_errors_name_the_field(body, param):
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": CHAT, "logprobs": 1}, "logprobs"),
     ({"messages": CHAT, "chat_template_kwargs": []}, "chat_template_kwargs"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": CHAT, "response_format": {"type": "yaml"}}, "response_format"),
 ])
 def test_chat_request_errors_name_the_field(body, param):
     with pytest.raises(APIError) as e:

@@ -19,8 +19,9 @@ work or compilation); whoever steps (the loop thread, or the caller in manual mo
 the inbox at the start of each step. So no caller waits on the device.
 
 This module is intake and the step loop; the rest is beside it: output_processor.py (streams,
-detokenising, stop strings, logprobs), snapshot_manager.py (pinned prefixes), snapshot_store.py
-(snapshots on disk), warmup.py (compiling the step shapes), memory.py (KV pool size), stats.py.
+detokenising, stop strings, logprobs), snapshot_api.py (the snapshot methods), snapshot_manager.py
+(pinned prefixes), snapshot_store.py (snapshots on disk), structured_output.py (grammars, token
+masks), warmup.py (compiling the step shapes), memory.py (KV pool size), stats.py.
 """
 
 from __future__ import annotations
@@ -42,14 +43,14 @@ from jtp.core.block_hash import root_key
 from jtp.core.sampling_params import SamplingParams
 from jtp.core.scheduler import Request, ScheduledRow, Scheduler, Status
 from jtp.core.step_input import mask_words
-from jtp.engine import snapshot_store
 from jtp.engine.input_processor import InputProcessor
 from jtp.engine.memory import allocate_pools
 from jtp.engine.output_processor import Completion, OutputProcessor, RequestStream, TokenEvent
+from jtp.engine.snapshot_api import EngineSnapshots
 from jtp.engine.snapshot_manager import SnapshotManager
 from jtp.engine.stats import EngineStats, collect_stats
 from jtp.engine.step_timing import StepTiming
-from jtp.engine.structured_output import GrammarCompiler, StructuredOutputError
+from jtp.engine.structured_output import GrammarCompiler, advance_grammar, request_matcher, token_masks
 from jtp.engine.tokenizer import Tokenizer
 from jtp.engine.warmup import compile_step_shapes
 from jtp.errors import EngineClosedError, QueueFullError, RequestError, WorkerGroupError
@@ -66,7 +67,7 @@ def _drafts_of(row) -> list[int]:
     return [int(d) for d in itertools.takewhile(lambda d: d >= 0, row)]
 
 
-class Engine:
+class Engine(EngineSnapshots):
     # Called after every step with its `StepTiming` (host time by phase), when set.
     step_timings = None
     _timing: StepTiming | None = None  # the current step's
@@ -108,8 +109,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(self.model_dir) if has_tokenizer else None
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else cfg.eos_token_ids)
         # Structured outputs' grammars (the tokenizer's vocabulary, the model's width).
-        self.grammars = (GrammarCompiler((self.model_dir / "tokenizer.json").read_text(), cfg.vocab_size, self.eos_ids)
-                         if has_tokenizer else None)
+        self.grammars = GrammarCompiler(self.model_dir / "tokenizer.json", cfg.vocab_size, self.eos_ids) if has_tokenizer else None
         # The worker's persistent rows, updated each step from the scheduler's output.
         self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size, self.scheduler.buckets,
                                       self.speculative.verify_positions if self.speculative is not None else 0,
@@ -174,7 +174,9 @@ class Engine:
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         self.inputs.validate(prompt_ids, params)
-        grammar = self._grammar(params)  # compiled here, on the caller's thread, never on the step loop
+        # Compiled here, on the caller's thread, never on the step loop.
+        grammar = request_matcher(self.grammars, params, "--num-scheduler-steps > 1" if self.config.num_scheduler_steps > 1
+                                  else "speculative decoding" if self.speculative is not None else None)
         with self._intake:
             if self.failure is not None:
                 raise WorkerGroupError(self.failure)
@@ -196,20 +198,6 @@ class Engine:
             self._inbox.append(("add", req))
             self._intake.notify_all()
         return rid
-
-    def _grammar(self, params: SamplingParams):
-        """The matcher of the request's structured output (None without one), or RequestError."""
-        if params.structured_outputs is None:
-            return None
-        unsupported = ("--num-scheduler-steps > 1" if self.config.num_scheduler_steps > 1 else
-                       "speculative decoding" if self.speculative is not None else
-                       "this model has no tokenizer" if self.grammars is None else None)
-        if unsupported:
-            raise RequestError(f"structured outputs are not supported here: {unsupported}")
-        try:
-            return self.grammars.matcher(params.structured_outputs)
-        except StructuredOutputError as e:
-            raise RequestError(str(e)) from None
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it already finished or is unknown.
@@ -302,11 +290,8 @@ class Engine:
     def _dispatch(self, rows: list[ScheduledRow]):
         t0 = time.perf_counter()
         out = self.scheduler.output(rows)
-        constrained = [(row.request.grammar, b) for b, row in enumerate(rows)
-                       if row.request.grammar is not None and row.picks_next_token]
         t1 = time.perf_counter()
-        mask = self.grammars.fill(constrained, len(rows)) if constrained else None
-        packed = self.input_batch.prepare(out, mask)
+        packed = self.input_batch.prepare(out, token_masks(self.grammars, rows))
         t2 = time.perf_counter()
         compilations = self.runner.compilations
         result = self.runner.dispatch(packed)
@@ -370,14 +355,7 @@ class Engine:
 
     def _append(self, req: Request, token: int, result, b: int) -> TokenEvent:
         event, reason = self.outputs.append_token(req, token, result, b)
-        if req.grammar is not None and not reason:
-            # The mask allowed only tokens the grammar takes; it ends the output once it is complete.
-            if not req.grammar.consume_token(token):
-                log.warning("request %s: the grammar refused sampled token %d (%s)", req.id, token,
-                            req.grammar.get_error())
-                reason = "stop"
-            elif req.grammar.is_stopped():
-                reason = "stop"
+        reason = reason or advance_grammar(req, token)
         if reason:
             self._finish(self.outputs.get(req.id), reason, event)
         return event
@@ -454,63 +432,6 @@ class Engine:
                 self.release(rid)
             raise
         return [self.result(rid) for rid in ids]
-
-    # ------------------------------------------------------------------ prefix cache, snapshots
-
-    def snapshot(self, request_id: str | None = None, *, tokens=None) -> str:
-        """Pin a prefix in the cache and return a snapshot id to `restore` from later.
-
-        From a request (running, or finished and not yet released): its prompt and output so far.
-        From `tokens`: that sequence, prefilled first if the cache does not hold it. The snapshot
-        holds the longest cached prefix (whole blocks; on hybrid models ending at a state
-        checkpoint); `restore` recomputes the few tokens past it. Older snapshots are evicted
-        (LRU) to stay within the entry cap and byte budget; when it cannot be made, an error
-        says why and nothing is held.
-        """
-        if (request_id is None) == (tokens is None):
-            raise RequestError("snapshot() takes a request id or tokens, not both or neither")
-        with self._lock:
-            if request_id is not None:
-                return self.snapshots.pin_request(self.request(request_id))
-            seq = [int(t) for t in tokens]
-            snap_id = self.snapshots.pin_tokens(seq)
-        if snap_id is None:  # not cached yet: prefill it (one sampled token, discarded), then pin
-            self.result(self.submit(seq, SamplingParams(max_tokens=1, temperature=0.0)))
-            with self._lock:
-                snap_id = self.snapshots.pin(seq)
-        return snap_id
-
-    def restore(self, snapshot_id: str, prompt_ids=(), params: SamplingParams | None = None, request_id=None) -> str:
-        """Continue generation from a snapshot: submit its tokens plus `prompt_ids` (new turn, if
-        any) as a request; only the tokens past the pinned prefix are prefilled."""
-        with self._lock:
-            seq = self.snapshots.get(snapshot_id).tokens + [int(t) for t in prompt_ids]
-        return self.submit(seq, params, request_id)
-
-    def drop(self, snapshot_id: str) -> None:
-        """Let go of a snapshot: its blocks and state return to the ordinary (evictable) cache."""
-        with self._lock:
-            self.snapshots.drop(snapshot_id)
-
-    def list_snapshots(self) -> list:
-        """Every snapshot, least recently used first."""
-        with self._lock:
-            return list(self.snapshots)
-
-    def save_snapshots(self, path, snapshot_ids=None, overwrite: bool = False, include_prefix_cache: bool = False):
-        """Write snapshots (default: all; with `include_prefix_cache` also the rest of the prefix
-        cache) to `path` with orbax; see jtp/engine/snapshot_store.py."""
-        return snapshot_store.save_snapshots(self, path, snapshot_ids, overwrite=overwrite, include_prefix_cache=include_prefix_cache)
-
-    def load_snapshots(self, path, include_prefix_cache: bool = True) -> list[str]:
-        """Load snapshots (and any saved prefix-cache entries, as fit) saved by an engine of the same
-        model, config, dtype and mesh; their ids."""
-        return snapshot_store.load_snapshots(self, path, include_prefix_cache=include_prefix_cache)
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached block and state checkpoint that nothing holds; returns how many blocks."""
-        with self._lock:
-            return self.scheduler.reset_prefix_cache()
 
     # ------------------------------------------------------------------ warm-up
 

@@ -33,6 +33,9 @@ class TokenEvent:
     error: str | None = None  # set when finish_reason == "error"
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (finished event)
     retryable: bool = False  # an "error" the same request may succeed on later (worker group restart)
+    # What stopped a "stop" (vLLM's stop_reason): the stop string matched, or the stop token id given in
+    # stop_token_ids; None for an end-of-sequence token (or any other end).
+    stop_reason: str | int | None = None
 
 
 @dataclasses.dataclass
@@ -65,6 +68,7 @@ class RequestStream:
         self.error: str | None = None
         self.retryable = False
         self.stopped_by_string = False
+        self.stop_reason: str | int | None = None  # see TokenEvent.stop_reason
         self.orphaned = False  # its consumer went away before the end
         self.stops = StopMatcher(request.params.stop)
 
@@ -79,6 +83,9 @@ class RequestStream:
         cut = self.stops.feed(new)  # O(len(new)), however many stop strings there are
         if cut is None:
             return False
+        # The stop string that ended it: the longest one the text goes on with at the cut.
+        self.stop_reason = max((s for s in self.request.params.stop if self.text.startswith(s, cut)), key=len,
+                               default=None)
         self.text = self.text[:cut]
         self.stopped_by_string = True
         return True
@@ -198,6 +205,7 @@ class OutputProcessor:
         reason = None
         if token in req.stop_ids:
             reason = "stop"
+            out.stop_reason = token if token in req.params.stop_token_ids else None
         elif out.add_token(token):  # a stop string
             reason = "stop"
         elif len(req.output_ids) >= req.params.max_tokens:
@@ -218,6 +226,7 @@ class OutputProcessor:
         event.cached_tokens = req.cached_tokens
         event.text += out.take_text(True)
         event.finished, event.finish_reason = True, reason
+        event.stop_reason = out.stop_reason if reason == "stop" else None
         out.queue(event)
         out.publish()
         out.done.set()

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 import llguidance
@@ -20,6 +22,9 @@ import llguidance.numpy
 import numpy as np
 
 from jtp.core.step_input import mask_words
+from jtp.errors import RequestError
+
+log = logging.getLogger(__name__)
 
 CACHED_GRAMMARS = 256  # compiled grammars kept (by spec): a schema sent again is not compiled again
 # JSON as models write it on one line, `{"a": 1, "b": [2, 3]}`: free whitespace would let a weak
@@ -32,14 +37,27 @@ class StructuredOutputError(ValueError):
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: frozenset[int]):
+    def __init__(self, tokenizer_path: Path, vocab_size: int, eos_ids: frozenset[int]):
         """`vocab_size`: the model's (its logits' width), which may exceed the tokenizer's; tokens past
-        the tokenizer's are never allowed."""
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+        the tokenizer's are never allowed. Nothing is loaded before the first structured request."""
+        self.tokenizer_path, self.vocab_size, self.eos_ids = tokenizer_path, vocab_size, eos_ids
         self.words = mask_words(vocab_size)
-        self._executor = llguidance.LLExecutor()
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
         self._grammars: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                try:
+                    self._tokenizer = llguidance.LLTokenizer(self.tokenizer_path.read_text(), n_vocab=self.vocab_size,
+                                                             eos_token=sorted(self.eos_ids))
+                except ValueError as e:
+                    raise StructuredOutputError(f"structured outputs cannot use this model's tokenizer: {e}") from None
+                self._executor = llguidance.LLExecutor()
+            return self._tokenizer
 
     def matcher(self, spec: dict) -> llguidance.LLMatcher:
         """A fresh matcher of `spec` (one of `SamplingParams.structured_outputs`), or StructuredOutputError."""
@@ -47,6 +65,7 @@ class GrammarCompiler:
 
     def grammar(self, spec: dict) -> str:
         """The validated llguidance grammar of `spec` (cached)."""
+        tokenizer = self.tokenizer
         key = json.dumps(spec, sort_keys=True)
         with self._lock:
             if key in self._grammars:
@@ -57,7 +76,7 @@ class GrammarCompiler:
             grammar = _grammar(kind, value)
         except ValueError as e:
             raise StructuredOutputError(f"invalid structured output {kind}: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
             raise StructuredOutputError(f"invalid structured output {kind}: {error.strip()[:1000]}")
         with self._lock:
@@ -72,6 +91,41 @@ class GrammarCompiler:
         mask = np.full((num_rows, self.words), -1, np.int32)
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, mask)
         return mask
+
+
+def request_matcher(grammars: GrammarCompiler | None, params, unsupported: str | None):
+    """The matcher of a request's structured output (None without one), or RequestError saying why
+    not (`unsupported`: what in this engine cannot mask, else None)."""
+    if params.structured_outputs is None:
+        return None
+    if grammars is None:
+        unsupported = unsupported or "this model has no tokenizer"
+    if unsupported:
+        raise RequestError(f"structured outputs are not supported here: {unsupported}")
+    try:
+        return grammars.matcher(params.structured_outputs)
+    except StructuredOutputError as e:
+        raise RequestError(str(e)) from None
+
+
+def token_masks(grammars: GrammarCompiler | None, rows: list) -> np.ndarray | None:
+    """The token masks of a step's scheduled rows (`ScheduledRow`s), or None when no row that samples
+    has a grammar (the step then samples without a mask)."""
+    constrained = [(row.request.grammar, b) for b, row in enumerate(rows)
+                   if row.request.grammar is not None and row.picks_next_token]
+    return grammars.fill(constrained, len(rows)) if constrained else None
+
+
+def advance_grammar(request, token: int) -> str | None:
+    """Feed a request's sampled token to its grammar: "stop" once the grammar is complete (the mask
+    allowed only tokens it takes, so a refusal is a bug, logged, and ends the output too), else None."""
+    grammar = request.grammar
+    if grammar is None:
+        return None
+    if not grammar.consume_token(token):
+        log.warning("request %s: the grammar refused sampled token %d (%s)", request.id, token, grammar.get_error())
+        return "stop"
+    return "stop" if grammar.is_stopped() else None
 
 
 def _grammar(kind: str, value: Any) -> str:

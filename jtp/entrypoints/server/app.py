@@ -1,6 +1,7 @@
 """The Starlette app: routes, API-key check, and errors in the OpenAI shape.
 
     POST /v1/completions, /v1/chat/completions    generation (JSON or SSE)
+    POST /v1/messages                             Anthropic's Messages API (errors in Anthropic's shape)
     GET  /v1/models, /v1/models/{id}              the served model
     POST /tokenize, /detokenize                   vLLM's token-id helpers (behind the key, like /v1)
     GET  /version                                 jtp's version
@@ -28,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jtp.entrypoints.server.anthropic import error_body as anthropic_error
 from jtp.entrypoints.server.connections import ConcurrencyLimit
 from jtp.entrypoints.server.errors import RETRY_AFTER_SECONDS, APIError
 from jtp.entrypoints.server.intake import Intake
@@ -52,8 +54,13 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
     created = int(time.time())
     draining = threading.Event()  # set by `jtp serve` on SIGTERM
 
-    def api(handler: Handler, generates: bool = False) -> Handler:
-        """An /v1 route: key checked, errors answered in the OpenAI shape, never raised."""
+    def api(handler: Handler, generates: bool = False, anthropic: bool = False) -> Handler:
+        """An /v1 route: key checked, errors answered in the OpenAI shape (or Anthropic's), never raised."""
+
+        def answer(e: APIError) -> Response:
+            if anthropic:
+                return JSONResponse(anthropic_error(e), status_code=e.status, headers=e.headers)
+            return e.response()
 
         async def route(request: Request) -> Response:
             try:
@@ -66,12 +73,12 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
                                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
                 return await handler(request)
             except APIError as e:
-                return e.response()
+                return answer(e)
             except RequestError as e:
-                return APIError.from_request_error(e).response()
+                return answer(APIError.from_request_error(e))
             except Exception as e:  # noqa: BLE001 - a bad request must never take the server down
                 log.exception("%s %s failed", request.method, request.url.path)
-                return APIError(f"internal error: {type(e).__name__}: {e}", 500).response()
+                return answer(APIError(f"internal error: {type(e).__name__}: {e}", 500))
 
         return route
 
@@ -85,6 +92,10 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
 
     card = {"id": model_name, "object": "model", "created": created, "owned_by": "jtp",
             "max_model_len": engine.max_model_len}
+
+    async def messages(request: Request) -> Response:
+        async with intake.body(request) as raw:
+            return await _cancel_on_disconnect(request, serving.messages(raw))
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [card]})
@@ -126,6 +137,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
     routes = [
         Route("/v1/completions", api(completions, generates=True), methods=["POST"]),
         Route("/v1/chat/completions", api(chat, generates=True), methods=["POST"]),
+        Route("/v1/messages", api(messages, generates=True, anthropic=True), methods=["POST"]),
         Route("/v1/models", api(models), methods=["GET"]),
         Route("/v1/models/{name:path}", api(model), methods=["GET"]),
         Route("/tokenize", api(tokenize), methods=["POST"]),
@@ -153,11 +165,13 @@ def _check_api_key(request: Request, api_key: str | None) -> None:
         return
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
+    if "x-api-key" in request.headers:  # Anthropic's clients send the key in x-api-key
+        scheme, token = "bearer", request.headers["x-api-key"]
     # Starlette decodes header bytes as latin-1; re-encode to get the bytes sent, so a UTF-8 key
     # compares as the UTF-8 bytes it is.
     token_bytes = token.strip().encode("latin-1")
     if scheme.lower() != "bearer" or not token_bytes or not hmac.compare_digest(token_bytes, api_key.encode()):
-        raise APIError("missing or wrong API key: send 'Authorization: Bearer <key>'", 401,
+        raise APIError("missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'", 401,
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 

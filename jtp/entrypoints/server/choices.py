@@ -25,6 +25,7 @@ class CompletionChoice:
         self.logprobs: list[dict] = []
         self.text_offset = 0
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
 
     def opening(self) -> None:
         return None  # a completions stream starts with the first text
@@ -37,10 +38,11 @@ class CompletionChoice:
             self.logprobs.append(logprobs)
         self.texts.append(event.text)
         if event.finished:
-            self.finish_reason = event.finish_reason
+            self.finish_reason, self.stop_reason = event.finish_reason, event.stop_reason
         if not (event.text or logprobs or event.finished):
             return []
-        return [{"index": self.index, "text": event.text, "logprobs": logprobs, "finish_reason": self.finish_reason}]
+        piece = {"index": self.index, "text": event.text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        return [{**piece, "stop_reason": self.stop_reason} if event.finished else piece]
 
     def result(self) -> dict:
         return {
@@ -48,6 +50,7 @@ class CompletionChoice:
             "text": "".join(self.texts),
             "logprobs": merge_completion_logprobs(self.logprobs) if self.wants_logprobs else None,
             "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,  # vLLM's: the stop string or stop token id that ended it
         }
 
 
@@ -63,6 +66,7 @@ class ChatChoice:
         self.tool_calls: list[ToolCall] = []
         self.logprobs: list[dict] = []
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
 
     def opening(self) -> dict:
         """The first streamed piece: the role, before any token (as OpenAI sends it)."""
@@ -81,6 +85,7 @@ class ChatChoice:
         if event.finished:
             self.finish_reason = (self.tool_parser.finish_reason(event.finish_reason) if self.tool_parser
                                   else event.finish_reason)
+            self.stop_reason = event.stop_reason
         delta = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
@@ -100,6 +105,8 @@ class ChatChoice:
         out = [{"index": self.index, "delta": d, "logprobs": None, "finish_reason": None} for d in pieces]
         out[0]["logprobs"] = {"content": logprobs, "refusal": None} if logprobs else None
         out[-1]["finish_reason"] = self.finish_reason
+        if event.finished:
+            out[-1]["stop_reason"] = self.stop_reason
         return out
 
     def _split(self, text: str, finished: bool) -> tuple[str, str]:
@@ -133,5 +140,6 @@ class ChatChoice:
             "message": message,
             "logprobs": {"content": self.logprobs, "refusal": None} if self.wants_logprobs else None,
             "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
         }
 

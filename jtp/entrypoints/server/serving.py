@@ -22,6 +22,8 @@ from starlette.responses import JSONResponse, Response
 from jtp.engine.structured_output import StructuredOutputError
 from jtp.engine.template_sandbox import TemplateLimitError, TemplateLimits, TemplateOutputError
 
+from jtp.entrypoints.server.anthropic import MessageBuilder, parse_messages_request, sse_event, to_chat_body
+from jtp.entrypoints.server.anthropic import error_body as anthropic_error
 from jtp.entrypoints.server.choices import ChatChoice, CompletionChoice
 from jtp.entrypoints.server.errors import RETRY_AFTER_SECONDS, APIError
 from jtp.entrypoints.server.generation import ChoiceRequest, Generation
@@ -93,6 +95,43 @@ class OpenAIServing:
                    for i in range(req.n)]
         return await self._respond(CHAT, req, [(ids, max_tokens)], choices)
 
+    async def messages(self, raw: bytes) -> Response:
+        """Anthropic's POST /v1/messages: the chat path, its output written as Anthropic content blocks."""
+        req, text, ids, max_tokens = await self.intake.run(self._prepare_messages, raw)
+        choice = ChatChoice(0, self.names, None, make_reasoning_parser(self.reasoning_parser, text),
+                            self._tool_call_parser(req))
+        generation = Generation(self.engine, self.metrics, f"msg-{uuid.uuid4().hex}",
+                                [ChoiceRequest(0, ids, sampling_params(req, max_tokens, 0))])
+        await self._submit(generation)
+        builder = MessageBuilder(self.model_name, len(ids))
+        if req.stream:
+            return EventStream(self._stream_message(generation, choice, builder))
+        async for _, event in generation.events():
+            _raise_if_failed(event)
+            for piece in choice.add(event):
+                builder.delta(piece["delta"])
+        builder.stop(choice.finish_reason, choice.stop_reason, generation.usage()["completion_tokens"])
+        return JSONResponse(builder.message())
+
+    async def _stream_message(self, generation: Generation, choice: ChatChoice,
+                              builder: MessageBuilder) -> AsyncIterator[str]:
+        try:
+            for name, payload in builder.start():
+                yield sse_event(name, payload)
+            async for _, event in generation.events():
+                _raise_if_failed(event)
+                for piece in choice.add(event):
+                    for name, payload in builder.delta(piece["delta"]):
+                        yield sse_event(name, payload)
+            for name, payload in builder.stop(choice.finish_reason, choice.stop_reason,
+                                              generation.usage()["completion_tokens"]):
+                yield sse_event(name, payload)
+        except APIError as e:
+            yield sse_event("error", anthropic_error(e))
+        except Exception as e:  # noqa: BLE001 - the response has started; end it with an error event
+            log.exception("stream %s failed", builder.id)
+            yield sse_event("error", anthropic_error(APIError(f"internal error: {type(e).__name__}: {e}", 500)))
+
     async def tokenize(self, raw: bytes) -> Response:
         """vLLM's POST /tokenize: a prompt, or chat messages rendered by the chat template, as token ids."""
         return JSONResponse(await self.intake.run(self._tokenize, raw))
@@ -118,7 +157,10 @@ class OpenAIServing:
         return req, [(self._prompt_ids(p), max_tokens) for p in req.prompts]
 
     def _prepare_chat(self, raw: bytes) -> tuple:
-        req = parse_chat_request(parse_json(raw, self.max_json_values))
+        return self._prepare_chat_body(parse_json(raw, self.max_json_values))
+
+    def _prepare_chat_body(self, body) -> tuple:
+        req = parse_chat_request(body)
         self._check_model(req.model)
         self._check_tool_choice(req.tool_choice)
         self._check_structure(req)
@@ -128,6 +170,9 @@ class OpenAIServing:
         ids = self._prompt_ids(text)
         max_tokens = req.max_tokens if req.max_tokens is not None else self._rest_of_context(ids)
         return req, text, ids, max_tokens
+
+    def _prepare_messages(self, raw: bytes) -> tuple:
+        return self._prepare_chat_body(to_chat_body(parse_messages_request(parse_json(raw, self.max_json_values))))
 
     def _tokenize(self, raw: bytes) -> dict:
         body = parse_json(raw, self.max_json_values)
