@@ -243,7 +243,3 @@ class MessageBuilder:
             return []
         self._open = None
         return [("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})]
-
-
-def sse_event(name: str, payload: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"

@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions    generation (JSON or SSE)
     POST /v1/messages                             Anthropic's Messages API (errors in Anthropic's shape)
+    POST /v1/responses                            OpenAI's Responses API (stored responses in memory)
     GET  /v1/models, /v1/models/{id}              the served model
     POST /tokenize, /detokenize                   vLLM's token-id helpers (behind the key, like /v1)
     GET  /version                                 jtp's version
@@ -97,6 +98,10 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
         async with intake.body(request) as raw:
             return await _cancel_on_disconnect(request, serving.messages(raw))
 
+    async def responses(request: Request) -> Response:
+        async with intake.body(request) as raw:
+            return await _cancel_on_disconnect(request, serving.responses(raw))
+
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -138,6 +143,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
         Route("/v1/completions", api(completions, generates=True), methods=["POST"]),
         Route("/v1/chat/completions", api(chat, generates=True), methods=["POST"]),
         Route("/v1/messages", api(messages, generates=True, anthropic=True), methods=["POST"]),
+        Route("/v1/responses", api(responses, generates=True), methods=["POST"]),
         Route("/v1/models", api(models), methods=["GET"]),
         Route("/v1/models/{name:path}", api(model), methods=["GET"]),
         Route("/tokenize", api(tokenize), methods=["POST"]),

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from jtp.engine.structured_output import StructuredOutputError
 from jtp.engine.template_sandbox import TemplateLimitError, TemplateLimits, TemplateOutputError
 
-from jtp.entrypoints.server.anthropic import MessageBuilder, parse_messages_request, sse_event, to_chat_body
+from jtp.entrypoints.server.anthropic import MessageBuilder, parse_messages_request, to_chat_body
 from jtp.entrypoints.server.anthropic import error_body as anthropic_error
 from jtp.entrypoints.server.choices import ChatChoice, CompletionChoice
 from jtp.entrypoints.server.errors import RETRY_AFTER_SECONDS, APIError
@@ -38,7 +38,10 @@ from jtp.entrypoints.server.protocol import (
     sampling_params,
 )
 from jtp.entrypoints.server.reasoning import make_reasoning_parser
-from jtp.entrypoints.server.sse import DONE, EventStream, sse_data
+from jtp.entrypoints.server.responses import ResponseBuilder, ResponseStore, parse_responses_request
+from jtp.entrypoints.server.responses import error_event as responses_error
+from jtp.entrypoints.server.responses import to_chat_body as responses_chat_body
+from jtp.entrypoints.server.sse import DONE, EventStream, sse_data, sse_event
 from jtp.entrypoints.server.tool_parsers import ToolCallParser, make_tool_parser
 from jtp.errors import ContextLengthError
 
@@ -74,6 +77,7 @@ class OpenAIServing:
         --enable-auto-tool-choice --tool-call-parser; None: requests with tool_choice "auto" are refused."""
         self.engine, self.model_name, self.metrics, self.intake = engine, model_name, metrics, intake
         self.reasoning_parser, self.tool_parser = reasoning_parser, tool_parser
+        self.stored_responses = ResponseStore()  # /v1/responses' conversations, for previous_response_id
         self.names = TokenNames(engine.tokenizer)
         tok = engine.tokenizer
         self.max_prompt_chars = engine.max_model_len * NORMALIZATION_SLACK * (tok.max_token_chars if tok else 1)
@@ -104,17 +108,48 @@ class OpenAIServing:
                                 [ChoiceRequest(0, ids, sampling_params(req, max_tokens, 0))])
         await self._submit(generation)
         builder = MessageBuilder(self.model_name, len(ids))
+
+        def finish():
+            return builder.stop(choice.finish_reason, choice.stop_reason, generation.usage()["completion_tokens"])
+
         if req.stream:
-            return EventStream(self._stream_message(generation, choice, builder))
+            return EventStream(self._stream_built(generation, choice, builder, finish, anthropic_error))
+        await self._collect_built(generation, choice, builder)
+        finish()
+        return JSONResponse(builder.message())
+
+    async def responses(self, raw: bytes) -> Response:
+        """OpenAI's POST /v1/responses: the chat path, its output written as response items (and stored)."""
+        rreq, req, text, ids, max_tokens, messages = await self.intake.run(self._prepare_responses, raw)
+        choice = ChatChoice(0, self.names, None, make_reasoning_parser(self.reasoning_parser, text),
+                            self._tool_call_parser(req))
+        generation = Generation(self.engine, self.metrics, f"resp-{uuid.uuid4().hex}",
+                                [ChoiceRequest(0, ids, sampling_params(req, max_tokens, 0))])
+        await self._submit(generation)
+        builder = ResponseBuilder(rreq, self.model_name)
+
+        def finish():
+            events = builder.finish(choice.finish_reason, generation.usage())
+            if rreq.store:  # what a follow-up with previous_response_id continues after
+                self.stored_responses.put(builder.id, messages + [builder.assistant_turn()])
+            return events
+
+        if rreq.stream:
+            return EventStream(self._stream_built(generation, choice, builder, finish, responses_error))
+        await self._collect_built(generation, choice, builder)
+        finish()
+        return JSONResponse(builder.response())
+
+    async def _collect_built(self, generation: Generation, choice: ChatChoice, builder) -> None:
         async for _, event in generation.events():
             _raise_if_failed(event)
             for piece in choice.add(event):
                 builder.delta(piece["delta"])
-        builder.stop(choice.finish_reason, choice.stop_reason, generation.usage()["completion_tokens"])
-        return JSONResponse(builder.message())
 
-    async def _stream_message(self, generation: Generation, choice: ChatChoice,
-                              builder: MessageBuilder) -> AsyncIterator[str]:
+    async def _stream_built(self, generation: Generation, choice: ChatChoice, builder, finish,
+                            error_event) -> AsyncIterator[str]:
+        """A built response's events (Anthropic's, the Responses API's): the builder's opening ones, its
+        events for each chat delta, then `finish()`'s; an error after the start is an error event."""
         try:
             for name, payload in builder.start():
                 yield sse_event(name, payload)
@@ -123,14 +158,13 @@ class OpenAIServing:
                 for piece in choice.add(event):
                     for name, payload in builder.delta(piece["delta"]):
                         yield sse_event(name, payload)
-            for name, payload in builder.stop(choice.finish_reason, choice.stop_reason,
-                                              generation.usage()["completion_tokens"]):
+            for name, payload in finish():
                 yield sse_event(name, payload)
         except APIError as e:
-            yield sse_event("error", anthropic_error(e))
+            yield sse_event("error", error_event(e))
         except Exception as e:  # noqa: BLE001 - the response has started; end it with an error event
             log.exception("stream %s failed", builder.id)
-            yield sse_event("error", anthropic_error(APIError(f"internal error: {type(e).__name__}: {e}", 500)))
+            yield sse_event("error", error_event(APIError(f"internal error: {type(e).__name__}: {e}", 500)))
 
     async def tokenize(self, raw: bytes) -> Response:
         """vLLM's POST /tokenize: a prompt, or chat messages rendered by the chat template, as token ids."""
@@ -170,6 +204,12 @@ class OpenAIServing:
         ids = self._prompt_ids(text)
         max_tokens = req.max_tokens if req.max_tokens is not None else self._rest_of_context(ids)
         return req, text, ids, max_tokens
+
+    def _prepare_responses(self, raw: bytes) -> tuple:
+        rreq = parse_responses_request(parse_json(raw, self.max_json_values))
+        history = self.stored_responses.get(rreq.previous_response_id) if rreq.previous_response_id else []
+        body = responses_chat_body(rreq, history)
+        return (rreq, *self._prepare_chat_body(body), body["messages"])
 
     def _prepare_messages(self, raw: bytes) -> tuple:
         return self._prepare_chat_body(to_chat_body(parse_messages_request(parse_json(raw, self.max_json_values))))

@@ -1,4 +1,5 @@
-"""Server-sent events: `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` at the end."""
+"""Server-sent events: `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` at the end (OpenAI's chat and
+completions); `event: NAME\\ndata: {json}\\n\\n` per event (Anthropic's Messages, OpenAI's Responses)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ DONE = "data: [DONE]\n\n"
 
 def sse_data(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_event(name: str, payload: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 class EventStream(StreamingResponse):
