@@ -35,3 +35,15 @@ class ScriptedEngine:
             await asyncio.sleep(0)
             last = k == len(pieces) - 1
             yield TokenEvent(request_id, [0], piece, finished=last, finish_reason="stop" if last else None)
+
+
+class RecordingEngine(ScriptedEngine):
+    """Replays one output and keeps the prompts it was given, decoded (what the chat template rendered)."""
+
+    def __init__(self, tokenizer, output: str, max_model_len: int = 2048):
+        super().__init__(tokenizer, output, max_model_len)
+        self.prompts: list[str] = []
+
+    def submit(self, prompt_ids, params, request_id=None):
+        self.prompts.append(self.tokenizer.decode(prompt_ids))
+        return super().submit(prompt_ids, params, request_id)

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from loopback import serving
-from scripted_engine import ScriptedEngine
+from scripted_engine import RecordingEngine
 
 from jtp.config.engine_args import EngineArgs
 from jtp.engine.engine import Engine
@@ -111,16 +111,6 @@ def test_bad_requests_are_anthropic_errors(served):
 
 
 # ----------------------------------------------------------------------------- tool use, scripted
-
-
-class RecordingEngine(ScriptedEngine):
-    def __init__(self, tokenizer, output: str):
-        super().__init__(tokenizer, output, max_model_len=2048)
-        self.prompts: list[str] = []
-
-    def submit(self, prompt_ids, params, request_id=None):
-        self.prompts.append(self.tokenizer.decode(prompt_ids))
-        return super().submit(prompt_ids, params, request_id)
 
 
 def test_tool_use_blocks_whole_streamed_and_answered(demo_dir):

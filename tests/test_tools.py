@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from loopback import serving
-from scripted_engine import ScriptedEngine
+from scripted_engine import RecordingEngine, ScriptedEngine
 
 from jtp.demo import ensure_demo_checkpoint
 from jtp.engine.tokenizer import Tokenizer
@@ -118,18 +118,6 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 
 
 # ----------------------------------------------------------------------------- through the server
-
-
-class RecordingEngine(ScriptedEngine):
-    """Replays one output and keeps the prompts it was given."""
-
-    def __init__(self, tokenizer, output: str):
-        super().__init__(tokenizer, output, max_model_len=1024)
-        self.prompts: list[str] = []
-
-    def submit(self, prompt_ids, params, request_id=None):
-        self.prompts.append(self.tokenizer.decode(prompt_ids))
-        return super().submit(prompt_ids, params, request_id)
 
 
 @pytest.fixture(scope="module")

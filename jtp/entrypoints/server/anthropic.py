@@ -15,10 +15,10 @@ import json
 import uuid
 from typing import Any, Literal, Union
 
-import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from jtp.entrypoints.server.errors import APIError
+from jtp.entrypoints.server.shapes import Shape, parse_body
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -34,54 +34,50 @@ def error_body(e: APIError) -> dict:
 # ----------------------------------------------------------------------------- request shapes
 
 
-class _Shape(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # fields this server does not use (cache_control, ...) pass
-
-
-class TextBlock(_Shape):
+class TextBlock(Shape):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Shape):
+class ToolUseBlock(Shape):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Shape):
+class ToolResultBlock(Shape):
     type: Literal["tool_result"]
     tool_use_id: str
     content: Union[str, list[TextBlock]] = ""
     is_error: bool = False
 
 
-class ThinkingBlock(_Shape):
+class ThinkingBlock(Shape):
     type: Literal["thinking", "redacted_thinking"]
 
 
 Block = Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock]
 
 
-class Message(_Shape):
+class Message(Shape):
     role: Literal["user", "assistant"]
     content: Union[str, list[Block]]
 
 
-class Tool(_Shape):
+class Tool(Shape):
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
 
 
-class ToolChoice(_Shape):
+class ToolChoice(Shape):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
 
 
-class MessagesRequest(_Shape):
+class MessagesRequest(Shape):
     model: str | None = None
     max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
@@ -96,14 +92,7 @@ class MessagesRequest(_Shape):
 
 
 def parse_messages_request(body: Any) -> MessagesRequest:
-    if not isinstance(body, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
-    try:
-        return MessagesRequest.model_validate(body)
-    except pydantic.ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise APIError(f"{where}: {first['msg']}", param=str(first["loc"][0]) if first["loc"] else None) from None
+    return parse_body(MessagesRequest, body)
 
 
 def to_chat_body(req: MessagesRequest) -> dict:

@@ -83,24 +83,17 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
 
         return route
 
-    async def completions(request: Request) -> Response:
-        async with intake.body(request) as raw:
-            return await _cancel_on_disconnect(request, serving.completions(raw))
+    def with_body(handle: Callable[[bytes], Awaitable[Response]]) -> Handler:
+        """A POST route: the body received within the limits, `handle(body)` cancelled if the client leaves."""
 
-    async def chat(request: Request) -> Response:
-        async with intake.body(request) as raw:
-            return await _cancel_on_disconnect(request, serving.chat(raw))
+        async def route(request: Request) -> Response:
+            async with intake.body(request) as raw:
+                return await _cancel_on_disconnect(request, handle(raw))
+
+        return route
 
     card = {"id": model_name, "object": "model", "created": created, "owned_by": "jtp",
             "max_model_len": engine.max_model_len}
-
-    async def messages(request: Request) -> Response:
-        async with intake.body(request) as raw:
-            return await _cancel_on_disconnect(request, serving.messages(raw))
-
-    async def responses(request: Request) -> Response:
-        async with intake.body(request) as raw:
-            return await _cancel_on_disconnect(request, serving.responses(raw))
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [card]})
@@ -111,14 +104,6 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
             raise APIError(f"the model {name!r} does not exist; this server serves {model_name!r}", 404,
                            code="model_not_found", param="model")
         return JSONResponse(card)
-
-    async def tokenize(request: Request) -> Response:
-        async with intake.body(request) as raw:
-            return await serving.tokenize(raw)
-
-    async def detokenize(request: Request) -> Response:
-        async with intake.body(request) as raw:
-            return await serving.detokenize(raw)
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": __version__})
@@ -140,14 +125,14 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
         return APIError(exc.detail, exc.status_code, headers=exc.headers).response()
 
     routes = [
-        Route("/v1/completions", api(completions, generates=True), methods=["POST"]),
-        Route("/v1/chat/completions", api(chat, generates=True), methods=["POST"]),
-        Route("/v1/messages", api(messages, generates=True, anthropic=True), methods=["POST"]),
-        Route("/v1/responses", api(responses, generates=True), methods=["POST"]),
+        Route("/v1/completions", api(with_body(serving.completions), generates=True), methods=["POST"]),
+        Route("/v1/chat/completions", api(with_body(serving.chat), generates=True), methods=["POST"]),
+        Route("/v1/messages", api(with_body(serving.messages), generates=True, anthropic=True), methods=["POST"]),
+        Route("/v1/responses", api(with_body(serving.responses), generates=True), methods=["POST"]),
         Route("/v1/models", api(models), methods=["GET"]),
         Route("/v1/models/{name:path}", api(model), methods=["GET"]),
-        Route("/tokenize", api(tokenize), methods=["POST"]),
-        Route("/detokenize", api(detokenize), methods=["POST"]),
+        Route("/tokenize", api(with_body(serving.tokenize)), methods=["POST"]),
+        Route("/detokenize", api(with_body(serving.detokenize)), methods=["POST"]),
         Route("/version", version, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),

@@ -24,7 +24,7 @@ REASONING_PARSERS = ("qwen3",)
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
 
 
-def _partial_tag_len(text: str, tag: str) -> int:
+def partial_tag_len(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -77,7 +77,7 @@ class Qwen3ReasoningParser:
             self._strip_newlines = True
             return reasoning
         # Hold back a possible partial "</think>" and the newlines before it (dropped if it comes).
-        cut = len(self._held) - _partial_tag_len(self._held, THINK_END)
+        cut = len(self._held) - partial_tag_len(self._held, THINK_END)
         while cut > 0 and self._held[cut - 1] == "\n":
             cut -= 1
         decided, self._held = self._held[:cut], self._held[cut:]

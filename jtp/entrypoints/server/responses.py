@@ -21,10 +21,10 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from jtp.entrypoints.server.errors import APIError
+from jtp.entrypoints.server.shapes import Shape, parse_body
 
 STORED_RESPONSES = 1024
 STORED_CHARS = 64 << 20  # characters of stored conversations, all together
@@ -35,64 +35,60 @@ def error_event(e: APIError) -> dict:
     return {"type": "error", "code": e.code, "message": e.message, "param": e.param}
 
 
-class _Shape(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class TextPart(_Shape):
+class TextPart(Shape):
     type: Literal["input_text", "output_text", "text"]
     text: str
 
 
-class MessageItem(_Shape):
+class MessageItem(Shape):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Union[str, list[TextPart]]
 
 
-class FunctionCallItem(_Shape):
+class FunctionCallItem(Shape):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
-class FunctionCallOutputItem(_Shape):
+class FunctionCallOutputItem(Shape):
     type: Literal["function_call_output"]
     call_id: str
     output: str
 
 
-class ReasoningItem(_Shape):
+class ReasoningItem(Shape):
     type: Literal["reasoning"]
 
 
 Item = Union[FunctionCallItem, FunctionCallOutputItem, ReasoningItem, MessageItem]
 
 
-class FunctionTool(_Shape):
+class FunctionTool(Shape):
     type: Literal["function"]
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class NamedFunction(_Shape):
+class NamedFunction(Shape):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Shape):
+class TextFormat(Shape):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
 
 
-class TextConfig(_Shape):
+class TextConfig(Shape):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Shape):
+class ResponsesRequest(Shape):
     model: str | None = None
     input: Union[str, list[Item]]
     instructions: str | None = None
@@ -109,14 +105,7 @@ class ResponsesRequest(_Shape):
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
-    if not isinstance(body, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
-    try:
-        return ResponsesRequest.model_validate(body)
-    except pydantic.ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise APIError(f"{where}: {first['msg']}", param=str(first["loc"][0]) if first["loc"] else None) from None
+    return parse_body(ResponsesRequest, body)
 
 
 def input_messages(req: ResponsesRequest) -> list[dict]:

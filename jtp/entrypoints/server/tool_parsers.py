@@ -25,6 +25,8 @@ import re
 import uuid
 from typing import Any
 
+from jtp.entrypoints.server.reasoning import partial_tag_len
+
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 
@@ -38,14 +40,6 @@ class ToolCall:
     def message_entry(self) -> dict:
         """The call in a response message's `tool_calls`."""
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def _partial_tag_len(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class ToolCallParser:
@@ -74,7 +68,7 @@ class ToolCallParser:
                 start = self._held.find(CALL_START)
                 if start < 0:
                     # Hold a possible partial tag, and the whitespace before it (dropped if a call follows).
-                    cut = len(self._held) - _partial_tag_len(self._held, CALL_START)
+                    cut = len(self._held) - partial_tag_len(self._held, CALL_START)
                     cut = len(self._held[:cut].rstrip())
                     if cut:
                         text.append(self._held[:cut])
