@@ -52,6 +52,11 @@ WORDS = (
 ).split()
 
 
+# What --structured-fraction asks for: one long string, so a constrained request runs to max_tokens like
+# the others (any token but a quote or a control character continues it), a mask in every step.
+STRUCTURED = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+
 @dataclasses.dataclass
 class RequestResult:
     ok: bool = False
@@ -87,6 +92,7 @@ class Workload:
     follow_up_len: int | None = None  # user-turn length of turns 2..T (None: input_len)
     words: str = "english"  # or "placeholder": t<id> words
     range_ratio: float = 0.0  # lengths drawn uniformly from [len x (1 - r), len x (1 + r)]
+    structured_fraction: float = 0.0  # share of requests that ask for STRUCTURED (a token mask per step)
 
     def _length(self, n: int) -> int:
         if not self.range_ratio:
@@ -105,6 +111,8 @@ class Workload:
         """The request body for a conversation so far (`history`: chat messages, last one the user's)."""
         body = {"model": self.model, "max_tokens": self._length(self.output_len), "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": self.ignore_eos, "temperature": 0.0}
+        if self.structured_fraction and self.rng.random() < self.structured_fraction:
+            body["structured_outputs"] = {"json": STRUCTURED}
         if self.endpoint.endswith("/chat/completions"):
             body["messages"] = history
         elif len(history) == 1:
@@ -347,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--random-range-ratio", type=float, default=0.0, metavar="R",
                     help="draw each prompt's and output's length uniformly from [len x (1 - R), len x (1 + R)] "
                          "(as vLLM's benchmark; default 0: every length exactly --input-len / --output-len)")
+    ap.add_argument("--structured-fraction", type=float, default=0.0, metavar="F",
+                    help="share of requests sent with vLLM's structured_outputs (a JSON schema of one long string): "
+                         "what constrained decoding costs the batch (default: 0)")
     ap.add_argument("--prompt-kind", choices=["auto", "tokens", "text"], default="auto",
                     help="random token ids or random words (auto: token ids for single-turn completions)")
     ap.add_argument("--vocab-size", type=int, default=1000,
@@ -416,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     workload = Workload(args.endpoint, model, args.input_len, args.output_len, args.prompt_kind,
                         args.vocab_size, args.ignore_eos, random.Random(args.seed), args.follow_up_len, args.words,
-                        args.random_range_ratio)
+                        args.random_range_ratio, args.structured_fraction)
     results, duration = asyncio.run(run_benchmark(args, workload))
     summary = summarize(results, duration, args.percentiles)
     print(format_table(summary, args.percentiles))

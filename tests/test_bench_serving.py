@@ -234,6 +234,19 @@ def test_random_range_ratio_draws_lengths_in_range_and_counts_them(stub, tmp_pat
         bench.main(["--base-url", stub.url, "--random-range-ratio", "1.0"])
 
 
+def test_structured_fraction_asks_for_a_json_string_in_that_share(stub, tmp_path):
+    run_bench(tmp_path, "--base-url", stub.url, "--model", "m", "--num-prompts", "40", "--input-len", "4",
+              "--output-len", "2", "--structured-fraction", "0.5", "--skip-test-request", "--vocab-size", "50")
+    asked = [b["structured_outputs"] for b in stub.bodies if "structured_outputs" in b]
+    assert 10 <= len(asked) <= 30 and all(a == {"json": bench.STRUCTURED} for a in asked)
+
+
+def test_structured_requests_run_to_max_tokens_against_jtp_serve(jtp_server, tmp_path):
+    result = run_bench(tmp_path, "--base-url", jtp_server, "--num-prompts", "4", "--input-len", "16",
+                       "--output-len", "6", "--structured-fraction", "1", "--skip-test-request")
+    assert result["summary"]["completed"] == 4 and all(0 < r["output_tokens"] <= 6 for r in result["requests"])
+
+
 def test_fixed_request_rate_spaces_the_starts(stub, tmp_path):
     result = run_bench(tmp_path, "--base-url", stub.url, "--model", "m", "--num-prompts", "4", "--input-len", "2",
                        "--output-len", "2", "--request-rate", "5", "--arrival", "constant", "--skip-test-request")
