@@ -5,6 +5,7 @@ against the tokenizer itself and the package's metadata, on a live uvicorn serve
 from __future__ import annotations
 
 import importlib.metadata
+import json
 
 import httpx
 import openai
@@ -73,3 +74,15 @@ def test_bad_tokenize_requests_are_400s_and_the_key_is_checked(served):
         r = post(url, path, body)
         assert r.status_code in (400, 404), (body, r.text)
         assert r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_events_survive_text_with_unicode_line_breaks():
+    """A model's text may hold U+2028, U+2029 or NEL: line readers that split like str.splitlines()
+    must still see one event per data line (the H200 serving run's client once saw events cut there)."""
+    from jtp.entrypoints.server.sse import sse_data, sse_event
+
+    payload = {"text": "a\u2028b\u2029c\x85d\ne"}
+    for event in (sse_data(payload), sse_event("x", payload)):
+        lines = event.splitlines()
+        assert len(lines) == (2 if event.startswith("data") else 3)
+        assert json.loads(lines[-2 if event.startswith("event") else 0].removeprefix("data: ")) == payload

@@ -11,12 +11,21 @@ from starlette.types import Receive, Scope, Send
 DONE = "data: [DONE]\n\n"
 
 
+# Characters JSON leaves raw that line readers built on str.splitlines() (httpx's among them) take for
+# line ends: escaped, so a model's text can never cut an event in two.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _json(payload: dict) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+
+
 def sse_data(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_json(payload)}\n\n"
 
 
 def sse_event(name: str, payload: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"event: {name}\ndata: {_json(payload)}\n\n"
 
 
 class EventStream(StreamingResponse):
