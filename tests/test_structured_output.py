@@ -93,6 +93,25 @@ def test_a_constrained_row_leaves_its_neighbours_tokens_alone(engine):
     assert is_person(json.loads(engine.tokenizer.decode(mixed[1].token_ids)))
 
 
+def test_masks_filled_late_give_the_lockstep_tokens(engine):
+    """Overlapped (the forward of step N+1 enqueued before step N's tokens advance the grammars, the
+    masks filled after) and lockstep (every step processed before the next is built) runs of the
+    same seeded requests sample the same tokens."""
+    params = [SamplingParams(max_tokens=60, temperature=1.0, seed=s, structured_outputs=spec)
+              for s, spec in enumerate([{"json": PERSON}, {"regex": "[a-z]{3,9}( [a-z]{2,5}){1,3}"}, None, None])]
+    ids = engine.tokenizer.encode(PROMPT)
+    done = engine.step_done
+    try:
+        runs = []
+        for finished in (lambda result: True, lambda result: False):  # lockstep, then always overlapped
+            engine.step_done = finished
+            runs.append([r.token_ids for r in engine.generate([ids] * len(params), params)])
+    finally:
+        engine.step_done = done
+    assert runs[0] == runs[1]
+    assert is_person(json.loads(engine.tokenizer.decode(runs[1][0])))
+
+
 def test_bad_structures_are_request_errors_and_the_engine_keeps_serving(engine):
     for spec in ({"json": {"type": "nonsense"}}, {"regex": "[a-"}, {"grammar": "start: undefined_rule"},
                  {"json": "{not json"}, {"json": 3}, {"choice": []}, {"regex": "a", "choice": ["a"]}):

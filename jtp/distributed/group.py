@@ -321,6 +321,7 @@ class GroupRunner(ModelRunner):
     """A ModelRunner whose collective calls are first sent to the group's followers."""
 
     compiles_ahead = False  # the followers compile as they run the leader's warm-up steps, in order
+    samples_late = False  # a step crosses to the followers whole, its token masks included
 
     def __init__(self, group: WorkerGroup, *args, **kwargs):
         self.group = group
@@ -332,7 +333,9 @@ class GroupRunner(ModelRunner):
         self.group.broadcast(Kind.ALLOCATE, json.dumps({"num_blocks": num_blocks}).encode())
         super().allocate_cache(num_blocks)
 
-    def dispatch(self, step: PackedStep | StepInput):
+    def dispatch(self, step: PackedStep | StepInput, late: bool = False):
+        if late:
+            raise ValueError("a worker group's steps go to the followers whole: they cannot sample late")
         # Followers get the packed buffers the leader's own jitted call takes: the same bytes
         # on every process, and no host work there but the call.
         if isinstance(step, StepInput):

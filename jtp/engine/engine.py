@@ -254,7 +254,10 @@ class Engine(EngineSnapshots):
         compute. When step N has already finished (the host, not the device, is the bottleneck)
         its tokens are processed first, so they go out a host step earlier (a cached prompt's
         first token among them) at no cost to the idle device. Penalties need the exact token
-        history, so batches that use them run in lockstep.
+        history, so batches that use them run in lockstep. A step with token masks (structured
+        outputs) enqueues its forward program, then processes step N (its tokens advance the
+        grammars), then fills the masks and enqueues its sampling program: the forward overlaps
+        the host's work as in any step (where the runner cannot sample late, lockstep).
         Returns the events of the step whose results were processed.
         """
         timing = self._timing = StepTiming()
@@ -264,10 +267,11 @@ class Engine(EngineSnapshots):
             previous, self._inflight = self._inflight, None
             events = []
             # Penalties need the exact token history, n-gram drafts the last token, and a grammar's
-            # mask the token before: lockstep.
+            # mask the token before (unless the runner samples late): lockstep.
+            masks_wait = not self.runner.samples_late
             if previous is not None and (
                 self.step_done(previous[1]) or self.speculative is not None
-                or any(r.params.has_penalties or r.grammar is not None for r in self.scheduler.running)
+                or any(r.params.has_penalties or (masks_wait and r.grammar is not None) for r in self.scheduler.running)
             ):
                 events, previous = self._process(*previous), None
             t = time.perf_counter()
@@ -278,10 +282,17 @@ class Engine(EngineSnapshots):
                 log.warning("evicted snapshot %s: the next request does not fit beside the snapshots", victim.id)
                 rows = self.scheduler.schedule()
             timing.schedule += time.perf_counter() - t
+            sample = None
             if rows:
-                self._inflight = (rows, self._dispatch(rows))
+                dispatched = self._dispatch(rows)
+                if callable(dispatched):  # token masks: filled once step N's tokens advanced the grammars
+                    sample = dispatched
+                else:
+                    self._inflight = (rows, dispatched)
             if previous is not None:
                 events = self._process(*previous)
+            if sample is not None:
+                self._inflight = (rows, sample())
         timing.total = time.perf_counter() - start
         if self.step_timings is not None:
             self.step_timings(timing)
@@ -291,10 +302,15 @@ class Engine(EngineSnapshots):
         t0 = time.perf_counter()
         out = self.scheduler.output(rows)
         t1 = time.perf_counter()
-        packed = self.input_batch.prepare(out, token_masks(self.grammars, rows))
+        masks = token_masks(self.grammars, rows, fill=False)  # room for them, if a row has a grammar
+        packed = self.input_batch.prepare(out, masks)
+        # Sampling late: the masks are written once step N's tokens are in (see `step`).
+        late = masks is not None and self.runner.samples_late and self.runner.samples_separately(packed)
+        if masks is not None and not late:
+            self._write_masks(packed, rows)
         t2 = time.perf_counter()
         compilations = self.runner.compilations
-        result = self.runner.dispatch(packed)
+        result = self.runner.dispatch(packed, late=True) if late else self.runner.dispatch(packed)
         self.scheduler.dispatched(rows)
         t3 = time.perf_counter()
         timing = self._timing
@@ -304,7 +320,18 @@ class Engine(EngineSnapshots):
         layout = packed.layout
         timing.shape = (layout.num_tokens, layout.num_rows, layout.max_blocks)
         timing.compiled = self.runner.compilations != compilations
+        if late:
+            def sample():
+                self._write_masks(packed, rows)
+                return result()
+
+            return sample
         return result
+
+    def _write_masks(self, packed, rows: list[ScheduledRow]) -> None:
+        masks = token_masks(self.grammars, rows)
+        if masks is not None:
+            packed.fields()["token_mask"][: len(rows)] = masks
 
     def _process(self, rows: list[ScheduledRow], result) -> list[TokenEvent]:
         t0 = time.perf_counter()

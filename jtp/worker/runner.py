@@ -83,6 +83,7 @@ def is_ready(result) -> bool:
 
 class ModelRunner:
     compiles_ahead = True  # warm-up may compile its steps on a thread pool (`lower` / `install`)
+    samples_late = True  # `dispatch(step, late=True)`: the sampling program may wait for the host (token masks)
 
     def __init__(self, config: EngineConfig, devices=None):
         """Load `config`'s model onto `devices` (default: the first tensor_parallel_size of this process).
@@ -197,7 +198,7 @@ class ModelRunner:
         except Exception:  # noqa: BLE001 - some backends raise instead of returning None
             return None
 
-    def dispatch(self, step: PackedStep | StepInput) -> SampleResult:
+    def dispatch(self, step: PackedStep | StepInput, late: bool = False):
         """Enqueue one step (forward + sampling) and return at once with device-side results.
 
         Token id -1 in the plan means "the token last sampled for this row's state slot".
@@ -205,6 +206,10 @@ class ModelRunner:
         [num_scheduler_steps, B] for a pure decode step, whose rows sample `num_steps`
         tokens each (fewer if every row sampled a stop token; later entries are then zero).
         `jax.device_get` on the result waits for the device; only sampled results come back.
+
+        `late` (a split step only): enqueue the forward program alone and return a function that
+        enqueues the sampling program and returns the result; the host may change the step's
+        sampling part (its token masks) meanwhile, while the device runs the forward.
         """
         ints, floats, layout = host_buffers(step)
         num_steps = ints[layout.offsets()[0]["num_steps"][0]]
@@ -218,8 +223,14 @@ class ModelRunner:
             raise ValueError(f"a step with prompt rows runs one step, not {num_steps}")
         if self._splits(layout):
             logits, self.cache = self._run(*self._forward_program(ints, layout))
-            result, self.sampled = self._run(*self._sampling_program(logits, ints, floats, layout))
-            return result
+
+            def sample() -> SampleResult:
+                result, self.sampled = self._run(*self._sampling_program(logits, ints, floats, layout))
+                return result
+
+            return sample if late else sample()
+        if late:
+            raise ValueError("only a step of a forward and a sampling program can sample late")
         result, self.cache, self.sampled = self._run(*self._fused_program(ints, floats, layout))
         return result
 
