@@ -86,3 +86,28 @@ def test_events_survive_text_with_unicode_line_breaks():
         lines = event.splitlines()
         assert len(lines) == (2 if event.startswith("data") else 3)
         assert json.loads(lines[-2 if event.startswith("event") else 0].removeprefix("data: ")) == payload
+
+
+def test_probes_stay_out_of_the_access_log(served):
+    """uvicorn's own access records, from a real server: /health, /ready and /metrics are left out
+    by the filter `jtp serve` installs, other requests are logged."""
+    import logging
+
+    from jtp.entrypoints.server.launch import QuietProbes
+
+    _, url = served
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    access = logging.getLogger("uvicorn.access")
+    level, quiet = access.level, QuietProbes()
+    access.setLevel(logging.INFO)
+    access.addHandler(handler)
+    try:
+        for path in ("/health", "/ready?x=1", "/metrics", "/version"):
+            httpx.get(url + path, timeout=10)
+        logged = [r.args[2] for r in records if quiet.filter(r)]
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)
+    assert len(records) == 4 and logged == ["/version"]

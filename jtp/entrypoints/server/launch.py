@@ -52,6 +52,7 @@ class ServerArgs:
     port: int = 8000
     api_key: str | None = None
     reasoning_parser: str | None = None
+    disable_uvicorn_access_log: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     drain_timeout: float = 30.0
@@ -109,6 +110,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         f"(default: {d.drain_timeout:g})")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="return <think>...</think> as reasoning_content in chat responses")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access log line per request (probes of /health, /ready and /metrics never log one)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="parse the model's tool calls into message.tool_calls (tool_choice \"auto\"); needs "
                         "--tool-call-parser")
@@ -158,7 +161,9 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
         _probe_template(app, engine_args.model_name())
         config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10,
                                 http=header_timeout_protocol(limits.header_timeout),
-                                timeout_keep_alive=limits.keep_alive_timeout)
+                                timeout_keep_alive=limits.keep_alive_timeout,
+                                access_log=not server_args.disable_uvicorn_access_log)
+        logging.getLogger("uvicorn.access").addFilter(QuietProbes())
         server = _Server(engine, config, server_args.drain_timeout, app.state.draining)
         warmup = _WarmUp(engine, engine_args.warmup, server)
         warmup.start()
@@ -176,6 +181,17 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
     if engine.failure is not None and keep_fd is not None:
         _restart(keep_fd, engine.failure)
     return status
+
+
+class QuietProbes(logging.Filter):
+    """Leaves health probes out of the access log: a load balancer's every few seconds would bury the requests."""
+
+    PATHS = ("/health", "/ready", "/metrics")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn's access record: (client, method, path, http version, status)
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) >= 3 and isinstance(args[2], str) and args[2].split("?")[0] in self.PATHS)
 
 
 def _probe_template(app, model: str) -> None:
