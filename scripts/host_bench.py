@@ -60,6 +60,7 @@ class FakeRunner:
         self.compilations = 0
         self.compile_seconds = 0.0
         self.compiles_ahead = False  # a warm-up would run its padding steps in order
+        self.samples_late = False  # (no structured outputs here: steps with token masks would run in lockstep)
         self.load_format = "dummy"
         self.mtp_drafts = 0
         # As many device leaves as the real model passes (per layer: 11 weights, K and V; plus the
