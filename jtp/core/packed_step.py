@@ -167,11 +167,6 @@ def compiled_flags(flags: SamplingFlags) -> SamplingFlags:
     return flags
 
 
-def static_flags(sampling: SamplingBatch) -> SamplingFlags:
-    """The sampling batch's compile-time flags (`compiled_flags`)."""
-    return compiled_flags(sampling.static_flags())
-
-
 @dataclasses.dataclass
 class PackedStep:
     layout: StepLayout
@@ -199,11 +194,9 @@ class PackedStep:
         """Pack an explicit `StepInput` (warm-up, tests, tools)."""
         plan, sampling, penalty = step.plan, step.sampling, step.penalty_tokens
         li = plan.logits_indices
-        flags = static_flags(sampling)
-        if step.token_mask is not None:
-            flags = compiled_flags(flags._replace(needs_mask=True))
-        if step.token_mask is None:  # (a penalised step without a mask: the engine's always has one)
-            flags = flags._replace(needs_mask=False)
+        masked = step.token_mask is not None
+        # (without a mask, a penalised step's variant has none; the engine's always has one)
+        flags = compiled_flags(sampling.static_flags()._replace(needs_mask=masked))._replace(needs_mask=masked)
         layout = StepLayout(
             len(plan.token_ids), *plan.block_tables.shape, plan.max_row_len, li.shape[0] if li.ndim == 2 else 0,
             penalty[0].shape[1] if penalty is not None else 0, flags,

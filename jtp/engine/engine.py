@@ -50,7 +50,13 @@ from jtp.engine.snapshot_api import EngineSnapshots
 from jtp.engine.snapshot_manager import SnapshotManager
 from jtp.engine.stats import EngineStats, collect_stats
 from jtp.engine.step_timing import StepTiming
-from jtp.engine.structured_output import GrammarCompiler, advance_grammar, request_matcher, token_masks
+from jtp.engine.structured_output import (
+    GrammarCompiler,
+    advance_grammar,
+    constrained_rows,
+    request_matcher,
+    token_masks,
+)
 from jtp.engine.tokenizer import Tokenizer
 from jtp.engine.warmup import compile_step_shapes
 from jtp.errors import EngineClosedError, QueueFullError, RequestError, WorkerGroupError
@@ -302,11 +308,11 @@ class Engine(EngineSnapshots):
         t0 = time.perf_counter()
         out = self.scheduler.output(rows)
         t1 = time.perf_counter()
-        masks = token_masks(self.grammars, rows, fill=False)  # room for them, if a row has a grammar
-        packed = self.input_batch.prepare(out, masks)
+        masked = bool(constrained_rows(rows))
+        packed = self.input_batch.prepare(out, masked)
         # Sampling late: the masks are written once step N's tokens are in (see `step`).
-        late = masks is not None and self.runner.samples_late and self.runner.samples_separately(packed)
-        if masks is not None and not late:
+        late = masked and self.runner.samples_late and self.runner.samples_separately(packed)
+        if masked and not late:
             self._write_masks(packed, rows)
         t2 = time.perf_counter()
         compilations = self.runner.compilations

@@ -90,8 +90,7 @@ class GrammarCompiler:
         """i32[num_rows, words]: row i's allowed tokens for the matchers given as (matcher, i); every
         other row allows every token."""
         mask = np.full((num_rows, self.words), -1, np.int32)
-        if rows:
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, mask)
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, mask)
         return mask
 
 
@@ -110,15 +109,17 @@ def request_matcher(grammars: GrammarCompiler | None, params, unsupported: str |
         raise RequestError(str(e)) from None
 
 
-def token_masks(grammars: GrammarCompiler | None, rows: list, fill: bool = True) -> np.ndarray | None:
-    """The token masks of a step's scheduled rows (`ScheduledRow`s), or None when no row that samples
-    has a grammar (the step then samples without a mask). `fill` False: masks that allow every token,
-    to be filled later. A request that ended meanwhile (its token is discarded) allows every token."""
-    constrained = [(row.request.grammar, b) for b, row in enumerate(rows)
-                   if row.request.grammar is not None and row.picks_next_token and row.request.status is Status.RUNNING]
-    if not constrained:
-        return None
-    return grammars.fill(constrained if fill else [], len(rows))
+def constrained_rows(rows: list) -> list[tuple]:
+    """(matcher, row index) of a step's scheduled rows (`ScheduledRow`s) that sample under a grammar;
+    a request that ended meanwhile (its token is discarded) is left out."""
+    return [(row.request.grammar, b) for b, row in enumerate(rows)
+            if row.request.grammar is not None and row.picks_next_token and row.request.status is Status.RUNNING]
+
+
+def token_masks(grammars: GrammarCompiler | None, rows: list) -> np.ndarray | None:
+    """The token masks of a step's scheduled rows, or None when no row samples under a grammar."""
+    constrained = constrained_rows(rows)
+    return grammars.fill(constrained, len(rows)) if constrained else None
 
 
 def advance_grammar(request, token: int) -> str | None:

@@ -81,9 +81,9 @@ class InputBatch:
 
     # ------------------------------------------------------------------ the step's arrays
 
-    def prepare(self, out: SchedulerOutput, token_mask: np.ndarray | None = None) -> PackedStep:
-        """Apply the diffs, then lay the step out: a `PackedStep` padded to the buckets.
-        `token_mask` i32[num_rows, mask_words]: the scheduled rows' token masks (-1: any token)."""
+    def prepare(self, out: SchedulerOutput, masked: bool = False) -> PackedStep:
+        """Apply the diffs, then lay the step out: a `PackedStep` padded to the buckets. `masked`: the
+        step carries token masks, all ones here (the caller writes the constrained rows' masks)."""
         self.update(out)
         n = out.num_rows
         slots, starts, lens = out.slots, out.starts, out.num_tokens
@@ -98,7 +98,7 @@ class InputBatch:
             needs_top_k_p_min_p=bool(self.truncates[sampling_slots].any()),
             needs_penalties=bool(self.penalised[sampling_slots].any()),
             num_logprobs=int((self.sampling_ints[sampling_slots, 3] > 0).any()),
-            needs_mask=token_mask is not None,
+            needs_mask=masked,
         ))
         if not self.mask_words:
             flags = flags._replace(needs_mask=False)
@@ -149,8 +149,6 @@ class InputBatch:
         else:
             f["logits_indices"][:n] = last
         f["stop_ids"][:n] = self.stop_ids[slots]
-        if token_mask is not None and flags.needs_mask:
-            f["token_mask"][:n] = token_mask
         f["num_steps"][0] = out.num_steps
 
         # Sampling: the slot's columns for rows that sample (the template's neutral values elsewhere),
