@@ -16,6 +16,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer, output: str = "ok", max_model_len: int = 256):
         self.tokenizer, self.output, self.max_model_len = tokenizer, output, max_model_len
         self.config = types.SimpleNamespace(max_waiting_requests=None)  # the one setting the server reads
+        self.sampling_defaults = {}
         self.ready = threading.Event()
         self.ready.set()
         self._ids = itertools.count()

@@ -295,13 +295,19 @@ def test_non_utf8_line_names_its_column(engine, tmp_path):
     assert err == {"line:2": "line 2: not valid UTF-8 (byte 0xe9 at column 12)"}
 
 
-def test_greedy_by_default(engine, tok, tmp_path):
-    line = {"id": "g", "prompt": "The rain in Spain", "max_tokens": 8}  # no temperature
+def test_unset_fields_take_the_generation_config(engine, tok, ckpt, tmp_path):
+    line = {"id": "g", "prompt": "The rain in Spain", "max_tokens": 8, "seed": 5}  # no temperature, top-k, top-p
     inp = write_lines(tmp_path / "in.jsonl", [json.dumps(line)])
     batch.run(engine, inp, tmp_path / "out.jsonl")
     row = read_rows(tmp_path / "out.jsonl")[0]
-    greedy = engine.generate([tok.encode(line["prompt"])], SamplingParams(max_tokens=8, temperature=0))[0]
-    assert row["token_ids"] == greedy.token_ids
+    config = json.loads((Path(ckpt) / "generation_config.json").read_text())
+    asked = SamplingParams(max_tokens=8, seed=5, temperature=config["temperature"], top_k=config["top_k"],
+                           top_p=config["top_p"])
+    assert asked.temperature > 0  # the demo's config samples, so a greedy default would differ
+    solo = engine.generate([tok.encode(line["prompt"])], asked)[0]
+    assert row["token_ids"] == solo.token_ids
+    plain = engine.generate([tok.encode(line["prompt"])], SamplingParams(max_tokens=8, seed=5))[0]
+    assert plain.token_ids != solo.token_ids  # SamplingParams' own defaults would have given other tokens
 
 
 def test_progress_lines_without_a_terminal(engine, tmp_path, capsys):

@@ -56,7 +56,8 @@ def assert_one_line_error(proc, expected: str, status: int = 2) -> str:
 
 
 def test_generate_json_matches_the_engine(demo_dir):
-    proc = run_jtp("generate", "--json", "--max-tokens", "12", "--logprobs", "2", "Hello, world",
+    # No sampling flags but a seed: the checkpoint's generation config samples (as `serve` does).
+    proc = run_jtp("generate", "--json", "--max-tokens", "12", "--logprobs", "2", "--seed", "3", "Hello, world",
                    JTP_DEMO_DIR=str(demo_dir))
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -65,7 +66,9 @@ def test_generate_json_matches_the_engine(demo_dir):
     assert "jtp: devices: 1 x cpu" in err and "jtp: mesh: dp=1 x tp=1" in err and "jtp: KV pool:" in err
     engine = Engine.from_args(EngineArgs(model=demo_dir, num_blocks=64))
     assert out["prompt_token_ids"] == engine.tokenizer.encode("Hello, world")
-    solo = engine.generate([out["prompt_token_ids"]], SamplingParams(max_tokens=12, temperature=0))[0]
+    config = json.loads((demo_dir / "generation_config.json").read_text())
+    asked = dict(temperature=config["temperature"], top_k=config["top_k"], top_p=config["top_p"])
+    solo = engine.generate([out["prompt_token_ids"]], SamplingParams(max_tokens=12, seed=3, **asked))[0]
     assert out["token_ids"] == solo.token_ids
     assert out["text"] == solo.text
     assert out["usage"] == {"prompt_tokens": len(out["prompt_token_ids"]), "completion_tokens": len(solo.token_ids)}
@@ -73,7 +76,7 @@ def test_generate_json_matches_the_engine(demo_dir):
 
 
 def test_prompt_from_stdin_file_and_chat_template(demo_dir, tmp_path):
-    model = ("--model", str(demo_dir), "--max-tokens", "5")
+    model = ("--model", str(demo_dir), "--max-tokens", "5", "--temperature", "0")
     streamed = run_jtp("generate", *model, "--chat", "Hi")
     assert streamed.returncode == 0, streamed.stderr
     as_json = json.loads(run_jtp("generate", *model, "--chat", "--json", "-", stdin=b"Hi").stdout)
@@ -297,7 +300,9 @@ def test_vllm_flag_names():
             "--speculative-config", "--load-format"} <= flags
     gen = {s for a in all_parsers()["jtp generate"]._actions for s in a.option_strings}
     assert {"--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--stop", "--logprobs", "--seed",
-            "--chat", "--json", "--prompt-file"} <= gen
+            "--chat", "--json", "--prompt-file", "--repetition-penalty", "--presence-penalty", "--frequency-penalty",
+            "--generation-config"} <= gen
+    assert "--generation-config" in flags
 
 
 def test_version_and_bench_help():

@@ -24,7 +24,7 @@ def bare(tmp_path_factory):
 def test_every_setting_keeps_its_cli_name():
     """No renames on the way down: each field is an EngineArgs field, but for what resolving adds."""
     args = {f.name for f in dataclasses.fields(EngineArgs)}
-    added = {"model_config", "args"}
+    added = {"model_config", "sampling_defaults", "args"}
     assert {f.name for f in dataclasses.fields(EngineConfig)} - added <= args
 
 
@@ -58,3 +58,31 @@ def test_a_multi_process_engine_is_built_with_its_group(bare):
     config = EngineConfig.from_args(EngineArgs(model=str(bare), tensor_parallel_size=2, num_processes=2))
     with pytest.raises(ValueError, match="worker group"):
         Engine(config)
+
+
+def test_generation_config_sampling_defaults(bare, tmp_path):
+    """vLLM's --generation-config: auto reads the model's file (its vLLM keys, max_new_tokens as
+    max_tokens), vllm none, DIR another directory's; a bad value fails when the engine checks it."""
+    import json
+    from jtp.config.generation_config import sampling_defaults
+    from jtp.engine.input_processor import InputProcessor
+
+    (bare / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_new_tokens": 99, "eos_token_id": 2}))
+    try:
+        auto = EngineConfig.from_args(EngineArgs(model=str(bare))).sampling_defaults
+        assert auto == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 99}
+        assert EngineConfig.from_args(EngineArgs(model=str(bare), generation_config="vllm")).sampling_defaults == {}
+        (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.2, "repetition_penalty": 1.05}))
+        assert sampling_defaults(bare, str(tmp_path)) == {"temperature": 0.2, "repetition_penalty": 1.05}
+        with pytest.raises(ConfigError, match="--generation-config"):
+            EngineArgs(model=str(bare), generation_config="greedy").validate()
+        with pytest.raises(ConfigError, match="no generation_config.json"):
+            sampling_defaults(bare, str(tmp_path / "nowhere"))
+        model = ModelConfig.from_dir(bare)
+        inputs = InputProcessor(model, 64, None, frozenset(), None, auto)
+        assert inputs.default_params(seed=1).temperature == 0.6 and inputs.default_params(top_k=0).top_k == 0
+        with pytest.raises(ConfigError, match="temperature must be"):
+            InputProcessor(model, 64, None, frozenset(), None, {"temperature": -1.0})
+    finally:
+        (bare / "generation_config.json").unlink()

@@ -437,10 +437,10 @@ def test_every_sampling_field_reaches_the_engine_parameters():
     fields = dict(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.5,
                   repetition_penalty=1.1, stop=["\n\n", "END"], stop_token_ids=[7], ignore_eos=True)
     req = parse_chat_request({"messages": CHAT, "seed": 5, "logprobs": True, "top_logprobs": 3, **fields})
-    params = sampling_params(req, max_tokens=9, choice=2)
+    params = sampling_params(req, max_tokens=9, choice=2, defaults={"temperature": 0.1, "top_k": 3})
     assert params == SamplingParams(max_tokens=9, seed=7, logprobs=3, **fields)
     req = parse_completion_request({"prompt": "x", "stop": "END", "logprobs": 0})
-    params = sampling_params(req, max_tokens=16, choice=1)
+    params = sampling_params(req, max_tokens=16, choice=1, defaults={})
     assert params.stop == ["END"] and params.seed is None and params.logprobs == 0 and params.temperature == 1.0
 
 
@@ -455,6 +455,20 @@ def test_n_choices_with_a_seed_are_the_engine_requests_with_seed_plus_i(served):
         ref = served.reference(ids, max_tokens=8, seed=11 + choice.index, **sampling)
         assert choice.text == ref.text
     assert r.usage.prompt_tokens == len(ids)  # the prompt counts once for all n choices
+
+
+def test_unset_sampling_fields_take_the_generation_config(served):
+    """vLLM's --generation-config auto: the checkpoint's temperature / top_k / top_p, read here from its file."""
+    config = json.loads((served.engine.model_dir / "generation_config.json").read_text())
+    asked = {k: config[k] for k in ("temperature", "top_k", "top_p")}
+    ids = served.engine.tokenizer.encode(PROMPTS[1])
+    r = served.post("/v1/completions", {"model": served.model, "prompt": PROMPTS[1], "max_tokens": 16, "seed": 3})
+    implicit = r.json()["choices"][0]["text"]
+    assert implicit == served.reference(ids, max_tokens=16, seed=3, **asked).text
+    assert implicit != served.reference(ids, max_tokens=16, seed=3).text  # SamplingParams' defaults differ
+    chat = served.client().chat.completions.create(model=served.model, messages=CHAT, max_tokens=16, seed=3)
+    ref = served.reference(served.chat_prompt_ids(CHAT), max_tokens=16, seed=3, **asked)
+    assert chat.choices[0].message.content == ref.text
 
 
 def test_stop_strings_batched_prompts_and_ignore_eos(served):

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from jtp.config.generation_config import GENERATION_CONFIG_MODES
 from jtp.config.hub import looks_like_repo_id, resolve_model
 from jtp.config.speculative import SpeculativeConfig
 from jtp.errors import ConfigError
@@ -54,6 +55,9 @@ class EngineArgs:
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     speculative_config: str | dict | None = None  # JSON, as vLLM spells it: '{"method": "ngram", "num_speculative_tokens": 4}'
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in and out, no text or stop strings
+    # Sampling defaults for fields a request leaves unset: "auto" (the checkpoint's generation_config.json),
+    # "vllm" (SamplingParams' own) or a directory holding a generation_config.json.
+    generation_config: str = "auto"
     # Multi-process groups (jtp/distributed/launcher.py): one JAX process per host or device group.
     num_processes: int = 1
     process_id: int | None = None  # None: spawn the followers on this host (or ask the cluster)
@@ -97,6 +101,8 @@ class EngineArgs:
              "must be at least 0")
         need(1 <= self.num_scheduler_steps <= 64, "num_scheduler_steps", "must be in 1..64")
         SpeculativeConfig.parse(self.speculative_config)  # raises ConfigError naming the bad key or value
+        need(self.generation_config in GENERATION_CONFIG_MODES or Path(self.generation_config).is_dir(),
+             "generation_config", "must be auto, vllm or a directory holding a generation_config.json")
         need(self.num_processes >= 1, "num_processes", "must be at least 1")
         need(
             self.tensor_parallel_size % self.num_processes == 0,
@@ -190,6 +196,11 @@ class EngineArgs:
                        help="MoE models: split the routed experts whole over the tensor-parallel devices (expert "
                             "parallelism) instead of splitting each expert's intermediate dim "
                             "(docs/architecture.md: which wins where)")
+        p.add_argument("--generation-config", default=d.generation_config, metavar="auto|vllm|DIR",
+                       help="sampling defaults for the fields a request leaves unset: auto (default): the "
+                            "checkpoint's generation_config.json (temperature, top_p, top_k, min_p, "
+                            "repetition_penalty, max_new_tokens), as vLLM; vllm: none (temperature 1); DIR: "
+                            "that directory's generation_config.json")
         p.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format,
                        help="auto: read the checkpoint's weights; dummy: random weights at the model's shapes from "
                             "config.json alone, drawn on the devices (benchmarks of models not on disk)")

@@ -7,8 +7,8 @@
 The field names are EngineArgs' (vLLM's), so a setting keeps its name from the command line to the
 runner. Resolution happens here and nowhere else: the model directory (the demo checkpoint built on
 first use), the checkpoint's dtype for "auto", max_model_len capped by the model, the recurrent-state
-slots, the parsed speculative config, the checkpoint's `ModelConfig`. What only the loaded model can
-tell (the KV pool size from device memory, the snapshot byte budget) is left None and sized by the
+slots, the parsed speculative config, the checkpoint's `ModelConfig` and sampling defaults. What only
+the loaded model can tell (the KV pool size from device memory, the snapshot byte budget) is left None and sized by the
 engine once the weights are on the devices.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from jtp.config.engine_args import EngineArgs, resolve_state_slots
+from jtp.config.generation_config import sampling_defaults
 from jtp.config.model_config import ModelConfig
 from jtp.config.speculative import SpeculativeConfig
 
@@ -46,6 +47,7 @@ class EngineConfig:
     load_format: str
     speculative_config: SpeculativeConfig | None
     skip_tokenizer_init: bool
+    sampling_defaults: dict  # SamplingParams fields for what a request leaves unset (--generation-config)
     # Multi-process groups: the args themselves cross to the followers, which resolve them here too.
     args: EngineArgs = dataclasses.field(repr=False, compare=False)
 
@@ -81,6 +83,7 @@ class EngineConfig:
             load_format=args.load_format,
             speculative_config=SpeculativeConfig.parse(args.speculative_config),
             skip_tokenizer_init=args.skip_tokenizer_init,
+            sampling_defaults=sampling_defaults(model_dir, args.generation_config),
             args=args,
         )
 

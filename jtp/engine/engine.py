@@ -125,7 +125,11 @@ class Engine(EngineSnapshots):
             config.max_snapshots, budget if budget is not None else self.pool.total_blocks * per_block // 2,
             self.scheduler, self.pool, self.states, per_block, self.runner.bytes_per_state_slot(),
         )
-        self.inputs = InputProcessor(cfg, self.max_model_len, self.pool, self.eos_ids, config.seed)
+        self.inputs = InputProcessor(cfg, self.max_model_len, self.pool, self.eos_ids, config.seed,
+                                     config.sampling_defaults)
+        self.sampling_defaults = self.inputs.sampling_defaults  # what requests leave unset (--generation-config)
+        if self.sampling_defaults:
+            log.info("sampling defaults from the generation config: %s", self.sampling_defaults)
         self.ready = threading.Event()  # set once warmed up (or at once without warm-up): servers' readiness
         # Whether a dispatched step has finished on the device: the step loop asks it to choose
         # between handing out the finished step's tokens first and overlapping (tests replace it).
@@ -176,8 +180,9 @@ class Engine(EngineSnapshots):
     # ------------------------------------------------------------------ requests
 
     def submit(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a request and return its id at once (validation only; no device work, no waiting)."""
-        params = params or SamplingParams()
+        """Queue a request and return its id at once (validation only; no device work, no waiting).
+        Without `params`: the generation config's sampling defaults (`default_params`)."""
+        params = params or self.default_params()
         prompt_ids = [int(t) for t in prompt_ids]
         self.inputs.validate(prompt_ids, params)
         # Compiled here, on the caller's thread, never on the step loop.
@@ -451,6 +456,11 @@ class Engine(EngineSnapshots):
     def release(self, request_id: str) -> None:
         """Forget a finished request (the consumers above do it; idempotent)."""
         self.outputs.release(request_id)
+
+    def default_params(self, **given) -> SamplingParams:
+        """SamplingParams of the fields given, the generation config's defaults for the rest
+        (`--generation-config`: the checkpoint's unless "vllm")."""
+        return self.inputs.default_params(**given)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
         """Offline batch: submit everything at once, run until all finish, results in input order."""

@@ -13,15 +13,24 @@ from jtp.config.model_config import ModelConfig
 from jtp.core.page_pool import PagePool
 from jtp.core.sampling_params import SamplingParams, request_seed
 from jtp.core.scheduler import Request
-from jtp.errors import ContextLengthError, RequestError
+from jtp.errors import ConfigError, ContextLengthError, RequestError
 
 
 class InputProcessor:
     def __init__(self, cfg: ModelConfig, max_model_len: int, pool: PagePool, eos_ids: frozenset[int],
-                 seed: int | None):
+                 seed: int | None, sampling_defaults: dict | None = None):
         self.cfg, self.max_model_len, self.pool, self.eos_ids = cfg, max_model_len, pool, eos_ids
         # An engine seed makes the seeds of requests that bring none reproducible too.
         self._seeds = random.Random(seed) if seed is not None else None
+        self.sampling_defaults = dict(sampling_defaults or {})
+        try:
+            SamplingParams.from_dict(self.sampling_defaults, cfg.vocab_size)
+        except ValueError as e:
+            raise ConfigError(f"the generation config's sampling defaults (--generation-config): {e}") from None
+
+    def default_params(self, **given) -> SamplingParams:
+        """SamplingParams of the fields given, the generation config's defaults for the rest."""
+        return SamplingParams(**{**self.sampling_defaults, **given})
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         vocab = self.cfg.vocab_size

@@ -11,11 +11,12 @@ Input, one JSON object a line (blank lines are ignored):
 `id` is a string or an integer; exactly one of `prompt` (raw text, encoded as is) or
 `messages` (rendered with the checkpoint's chat template, generation prompt added). Every
 other key is a sampling parameter (`SamplingParams.from_dict`: unknown keys are errors).
-Decoding is greedy unless a line sets `temperature` (like `jtp generate`; SamplingParams'
-own default is 1.0), so a rerun reproduces its results. `max_tokens` defaults to
-DEFAULT_MAX_TOKENS (64, not SamplingParams' 16: offline jobs usually want more); everything
-else keeps SamplingParams' default. A line with a temperature and no `seed` draws anew on
-every run (`--seed` seeds such lines).
+A field a line leaves unset takes the checkpoint's generation config (`--generation-config`, as
+`jtp serve` and `jtp generate` do: Qwen3's samples at temperature 0.6; `--generation-config vllm`
+or `"temperature": 0` on a line decodes greedily), then SamplingParams' default; `max_tokens`
+defaults to DEFAULT_MAX_TOKENS (64, not SamplingParams' 16: offline jobs usually want more). A
+sampled line without a `seed` draws anew on every run (`--seed` seeds such lines, so a rerun
+reproduces its results).
 
 Output, one JSON object a line, flushed as each request finishes:
 
@@ -79,7 +80,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 64
-DEFAULT_TEMPERATURE = 0.0  # greedy, like `jtp generate`
 PROGRESS_LOG_SECONDS = 10.0  # without a terminal: one progress line this often
 PENDING_PER_SEQ = 4  # submitted-but-unfinished requests per engine row
 _RESERVED = ("id", "prompt", "messages")  # line keys that are not sampling parameters
@@ -122,9 +122,10 @@ def _key(row_id: Any) -> str:
 
 
 def parse_line(
-    raw: bytes, lineno: int, tokenizer: Tokenizer, vocab_size: int, default_max_tokens: int = DEFAULT_MAX_TOKENS
+    raw: bytes, lineno: int, tokenizer: Tokenizer, vocab_size: int, defaults: dict | None = None
 ) -> tuple[str | int, Job | str]:
-    """(row id, Job) for a servable line, else (row id, error message)."""
+    """(row id, Job) for a servable line, else (row id, error message). `defaults`: the sampling
+    fields a line leaves unset (default: max_tokens DEFAULT_MAX_TOKENS)."""
     from jtp.core.sampling_params import SamplingParams
 
     fallback = f"line:{lineno}"
@@ -157,9 +158,8 @@ def parse_line(
         except Exception as e:  # noqa: BLE001 - a template error is this line's problem, not the run's
             return row_id, f"{where}: chat template failed: {type(e).__name__}: {e}"
 
-    sampling = {k: v for k, v in obj.items() if k not in _RESERVED}
-    sampling.setdefault("max_tokens", default_max_tokens)
-    sampling.setdefault("temperature", DEFAULT_TEMPERATURE)
+    sampling = {**(defaults or {"max_tokens": DEFAULT_MAX_TOKENS}),
+                **{k: v for k, v in obj.items() if k not in _RESERVED}}
     try:
         params = SamplingParams.from_dict(sampling, vocab_size)
     except ValueError as e:
@@ -316,6 +316,7 @@ def run(
     input_path, output_path = Path(input_path), Path(output_path)
     max_pending = max_pending or PENDING_PER_SEQ * engine.scheduler.max_num_seqs
     vocab_size = engine.cfg.vocab_size
+    defaults = {"max_tokens": default_max_tokens, **engine.sampling_defaults}
 
     total = scan_input(input_path)  # before the output is touched: a repeated id runs nothing
     stats = Stats()
@@ -347,7 +348,7 @@ def run(
         for lineno, raw in enumerate(lines, 1):
             if not raw.strip():
                 continue
-            row_id, job = parse_line(raw, lineno, tokenizer, vocab_size, default_max_tokens)
+            row_id, job = parse_line(raw, lineno, tokenizer, vocab_size, defaults)
             if done[_key(row_id)]:
                 stats.skipped += 1
                 bar.update(1)
@@ -427,8 +428,8 @@ def run_args(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Offline batch generation: JSONL prompts in, JSONL completions out (greedy unless a line "
-                    "sets temperature); resumable: rerun with the same --output."
+        description="Offline batch generation: JSONL prompts in, JSONL completions out (sampling as the "
+                    "generation config says unless a line sets its fields); resumable: rerun with the same --output."
     )
     EngineArgs.add_cli_args(parser, serving=False)
     add_arguments(parser)

@@ -74,19 +74,24 @@ def _checked(text: str) -> str:
     return text
 
 
-def sampling_params(args: argparse.Namespace):
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed", "logprobs")
+
+
+def sampling_flags(args: argparse.Namespace) -> dict:
+    """The sampling fields the command line sets, checked (RequestError naming the flag); the engine's
+    generation-config defaults fill the rest (`Engine.default_params`)."""
     from jtp.core.sampling_params import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, stop=args.stop or [], seed=args.seed, logprobs=args.logprobs,
-    )
+    given = {name: getattr(args, name) for name in _SAMPLING_FLAGS if getattr(args, name) is not None}
+    if args.stop:
+        given["stop"] = args.stop
     try:
-        params.validate()
+        SamplingParams(**given).validate()
     except ValueError as e:  # "top_p must be in (0, 1], got 2.0": name the flag instead of the field
         field, _, why = str(e).partition(" ")
         raise RequestError(f"--{field.replace('_', '-')} {why}") from None
-    return params
+    return given
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -97,9 +102,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if is_follower(engine_args):
         return run_follower(engine_args)
     text = read_prompt(args)
-    params = sampling_params(args)
+    given = sampling_flags(args)
     with open_engine(engine_args) as engine:  # closed on every way out, Ctrl-C included
-        return _generate(engine, engine_args, args, text, params)
+        return _generate(engine, engine_args, args, text, engine.default_params(**given))
 
 
 def _generate(engine, engine_args: EngineArgs, args: argparse.Namespace, text: str, params) -> int:
@@ -150,10 +155,16 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "instead of streaming text")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1, off)")
-    s.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)")
-    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (default: 0)")
+    # Unset flags take the checkpoint's generation config (--generation-config), as the server does.
+    unset = "default: the generation config's, else "
+    s.add_argument("--temperature", type=float, help=f"0 = greedy ({unset}1)")
+    s.add_argument("--top-p", type=float, help=f"nucleus sampling mass in (0, 1] ({unset}1, off)")
+    s.add_argument("--top-k", type=int, help=f"sample among the k most likely tokens ({unset}0, off)")
+    s.add_argument("--min-p", type=float, help=f"drop tokens below min_p x the top probability ({unset}0)")
+    s.add_argument("--repetition-penalty", type=float,
+                   help=f"HF repetition penalty over prompt and output, > 0 ({unset}1, off)")
+    s.add_argument("--presence-penalty", type=float, help="OpenAI presence penalty in [-2, 2] (default: 0)")
+    s.add_argument("--frequency-penalty", type=float, help="OpenAI frequency penalty in [-2, 2] (default: 0)")
     s.add_argument("--stop", action="append", metavar="TEXT", help="stop before this text; repeat for several")
     s.add_argument("--logprobs", type=int, metavar="N", default=None,
                    help="with --json: each token's logprob and the N most likely alternatives")
@@ -296,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     from jtp.entrypoints.batch import add_arguments as add_batch_args
 
     batch = sub.add_parser("batch", parents=[common], help="offline batch: JSONL prompts in, JSONL completions out",
-                           description="Offline batch generation (greedy unless a line sets temperature); "
+                           description="Offline batch generation (sampling as the generation config says unless a line sets its fields); "
                                        "resumable: rerun with the same --output.")
     EngineArgs.add_cli_args(batch, serving=False)
     add_compile_cache_arg(batch)

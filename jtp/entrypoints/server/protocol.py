@@ -162,11 +162,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
     )
 
 
-def sampling_params(req: GenerationRequest, max_tokens: int, choice: int) -> SamplingParams:
-    """The engine parameters of one choice. With a seed, choice j samples with seed + j:
+def sampling_params(req: GenerationRequest, max_tokens: int, choice: int, defaults: dict) -> SamplingParams:
+    """The engine parameters of one choice: the request's fields, `defaults` (the engine's, from the
+    generation config) for those it leaves unset. With a seed, choice j samples with seed + j:
     reproducible, yet the n choices differ. Values are checked by the engine at submit."""
     seed = None if req.seed is None else req.seed + choice
-    return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=req.num_logprobs, **req.sampling)
+    return SamplingParams(**{**defaults, **req.sampling, "max_tokens": max_tokens, "seed": seed,
+                             "logprobs": req.num_logprobs})
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -105,7 +105,7 @@ class OpenAIServing:
         choice = ChatChoice(0, self.names, None, make_reasoning_parser(self.reasoning_parser, text),
                             self._tool_call_parser(req))
         generation = Generation(self.engine, self.metrics, f"msg-{uuid.uuid4().hex}",
-                                [ChoiceRequest(0, ids, sampling_params(req, max_tokens, 0))])
+                                [ChoiceRequest(0, ids, sampling_params(req, max_tokens, 0, self.engine.sampling_defaults))])
         await self._submit(generation)
         builder = MessageBuilder(self.model_name, len(ids))
 
@@ -124,7 +124,7 @@ class OpenAIServing:
         choice = ChatChoice(0, self.names, None, make_reasoning_parser(self.reasoning_parser, text),
                             self._tool_call_parser(req))
         generation = Generation(self.engine, self.metrics, f"resp-{uuid.uuid4().hex}",
-                                [ChoiceRequest(0, ids, sampling_params(req, max_tokens, 0))])
+                                [ChoiceRequest(0, ids, sampling_params(req, max_tokens, 0, self.engine.sampling_defaults))])
         await self._submit(generation)
         builder = ResponseBuilder(rreq, self.model_name)
 
@@ -187,7 +187,9 @@ class OpenAIServing:
         self._check_model(req.model)
         self._check_structure(req)
         self._check_choices(len(req.prompts) * req.n)
-        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = self.engine.sampling_defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
         return req, [(self._prompt_ids(p), max_tokens) for p in req.prompts]
 
     def _prepare_chat(self, raw: bytes) -> tuple:
@@ -202,7 +204,9 @@ class OpenAIServing:
         self._check_chars(sum(len(m.get("content") or "") for m in req.messages), "the messages' content")
         text = self._render_chat(req)
         ids = self._prompt_ids(text)
-        max_tokens = req.max_tokens if req.max_tokens is not None else self._rest_of_context(ids)
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = min(self._rest_of_context(ids), self.engine.sampling_defaults.get("max_tokens", self.engine.max_model_len))
         return req, text, ids, max_tokens
 
     def _prepare_responses(self, raw: bytes) -> tuple:
@@ -261,7 +265,7 @@ class OpenAIServing:
         """Submit n choices per (prompt ids, max_tokens), then answer whole or as a stream."""
         response_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         requests = [
-            ChoiceRequest(p, ids, sampling_params(req, max_tokens, j))
+            ChoiceRequest(p, ids, sampling_params(req, max_tokens, j, self.engine.sampling_defaults))
             for p, (ids, max_tokens) in enumerate(prompts)
             for j in range(req.n)
         ]
