@@ -172,9 +172,13 @@ class PackedStep:
     layout: StepLayout
     ints: np.ndarray  # i32[n]
     floats: np.ndarray  # f32[m]
+    # i32[2, P] or None: the prompt positions this step scores (`StepInput.prompt_targets`); a program of
+    # its own reads them, so they stay out of the buffers (whose layouts they would multiply).
+    prompt_targets: np.ndarray | None = None
 
     MAGIC = b"JTPP"
-    VERSION = 3  # 2: the sampling part (seq_slots first) at the end of the int buffer; 3: token masks
+    # 2: the sampling part (seq_slots first) at the end of the int buffer; 3: token masks; 4: prompt targets
+    VERSION = 4
 
     @classmethod
     def empty(cls, layout: StepLayout) -> "PackedStep":
@@ -216,6 +220,7 @@ class PackedStep:
             f["penalty_ids"][...], f["penalty_is_output"][...] = penalty
         if step.token_mask is not None:
             f["token_mask"][...] = step.token_mask
+        packed.prompt_targets = step.prompt_targets
         return packed
 
     def to_step_input(self) -> StepInput:
@@ -226,13 +231,17 @@ class PackedStep:
         sampling = SamplingBatch(**{name: f[name] for name in _SAMPLING_INTS + _SAMPLING_FLOATS})
         sampling = sampling._replace(seed=sampling.seed.view(np.uint32))
         penalty = (f["penalty_ids"], f["penalty_is_output"].astype(bool)) if self.layout.penalty_len else None
-        return StepInput(plan, sampling, penalty, f["stop_ids"], f.get("token_mask"))
+        targets = None if self.prompt_targets is None else np.array(self.prompt_targets)
+        return StepInput(plan, sampling, penalty, f["stop_ids"], f.get("token_mask"), targets)
 
     def encode(self) -> bytes:
-        header = json.dumps({"layout": [*self.layout[:6], list(self.layout.flags), self.layout.mask_words]}).encode()
+        targets = self.prompt_targets if self.prompt_targets is not None else np.zeros((2, 0), np.int32)
+        header = json.dumps({"layout": [*self.layout[:6], list(self.layout.flags), self.layout.mask_words],
+                             "prompt_positions": targets.shape[1]}).encode()
         return b"".join([self.MAGIC, struct.pack("<HI", self.VERSION, len(header)), header,
                          np.ascontiguousarray(self.ints, np.int32).tobytes(),
-                         np.ascontiguousarray(self.floats, np.float32).tobytes()])
+                         np.ascontiguousarray(self.floats, np.float32).tobytes(),
+                         np.ascontiguousarray(targets, np.int32).tobytes()])
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> "PackedStep":
@@ -242,15 +251,20 @@ class PackedStep:
         version, length = struct.unpack_from("<HI", data, 4)
         if version != cls.VERSION:
             raise ValueError(f"packed step version {version}, this jtp reads {cls.VERSION}")
-        fields = json.loads(bytes(data[10 : 10 + length]))["layout"]
+        header = json.loads(bytes(data[10 : 10 + length]))
+        fields, positions = header["layout"], int(header["prompt_positions"])
         flags = fields[6]
         layout = StepLayout(*(int(x) if x is not None else None for x in fields[:6]),
                             SamplingFlags(bool(flags[0]), bool(flags[1]), int(flags[2]), bool(flags[3])),
                             int(fields[7]))
         _, _, n_int, n_float = layout.offsets()
-        start = 10 + length
-        if len(data) != start + 4 * (n_int + n_float):
-            raise ValueError(f"packed step of {len(data)} bytes, its layout needs {start + 4 * (n_int + n_float)}")
+        start, n_targets = 10 + length, 2 * positions
+        if len(data) != start + 4 * (n_int + n_float + n_targets):
+            raise ValueError(f"packed step of {len(data)} bytes, its layout needs "
+                             f"{start + 4 * (n_int + n_float + n_targets)}")
         ints = np.frombuffer(data[start : start + 4 * n_int], np.int32).copy()
-        floats = np.frombuffer(data[start + 4 * n_int :], np.float32).copy()
-        return cls(layout, ints, floats)
+        start += 4 * n_int
+        floats = np.frombuffer(data[start : start + 4 * n_float], np.float32).copy()
+        start += 4 * n_float
+        targets = np.frombuffer(data[start:], np.int32).reshape(2, positions).copy() if positions else None
+        return cls(layout, ints, floats, targets)

@@ -41,6 +41,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None => none; n >= 0 => chosen logprob + top-n
+    # vLLM's prompt_logprobs: None => none; n >= 0 => each prompt token's logprob (teacher-forced, from
+    # the raw distribution) + the top n at its position. Such a request computes its whole prompt.
+    prompt_logprobs: int | None = None
     speculate: bool = True  # False: never draft for this request (when the engine speculates)
     # vLLM's structured outputs: exactly one of {"json": schema, "json_object": true, "regex": str,
     # "choice": [str, ...], "grammar": Lark or GBNF text}; the output then follows it (a token mask).
@@ -91,9 +94,9 @@ class SamplingParams:
               math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "> 0")
         check("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]")
         check("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]")
-        if self.logprobs is not None:
-            check("logprobs", 0 <= self.logprobs <= MAX_LOGPROBS,
-                  f"None or in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check(name, 0 <= getattr(self, name) <= MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]")
         check_stop_strings(self.stop)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
@@ -175,6 +178,7 @@ _FIELD_TYPES: dict[str, tuple] = {
     "stop_token_ids": (list,),
     "ignore_eos": (bool,),
     "logprobs": (int, type(None)),
+    "prompt_logprobs": (int, type(None)),
     "speculate": (bool,),
     "structured_outputs": (dict, type(None)),
 }

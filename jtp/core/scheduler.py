@@ -395,7 +395,7 @@ class Scheduler:
         """Reserve the request's worst case, starting from its longest cached prefix; False
         (nothing changed) when the pool cannot take it now."""
         prefix, state_slot = [], -1
-        if self.caching:
+        if self.caching and r.params.prompt_logprobs is None:  # prompt logprobs: every position computed
             keys = self._keys(r)
             limit = (len(r.prompt_ids) - 1) // self.pool.block_size  # leave a token to compute
             prefix = self.pool.lookup(keys[:limit])

@@ -16,6 +16,7 @@ import numpy as np
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (x / 1e-6 would overflow)
 STOP_IDS_WIDTH = 4  # stop tokens per row the device checks in a multi-step decode
+PROMPT_CHUNK = 256  # prompt positions one prompt-logprobs program scores (a step runs it as often as needed)
 
 
 def bucket_sizes(lo: int, hi: int, base: int = 2) -> tuple[int, ...]:
@@ -25,6 +26,12 @@ def bucket_sizes(lo: int, hi: int, base: int = 2) -> tuple[int, ...]:
         out.append(b)
         b *= base
     return tuple(out) + (hi,)
+
+
+def scored_prompt_positions(start: int, num_tokens: int, num_prompt: int) -> int:
+    """How many of a row's positions [start, start + num_tokens) predict a prompt token (position p
+    predicts token p + 1): what a prompt-logprobs request's row scores in its step."""
+    return max(0, min(start + num_tokens, num_prompt - 1) - start)
 
 
 def mask_words(vocab_size: int) -> int:
@@ -127,3 +134,6 @@ class StepInput:
     # i32[B, ceil(V / 32)]: the tokens each row may sample, bit t % 32 of word t // 32 (llguidance's
     # bitmask layout; -1 allows every token). None: no mask.
     token_mask: np.ndarray | None = None
+    # i32[2, P] (P a multiple of PROMPT_CHUNK): the flat token indices whose hidden states score a prompt
+    # token, and those tokens (prompt logprobs; padding scores token 0 at index 0). None: none.
+    prompt_targets: np.ndarray | None = None

@@ -126,8 +126,9 @@ class Engine(EngineSnapshots):
             self.scheduler, self.pool, self.states, per_block, self.runner.bytes_per_state_slot(),
         )
         self.inputs = InputProcessor(cfg, self.max_model_len, self.pool, self.eos_ids, config.seed,
-                                     config.sampling_defaults)
-        self.sampling_defaults = self.inputs.sampling_defaults  # what requests leave unset (--generation-config)
+                                     config.sampling_defaults, "the MTP head" if config.mtp_drafts else None)
+        # What requests leave unset (--generation-config); default_params(**given): SamplingParams with them.
+        self.sampling_defaults, self.default_params = self.inputs.sampling_defaults, self.inputs.default_params
         if self.sampling_defaults:
             log.info("sampling defaults from the generation config: %s", self.sampling_defaults)
         self.ready = threading.Event()  # set once warmed up (or at once without warm-up): servers' readiness
@@ -348,6 +349,9 @@ class Engine(EngineSnapshots):
         t0 = time.perf_counter()
         result = jax.device_get(result)  # waits for the device; fields are [steps, rows]
         t1 = time.perf_counter()
+        if result.prompt is not None:  # the prompt positions' scores, chunk after chunk
+            self.outputs.add_prompt_scores(rows, result.prompt)
+            result = result._replace(prompt=None)
         per_step = [jax.tree.map(lambda x, i=i: x[i], result) for i in range(len(result.tokens))]
         tokens = result.tokens.tolist()
         events = []
@@ -456,11 +460,6 @@ class Engine(EngineSnapshots):
     def release(self, request_id: str) -> None:
         """Forget a finished request (the consumers above do it; idempotent)."""
         self.outputs.release(request_id)
-
-    def default_params(self, **given) -> SamplingParams:
-        """SamplingParams of the fields given, the generation config's defaults for the rest
-        (`--generation-config`: the checkpoint's unless "vllm")."""
-        return self.inputs.default_params(**given)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
         """Offline batch: submit everything at once, run until all finish, results in input order."""

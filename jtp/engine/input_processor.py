@@ -18,8 +18,10 @@ from jtp.errors import ConfigError, ContextLengthError, RequestError
 
 class InputProcessor:
     def __init__(self, cfg: ModelConfig, max_model_len: int, pool: PagePool, eos_ids: frozenset[int],
-                 seed: int | None, sampling_defaults: dict | None = None):
+                 seed: int | None, sampling_defaults: dict | None = None, no_prompt_logprobs: str | None = None):
+        """`no_prompt_logprobs`: what in this engine cannot score prompts (None: it can)."""
         self.cfg, self.max_model_len, self.pool, self.eos_ids = cfg, max_model_len, pool, eos_ids
+        self.no_prompt_logprobs = no_prompt_logprobs
         # An engine seed makes the seeds of requests that bring none reproducible too.
         self._seeds = random.Random(seed) if seed is not None else None
         self.sampling_defaults = dict(sampling_defaults or {})
@@ -38,6 +40,8 @@ class InputProcessor:
             params.validate(vocab)
         except ValueError as e:
             raise RequestError(str(e)) from e
+        if params.prompt_logprobs is not None and self.no_prompt_logprobs:
+            raise RequestError(f"prompt_logprobs are not supported with {self.no_prompt_logprobs}")
         if not prompt_ids:
             raise RequestError("the prompt is empty: at least one token is needed")
         bad = [t for t in prompt_ids if not 0 <= t < vocab]

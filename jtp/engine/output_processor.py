@@ -16,9 +16,22 @@ import dataclasses
 import threading
 from typing import Callable
 
+import numpy as np
+
 from jtp.core.scheduler import Request, Status
+from jtp.core.step_input import scored_prompt_positions
 from jtp.engine.stop_strings import StopMatcher
 from jtp.engine.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class PromptLogprobs:
+    """A request's prompt logprobs (vLLM's `prompt_logprobs`), one entry per prompt token; the first
+    token has no context to be scored in, so its entries are None."""
+
+    logprobs: list[float | None]  # the raw log-probability of the prompt token where it stands
+    ranks: list[int | None]  # its rank in that distribution (1: the most likely)
+    top: list[dict[int, float] | None]  # the `prompt_logprobs` most likely tokens there, best first
 
 
 @dataclasses.dataclass
@@ -36,6 +49,7 @@ class TokenEvent:
     # What stopped a "stop" (vLLM's stop_reason): the stop string matched, or the stop token id given in
     # stop_token_ids; None for an end-of-sequence token (or any other end).
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # on a request's first event, when it asked for them
 
 
 @dataclasses.dataclass
@@ -48,6 +62,7 @@ class Completion:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class RequestStream:
@@ -71,6 +86,7 @@ class RequestStream:
         self.stop_reason: str | int | None = None  # see TokenEvent.stop_reason
         self.orphaned = False  # its consumer went away before the end
         self.stops = StopMatcher(request.params.stop)
+        self.prompt_logprobs = PromptLogprobs([None], [None], [None]) if request.params.prompt_logprobs is not None else None
 
     def add_token(self, token: int) -> bool:
         """Append the token's text; True if a stop string now ends the output."""
@@ -211,11 +227,32 @@ class OutputProcessor:
         elif len(req.output_ids) >= req.params.max_tokens:
             reason = "length"
         event = TokenEvent(req.id, [token], "", logprob, top)
+        if len(req.output_ids) == 1:
+            event.prompt_logprobs = out.prompt_logprobs
         if reason is None:
             event.text = out.take_text(False)
             if out.queue(event):
                 self._to_publish.append(out)
         return event, reason
+
+    def add_prompt_scores(self, rows: list, chunks: tuple) -> None:
+        """File a step's prompt logprobs (`PromptScores` of its positions in row order, chunk after
+        chunk, on the host) with the requests of its scheduled rows that asked for them."""
+        scores = type(chunks[0])(*(np.concatenate(field) for field in zip(*chunks)))
+        at = 0
+        for row in rows:
+            req = row.request
+            if req.params.prompt_logprobs is None:
+                continue
+            n = scored_prompt_positions(row.start, row.num_tokens, len(req.prompt_ids))
+            out, k = self._streams.get(req.id), req.params.prompt_logprobs
+            if out is not None:
+                kept = out.prompt_logprobs
+                kept.logprobs += scores.logprob[at : at + n].tolist()
+                kept.ranks += scores.rank[at : at + n].tolist()
+                kept.top += [dict(zip(ids, lps)) for ids, lps in
+                             zip(scores.top_ids[at : at + n, :k].tolist(), scores.top_logprobs[at : at + n, :k].tolist())]
+            at += n
 
     def finish(self, out: RequestStream, reason: str, event: TokenEvent | None = None) -> None:
         """End the request's stream with its finished event, delivered at once (the request's
@@ -294,5 +331,5 @@ class OutputProcessor:
         req = out.request
         return Completion(
             req.id, req.prompt_ids, list(req.output_ids), out.text, req.finish_reason,
-            out.logprobs or None, out.top_logprobs or None, out.error,
+            out.logprobs or None, out.top_logprobs or None, out.error, out.prompt_logprobs,
         )

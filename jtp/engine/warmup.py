@@ -35,7 +35,7 @@ import numpy as np
 from jtp.config.speculative import SpeculativeConfig
 from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling, penalty_lengths
 from jtp.core.scheduler import Scheduler
-from jtp.core.step_input import StepInput, mask_words
+from jtp.core.step_input import PROMPT_CHUNK, StepInput, mask_words
 from jtp.errors import ConfigError
 from jtp.worker.compile_cache import cache_hits, phase_seconds
 from jtp.worker.runner import ModelRunner
@@ -85,10 +85,10 @@ def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None,
                  mask_words: int = 0) -> list[StepInput]:
     """The padding steps that cover every program the scheduler can pick: per shape the two
     variants; where the runner samples in a program of its own (`samples_separately`), the
-    logprobs variant too, and per rows bucket the token-mask variant (`mask_words` > 0: structured
+    logprobs variant too, once the prompt-logprobs program, and per rows bucket the token-mask variant (`mask_words` > 0: structured
     outputs) and the penalty variant at each history length, which carries the mask too (small
     programs: the forward program is the shape's)."""
-    steps, rows_seen = [], set()
+    steps, rows_seen, scored = [], set(), False
     for shape in scheduler.buckets.shapes():
         _, B, max_row_len = shape
         # Rows of several tokens may be speculating rows: their verify steps sample [1 + k, B].
@@ -97,6 +97,10 @@ def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None,
             variants = [StepInput(plan, _sampling(params, B)) for params in VARIANTS]
             if samples_separately(variants[0]):
                 variants.append(StepInput(plan, _sampling(WITH_LOGPROBS, B)))
+                if max_row_len > 1 and not scored:  # the prompt-logprobs program: one shape for every step
+                    scored = True
+                    variants.append(StepInput(plan, variants[0].sampling,
+                                              prompt_targets=np.zeros((2, PROMPT_CHUNK), np.int32)))
                 if (B, verify) not in rows_seen:
                     rows_seen.add((B, verify))
                     mask = np.full((B, mask_words), -1, np.int32) if mask_words else None

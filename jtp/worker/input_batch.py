@@ -19,7 +19,7 @@ from jtp.core.packed_step import PackedStep, StepLayout, compiled_flags
 from jtp.core.sampling_params import penalty_len
 from jtp.core.scheduler import Buckets
 from jtp.core.scheduler_output import SchedulerOutput
-from jtp.core.step_input import GREEDY_EPS, STOP_IDS_WIDTH, SamplingFlags
+from jtp.core.step_input import GREEDY_EPS, PROMPT_CHUNK, STOP_IDS_WIDTH, SamplingFlags, scored_prompt_positions
 
 # Sampling columns, in their packed order, and the value of a row that does not sample (greedy,
 # no penalties). "step" is the row's own (tokens it generated so far), computed every step.
@@ -49,6 +49,7 @@ class InputBatch:
         # Per-slot facts behind the step's static sampling flags.
         self.truncates = np.zeros(S, bool)  # samples (not greedy) and uses top-k / top-p / min-p
         self.penalised = np.zeros(S, bool)
+        self.scores_prompt = np.zeros(S, bool)  # prompt logprobs: its prompt rows score their positions
         self._arange = np.arange(max(buckets.tokens[-1], buckets.table_width, verify_positions, S) + 1, dtype=np.int32)
         self._templates: dict[StepLayout, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -72,6 +73,7 @@ class InputBatch:
             temperature, top_p, min_p, rep, pres, freq = self.sampling_floats[s]
             self.truncates[s] = temperature >= GREEDY_EPS and (p.top_k > 0 or top_p < 1.0 or min_p > 0.0)
             self.penalised[s] = rep != 1.0 or pres != 0.0 or freq != 0.0
+            self.scores_prompt[s] = p.prompt_logprobs is not None
         slots, positions, tokens = out.token_updates
         if len(tokens):
             self.token_table[slots, positions] = tokens
@@ -90,7 +92,13 @@ class InputBatch:
         samples = out.picks_next_token
         all_sample = bool(samples.all())
         total = int(lens.sum())
-        T, B, max_row_len = self.buckets.step_shape(total, n, int(lens.max()))
+        # Tokens: row b's run starts at cu[b] - lens[b] in the flat batch.
+        cu = np.cumsum(lens, dtype=np.int32)
+        first = cu - lens
+        targets = self._prompt_targets(out, first) if self.scores_prompt[slots].any() else None
+        # A step that scores prompt positions runs the forward program: never a pure decode shape, which
+        # may loop on the device (a lone prompt token of a long prompt's chunked prefill can be one).
+        T, B, max_row_len = self.buckets.step_shape(total, n, max(int(lens.max()), 1 + (targets is not None)))
         M = self.buckets.table_width
         verify = len(out.draft_tokens) > 0
         sampling_slots = slots if all_sample else slots[samples]
@@ -109,12 +117,9 @@ class InputBatch:
         layout = StepLayout(T, B, M, max_row_len, self.verify_positions if verify else 0, history_len, flags,
                             self.mask_words if flags.needs_mask else 0)
         ints, floats = (buf.copy() for buf in self._template(layout))
-        packed = PackedStep(layout, ints, floats)
+        packed = PackedStep(layout, ints, floats, targets)
         f = packed.fields()
 
-        # Tokens: row b's run starts at cu[b] - lens[b] in the flat batch.
-        cu = np.cumsum(lens, dtype=np.int32)
-        first = cu - lens
         token_rows = np.repeat(self._arange[:n], lens)
         positions = self._arange[:total] + (starts - first)[token_rows]
         token_slots = slots[token_rows]
@@ -170,6 +175,22 @@ class InputBatch:
             in_history = cols < known[:, None]
             f["penalty_ids"][:n] = np.where(in_history, history, -1)
             f["penalty_is_output"][:n] = in_history & (cols >= self.num_prompt[slots][:, None])
+        return packed
+
+    def _prompt_targets(self, out: SchedulerOutput, first: np.ndarray) -> np.ndarray | None:
+        """i32[2, P]: the flat indices of the positions the step's prompt-logprobs rows score, and the
+        prompt token each predicts, padded to a multiple of PROMPT_CHUNK (None: no such position)."""
+        indices, targets = [], []
+        for b in np.flatnonzero(self.scores_prompt[out.slots]):
+            slot, start = out.slots[b], int(out.starts[b])
+            n = scored_prompt_positions(start, int(out.num_tokens[b]), int(self.num_prompt[slot]))
+            indices.append(first[b] + self._arange[:n])
+            targets.append(self.token_table[slot, start + 1 : start + 1 + n])
+        total = sum(len(i) for i in indices)
+        if not total:
+            return None
+        packed = np.zeros((2, -(-total // PROMPT_CHUNK) * PROMPT_CHUNK), np.int32)
+        packed[0, :total], packed[1, :total] = np.concatenate(indices), np.concatenate(targets)
         return packed
 
     def _template(self, layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:

@@ -22,8 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jtp.config.engine_args import EngineArgs
 from jtp.config.engine_config import EngineConfig
-from jtp.core.sampling_params import pack_sampling
-from jtp.core.step_input import SamplingBatch, StepInput, StepPlan
+from jtp.core.sampling_params import MAX_LOGPROBS, pack_sampling
+from jtp.core.step_input import PROMPT_CHUNK, SamplingBatch, StepInput, StepPlan
 from jtp.core.packed_step import PackedStep, SamplingLayout, StepLayout
 from jtp.loading.weights import load_params, resolve_dtype
 from jtp.models import family_of, mtp
@@ -31,7 +31,7 @@ from jtp.models.attention import AttentionMetadata, choose_attention, zeroed_lay
 from jtp.models.moe import choose_experts
 from jtp.parallel.sharding import make_mesh, replicated, tp_size
 from jtp.worker import kv_cache
-from jtp.worker.sampler import SampleResult, sample
+from jtp.worker.sampler import PromptScores, SampleResult, sample
 
 
 def unpack(layout: StepLayout, ints, floats):
@@ -134,9 +134,14 @@ class ModelRunner:
         self._forward_fn = jax.jit(
             functools.partial(_forward_logits, self.family, self.cfg, self.attention, self.experts,
                               self._logits_sharding),
-            donate_argnums=(1,),
+            donate_argnums=(1, 2),
             static_argnames=("layout",),
         )
+        # The forward program leaves its hidden states here, so one prompt-logprobs program (of one
+        # shape, PROMPT_CHUNK positions) scores the prompt positions of any step.
+        self.hidden = jax.device_put(np.zeros((config.max_num_batched_tokens, self.cfg.hidden_size), self.dtype),
+                                     replicated(self.mesh))
+        self._prompt_fn = jax.jit(functools.partial(_score_prompt, self.family))
         # (a partial of its own: each runner traces, and counts, its programs, as for the others)
         self._sample_fn = jax.jit(functools.partial(_sample_rows), donate_argnums=(1,), static_argnames=("layout",))
         self.compilations = 0  # traces of the step's programs: bounded by the bucket sets
@@ -211,7 +216,7 @@ class ModelRunner:
         enqueues the sampling program and returns the result; the host may change the step's
         sampling part (its token masks) meanwhile, while the device runs the forward.
         """
-        ints, floats, layout = host_buffers(step)
+        ints, floats, layout, targets = host_buffers(step)
         num_steps = ints[layout.offsets()[0]["num_steps"][0]]
         loops = self._loops(layout)
         if loops:
@@ -222,13 +227,19 @@ class ModelRunner:
         elif num_steps != 1:
             raise ValueError(f"a step with prompt rows runs one step, not {num_steps}")
         if self._splits(layout):
-            logits, self.cache = self._run(*self._forward_program(ints, layout))
+            logits, self.cache, self.hidden = self._run(*self._forward_program(ints, layout))
+            prompt = None
+            if targets is not None:  # before the next forward program overwrites the hidden states
+                prompt = tuple(self._run(*self._prompt_program(targets[:, i : i + PROMPT_CHUNK]))
+                               for i in range(0, targets.shape[1], PROMPT_CHUNK))
 
             def sample() -> SampleResult:
                 result, self.sampled = self._run(*self._sampling_program(logits, ints, floats, layout))
-                return result
+                return result._replace(prompt=prompt)
 
             return sample if late else sample()
+        if targets is not None:
+            raise ValueError("prompt logprobs need a step of a forward and a sampling program (not the MTP head's)")
         if late:
             raise ValueError("only a step of a forward and a sampling program can sample late")
         result, self.cache, self.sampled = self._run(*self._fused_program(ints, floats, layout))
@@ -241,7 +252,7 @@ class ModelRunner:
             return compiled(*args)
         start, before = time.perf_counter(), self.compilations
         with _count_traces(self):
-            out = fn(*args, layout=layout)
+            out = fn(*args) if layout is None else fn(*args, layout=layout)
         if self.compilations != before:  # this call compiled (the step itself runs asynchronously)
             self.compile_seconds += time.perf_counter() - start
         return out
@@ -253,8 +264,12 @@ class ModelRunner:
     def _forward_program(self, ints, layout: StepLayout):
         """(key, jitted fn, arguments, static layout) of a split step's forward program."""
         forward = layout.forward
-        return ("forward", forward), self._forward_fn, (self.params, self.cache, self.sampled,
+        return ("forward", forward), self._forward_fn, (self.params, self.cache, self.hidden, self.sampled,
                                                         ints[: forward.offsets()[2]]), forward
+
+    def _prompt_program(self, targets):
+        """The same for the prompt-logprobs program over one chunk of `targets` (i32[2, PROMPT_CHUNK])."""
+        return ("prompt", PROMPT_CHUNK), self._prompt_fn, (self.params, self.hidden, targets), None
 
     def _sampling_program(self, logits, ints, floats, layout: StepLayout):
         """The same for its sampling program (`logits`: the forward program's, or their shape)."""
@@ -277,11 +292,13 @@ class ModelRunner:
     def lower(self, step: PackedStep | StepInput, skip=frozenset(), again: bool = False) -> list:
         """[(key, `jax.stages.Lowered`)] of the programs `dispatch` would run for this step's shapes,
         but those installed already (unless `again`) or in `skip`. Nothing runs on the device."""
-        ints, floats, layout = host_buffers(step)
+        ints, floats, layout, targets = host_buffers(step)
         if self._splits(layout):
             positions = layout.num_rows * max(1, layout.verify_positions)
             logits = jax.ShapeDtypeStruct((positions, self.cfg.vocab_size), jnp.float32, sharding=self._logits_sharding)
             programs = [self._forward_program(ints, layout), self._sampling_program(logits, ints, floats, layout)]
+            if targets is not None:
+                programs.append(self._prompt_program(targets[:, :PROMPT_CHUNK]))
         else:
             programs = [self._fused_program(ints, floats, layout)]
         out = []
@@ -290,7 +307,7 @@ class ModelRunner:
                 continue
             start = time.perf_counter()
             with _count_traces(self):
-                out.append((key, fn.lower(*args, layout=static)))
+                out.append((key, fn.lower(*args) if static is None else fn.lower(*args, layout=static)))
             self.compile_seconds += time.perf_counter() - start
         return out
 
@@ -332,30 +349,44 @@ class ModelRunner:
     def close(self) -> None:
         """Free this runner's device memory (weights, KV cache, sampled tokens) now rather than
         whenever Python collects it, so another runner in the process gets it. Unusable afterwards."""
-        for leaf in jax.tree.leaves((self.params, self.cache, self.sampled)):
+        for leaf in jax.tree.leaves((self.params, self.cache, self.sampled, self.hidden)):
             if isinstance(leaf, jax.Array) and not leaf.is_deleted():
                 leaf.delete()
-        self.params = self.cache = self.sampled = None
+        self.params = self.cache = self.sampled = self.hidden = None
         self._executables.clear()
 
 def host_buffers(step: PackedStep | StepInput):
-    """(ints, floats, layout): a step's host arrays as the two numpy buffers the jitted step takes.
-    The jitted call's C++ path transfers them (replicated) far faster than one `jax.device_put` per
-    array, and two far faster than two dozen."""
+    """(ints, floats, layout, prompt targets or None): a step's host arrays as the two numpy buffers
+    the jitted step takes. The jitted call's C++ path transfers them (replicated) far faster than one
+    `jax.device_put` per array, and two far faster than two dozen."""
     if isinstance(step, StepInput):
         step = PackedStep.from_step_input(step)
-    return step.ints, step.floats, step.layout
+    return step.ints, step.floats, step.layout, step.prompt_targets
 
 
-def _forward_logits(family, cfg, attention, experts, logits_sharding, params, cache, sampled, ints, layout):
+def _forward_logits(family, cfg, attention, experts, logits_sharding, params, cache, hidden_out, sampled, ints, layout):
     """The forward program of a step: the model over the ragged batch, then f32 logits [N, V] at the
     rows' sample positions (N = B, or (1 + k) x B position-major in a verify step), split over the
-    vocabulary like the LM head. One program per step shape, whatever the rows' sampling asks."""
+    vocabulary like the LM head, and the hidden states written to the front of `hidden_out`. One
+    program per step shape, whatever the rows' sampling asks."""
     _TRACES.count += 1
     tokens, meta, logits_indices, seq_slots = _plan_arrays(layout, layout.views(ints))
     hidden, cache, _ = _forward(family, cfg, attention, experts, params, cache, sampled, tokens, meta, seq_slots)
     logits = family.compute_logits(params, hidden[logits_indices.reshape(-1)])
-    return jax.lax.with_sharding_constraint(logits, logits_sharding), cache
+    hidden_out = jax.lax.dynamic_update_slice(hidden_out, hidden.astype(hidden_out.dtype), (0, 0))
+    return jax.lax.with_sharding_constraint(logits, logits_sharding), cache, hidden_out
+
+
+def _score_prompt(family, params, hidden, targets) -> PromptScores:
+    """The prompt-logprobs program: at each of PROMPT_CHUNK flat token indices (targets[0]), the
+    raw log-distribution's value at the prompt token it predicts (targets[1]), that token's rank
+    (1: the most likely) and the MAX_LOGPROBS most likely tokens."""
+    _TRACES.count += 1
+    log_probs = jax.nn.log_softmax(family.compute_logits(params, hidden[targets[0]]), axis=-1)
+    chosen = jnp.take_along_axis(log_probs, targets[1][:, None], axis=-1)[:, 0]
+    rank = 1 + jnp.sum(log_probs > chosen[:, None], axis=-1, dtype=jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(log_probs, MAX_LOGPROBS)
+    return PromptScores(chosen, rank, top_ids.astype(jnp.int32), top_logprobs)
 
 
 def _sample_rows(logits, sampled, tail, floats, layout: SamplingLayout):

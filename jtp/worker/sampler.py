@@ -60,6 +60,15 @@ class SampleResult(NamedTuple):
     top_ids: jax.Array | None  # i32[B, num_logprobs], None when num_logprobs == 0
     top_logprobs: jax.Array | None  # f32[B, num_logprobs]
     draft: jax.Array | None = None  # i32[B, k]: MTP speculation's drafts for each row's next step (-1: none)
+    prompt: tuple[PromptScores, ...] | None = None  # the step's prompt logprobs, a chunk each (not per row)
+
+
+class PromptScores(NamedTuple):
+    """Prompt logprobs of PROMPT_CHUNK positions (`jtp.worker.runner`'s prompt-logprobs program)."""
+    logprob: jax.Array  # f32[C]: the raw log-probability of the prompt token each position predicts
+    rank: jax.Array  # i32[C]: that token's rank in the distribution (1: the most likely)
+    top_ids: jax.Array  # i32[C, MAX_LOGPROBS], most likely first
+    top_logprobs: jax.Array  # f32[C, MAX_LOGPROBS]
 
 
 def build_penalty_counts(penalty_ids: jax.Array, penalty_is_output: jax.Array,
