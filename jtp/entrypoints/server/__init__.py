@@ -13,7 +13,7 @@
     shapes.py      the pydantic base and parser of those two request shapes
     metrics.py     Prometheus metrics under vLLM's names (jtp: prefix)
     errors.py      the OpenAI error body; jtp's RequestErrors mapped to statuses
-    sse.py         server-sent events
+    sse.py         server-sent events, with keep-alive comments while a stream is silent
     intake.py      bodies read with size and time limits; parse, render, tokenize on a thread pool
     limits.py      ServerLimits: what one client may ask (sizes, counts, timeouts)
     connections.py header timeout (slowloris) and the concurrency limit's 503

@@ -37,6 +37,7 @@ from jtp.entrypoints.server.intake import Intake
 from jtp.entrypoints.server.limits import ServerLimits
 from jtp.entrypoints.server.metrics import ServerMetrics
 from jtp.entrypoints.server.serving import OpenAIServing
+from jtp.entrypoints.server.sse import KEEPALIVE_INTERVAL
 from jtp import __version__
 from jtp.errors import RequestError
 
@@ -46,12 +47,13 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def build_app(engine, model_name: str, api_key: str | None = None, reasoning_parser: str | None = None,
-              limits: ServerLimits = ServerLimits(), tool_parser: str | None = None) -> Starlette:
+              limits: ServerLimits = ServerLimits(), tool_parser: str | None = None,
+              sse_keepalive_interval: float = KEEPALIVE_INTERVAL) -> Starlette:
     """The OpenAI-compatible app over a started engine (the caller warms it up and closes it)."""
     metrics = ServerMetrics(engine, model_name)
     intake = Intake(limits)
     serving = OpenAIServing(engine, model_name, metrics, intake, reasoning_parser, limits.chat_template_timeout,
-                            tool_parser)
+                            tool_parser, sse_keepalive_interval)
     created = int(time.time())
     draining = threading.Event()  # set by `jtp serve` on SIGTERM
 

@@ -38,6 +38,7 @@ from jtp.entrypoints.server.app import build_app
 from jtp.entrypoints.server.connections import header_timeout_protocol
 from jtp.entrypoints.server.limits import ServerLimits
 from jtp.entrypoints.server.reasoning import REASONING_PARSERS
+from jtp.entrypoints.server.sse import KEEPALIVE_INTERVAL
 from jtp.entrypoints.server.tool_parsers import TOOL_PARSERS
 from jtp.errors import ConfigError
 
@@ -56,6 +57,7 @@ class ServerArgs:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     drain_timeout: float = 30.0
+    sse_keepalive_interval: float = KEEPALIVE_INTERVAL
     max_request_bytes: int = ServerLimits.max_request_bytes
     max_buffered_bytes: int = ServerLimits.max_buffered_bytes
     body_timeout: float = ServerLimits.body_timeout
@@ -75,6 +77,9 @@ class ServerArgs:
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError(f"--api-key (or ${API_KEY_ENV}) is empty: an empty key would let every client in; "
                               f"give a real key or leave both unset")
+        if not self.sse_keepalive_interval >= 0:
+            raise ConfigError(f"--sse-keepalive-interval {self.sse_keepalive_interval}: must be >= 0 seconds "
+                              f"(0 sends no keep-alive comments)")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: must be in [0, 65535] (0 picks a free port)")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
@@ -108,6 +113,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                    help=f"on SIGTERM, seconds the running requests get to finish before they are cut "
                         f"(default: {d.drain_timeout:g})")
+    p.add_argument("--sse-keepalive-interval", type=float, default=d.sse_keepalive_interval,
+                   help="send an SSE comment (': keep-alive', which clients skip) whenever a stream has sent "
+                        "nothing for this many seconds (a long prompt prefilling), so proxies with idle timeouts "
+                        f"do not cut it; 0: never (default: {d.sse_keepalive_interval:g})")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="return <think>...</think> as reasoning_content in chat responses")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
@@ -157,7 +166,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
         engine.start()
         limits = server_args.limits()
         app = build_app(engine, engine_args.model_name(), server_args.api_key, server_args.reasoning_parser, limits,
-                        server_args.tool_parser)
+                        server_args.tool_parser, server_args.sse_keepalive_interval)
         _probe_template(app, engine_args.model_name())
         config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10,
                                 http=header_timeout_protocol(limits.header_timeout),

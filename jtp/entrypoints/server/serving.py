@@ -41,7 +41,7 @@ from jtp.entrypoints.server.reasoning import make_reasoning_parser
 from jtp.entrypoints.server.responses import ResponseBuilder, ResponseStore, parse_responses_request
 from jtp.entrypoints.server.responses import error_event as responses_error
 from jtp.entrypoints.server.responses import to_chat_body as responses_chat_body
-from jtp.entrypoints.server.sse import DONE, EventStream, sse_data, sse_event
+from jtp.entrypoints.server.sse import DONE, KEEPALIVE_INTERVAL, EventStream, sse_data, sse_event
 from jtp.entrypoints.server.tool_parsers import ToolCallParser, make_tool_parser
 from jtp.errors import ContextLengthError
 
@@ -72,11 +72,13 @@ class OpenAIServing:
 
     def __init__(self, engine, model_name: str, metrics: ServerMetrics, intake: Intake,
                  reasoning_parser: str | None = None, template_timeout: float = TemplateLimits.time_limit,
-                 tool_parser: str | None = None):
+                 tool_parser: str | None = None, keepalive_interval: float = KEEPALIVE_INTERVAL):
         """`tool_parser`: the format of the model's tool calls (`TOOL_PARSERS`), set by
-        --enable-auto-tool-choice --tool-call-parser; None: requests with tool_choice "auto" are refused."""
+        --enable-auto-tool-choice --tool-call-parser; None: requests with tool_choice "auto" are refused.
+        `keepalive_interval`: seconds a stream may stay silent before a keep-alive comment (0: never)."""
         self.engine, self.model_name, self.metrics, self.intake = engine, model_name, metrics, intake
         self.reasoning_parser, self.tool_parser = reasoning_parser, tool_parser
+        self.keepalive_interval = keepalive_interval
         self.stored_responses = ResponseStore()  # /v1/responses' conversations, for previous_response_id
         self.names = TokenNames(engine.tokenizer)
         tok = engine.tokenizer
@@ -113,7 +115,8 @@ class OpenAIServing:
             return builder.stop(choice.finish_reason, choice.stop_reason, generation.usage()["completion_tokens"])
 
         if req.stream:
-            return EventStream(self._stream_built(generation, choice, builder, finish, anthropic_error))
+            return EventStream(self._stream_built(generation, choice, builder, finish, anthropic_error),
+                               self.keepalive_interval)
         await self._collect_built(generation, choice, builder)
         finish()
         return JSONResponse(builder.message())
@@ -135,7 +138,8 @@ class OpenAIServing:
             return events
 
         if rreq.stream:
-            return EventStream(self._stream_built(generation, choice, builder, finish, responses_error))
+            return EventStream(self._stream_built(generation, choice, builder, finish, responses_error),
+                               self.keepalive_interval)
         await self._collect_built(generation, choice, builder)
         finish()
         return JSONResponse(builder.response())
@@ -274,7 +278,7 @@ class OpenAIServing:
         head = {"id": response_id, "object": endpoint.chunk_object, "created": int(time.time()),
                 "model": self.model_name}
         if req.stream:
-            return EventStream(self._stream(generation, choices, head, req.include_usage))
+            return EventStream(self._stream(generation, choices, head, req.include_usage), self.keepalive_interval)
         await self._collect(generation, choices)
         body = {**head, "object": endpoint.object_name, "choices": [c.result() for c in choices],
                 "usage": generation.usage()}
