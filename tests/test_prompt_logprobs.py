@@ -80,3 +80,94 @@ def test_prompt_logprobs_stream_on_the_first_event_and_are_range_checked(checkpo
     assert all(e.prompt_logprobs is None for e in events[1:])
     with pytest.raises(RequestError, match="prompt_logprobs must be None or in"):
         engine.submit([1, 2], SamplingParams(prompt_logprobs=21))
+
+
+# ----------------------------------------------------------------------------- through the API
+
+@pytest.fixture(scope="module")
+def api(demo_dir):
+    """A live server on the demo checkpoint, the real openai client, and HF's copy of the model."""
+    import openai
+    import transformers
+    from loopback import serving
+
+    from jtp.entrypoints.server import build_app
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.float32).eval()
+    args = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, block_size=16, num_blocks=64,
+                warmup=False)
+    with Engine.from_args(EngineArgs(model=str(demo_dir), **args)) as engine:
+        engine.start()
+        engine.ready.set()
+        with serving(build_app(engine, "demo")) as url:
+            yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120), engine, hf
+
+
+PROMPT = "The sea is wide and deep, it sings the sailors off to sleep; the rain in Spain stays on the plain."
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_hf_does(api):
+    client, engine, hf = api
+    ids = engine.tokenizer.encode(PROMPT)
+    assert len(ids) > 32  # more than one step's tokens: scored over chunked-prefill steps
+    ref = reference(hf, ids)
+    r = client.completions.create(model="demo", prompt=PROMPT, echo=True, logprobs=2, max_tokens=0)
+    choice = r.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert lp.tokens == [engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [ref[p - 1, ids[p]] for p in range(1, len(ids))]
+    np.testing.assert_allclose(lp.token_logprobs[1:], expected, atol=2e-4)
+    assert all(len(top) >= 2 and max(top.values()) == pytest.approx(ref[p - 1].max(), abs=2e-4)
+               for p, top in enumerate(lp.top_logprobs[1:], 1))
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+
+    # echo with generation: the prompt, then the same tokens as without echo (streamed too)
+    plain = client.completions.create(model="demo", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1)
+    echoed = client.completions.create(model="demo", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    assert echoed.choices[0].logprobs.token_logprobs[len(ids):] == plain.choices[0].logprobs.token_logprobs
+    stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=6, temperature=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == echoed.choices[0].text
+
+
+def test_vllm_prompt_logprobs_field_on_completions_and_chat(api):
+    client, engine, hf = api
+    ids = engine.tokenizer.encode(PROMPT)
+    ref = reference(hf, ids)
+    r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 3})
+    entries = r.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for p in range(1, len(ids)):
+        entry = {int(t): v for t, v in entries[p].items()}
+        assert entry[ids[p]]["logprob"] == pytest.approx(ref[p - 1, ids[p]], abs=2e-4)
+        assert entry[ids[p]]["rank"] == 1 + int((ref[p - 1] > ref[p - 1, ids[p]] + 1e-6).sum())
+        ranked = sorted((v["rank"], t) for t, v in entry.items() if t != ids[p] or v["rank"] <= 3)
+        assert [t for _, t in ranked[:3]] == list(np.argsort(-ref[p - 1], kind="stable")[:3])
+
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(model="demo", messages=messages, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 0})
+    chat_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    chat_entries = chat.model_extra["prompt_logprobs"]
+    assert len(chat_entries) == len(chat_ids)
+    chat_ref = reference(hf, chat_ids)
+    assert [e[str(chat_ids[p])]["logprob"] for p, e in enumerate(chat_entries) if p] == pytest.approx(
+        [chat_ref[p - 1, chat_ids[p]] for p in range(1, len(chat_ids))], abs=2e-4)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": "2"}, "prompt_logprobs"),
+])
+def test_bad_prompt_logprobs_are_400s_naming_the_field(api, body, param):
+    import openai
+
+    client, _, _ = api
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo", prompt="Hi", max_tokens=2, extra_body=body)
+    assert e.value.body["param"] == param

@@ -24,6 +24,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from cpu_env import cpu_env
@@ -469,6 +470,17 @@ def test_unset_sampling_fields_take_the_generation_config(served):
     chat = served.client().chat.completions.create(model=served.model, messages=CHAT, max_tokens=16, seed=3)
     ref = served.reference(served.chat_prompt_ids(CHAT), max_tokens=16, seed=3, **asked)
     assert chat.choices[0].message.content == ref.text
+
+
+def test_echoed_prompt_logprobs_are_the_engines(served):
+    """Through one process and a tp=4 group (the prompt targets cross to the followers with the step)."""
+    ids = served.engine.tokenizer.encode(PROMPTS[3])
+    r = served.post("/v1/completions", {"model": served.model, "prompt": PROMPTS[3], "max_tokens": 3,
+                                        "temperature": 0, "logprobs": 1, "echo": True}).json()
+    ref = served.reference(ids, max_tokens=3, temperature=0, prompt_logprobs=1)
+    lp = r["choices"][0]["logprobs"]
+    assert r["choices"][0]["text"].startswith(PROMPTS[3]) and lp["token_logprobs"][0] is None
+    np.testing.assert_allclose(lp["token_logprobs"][1:len(ids)], ref.prompt_logprobs.logprobs[1:], atol=1e-4)
 
 
 def test_stop_strings_batched_prompts_and_ignore_eos(served):

@@ -141,8 +141,9 @@ def test_a_dense_model_on_the_reference_path_ignores_the_tokens_per_row_bound(de
 
 def _request(url: str, tokenizer, rng: random.Random, prefixes: list[str], penalties: bool) -> dict:
     """One random completion request: prompt length, output length, greedy or seeded sampling (top-p
-    or not), logprobs or not, stop strings, n, structured outputs or not, and a prompt that repeats an
-    earlier one's prefix (a prefix-cache hit) or not; with `penalties`, penalties too."""
+    or not), logprobs (of the echoed prompt too) or prompt logprobs or not, stop strings, n, structured
+    outputs or not, and a prompt that repeats an earlier one's prefix (a prefix-cache hit) or not; with
+    `penalties`, penalties too."""
     words = "the cat sat on a mat and then it ran to see what the dog did".split()
     prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 20)))
     if rng.random() < 0.4:
@@ -159,6 +160,9 @@ def _request(url: str, tokenizer, rng: random.Random, prefixes: list[str], penal
         body["stop"] = [rng.choice(words)]
     if rng.random() < 0.3:
         body["logprobs"] = rng.randint(0, 5)
+        body["echo"] = rng.random() < 0.5  # the prompt's logprobs too: the prompt-logprobs program
+    elif rng.random() < 0.15 and not body["stream"]:
+        body["prompt_logprobs"] = rng.randint(0, 3)
     if rng.random() < 0.2:  # structured outputs: a token mask in the step
         body["structured_outputs"] = rng.choice([{"regex": "[a-z ]{1,40}"}, {"choice": ["yes", "no"]}])
     if penalties and rng.random() < 0.4:
@@ -176,6 +180,7 @@ def _workload(serve: Serve, demo_dir, penalties: bool) -> list[dict]:
         bodies = list(pool.map(lambda i: _request(serve.url, tokenizer, random.Random(i), prefixes, penalties), range(40)))
     assert any(b["n"] > 1 for b in bodies) and any("seed" in b for b in bodies) and any("stop" in b for b in bodies)
     assert any(b.get("logprobs") for b in bodies) and any("structured_outputs" in b for b in bodies)
+    assert any(b.get("echo") for b in bodies) and any("prompt_logprobs" in b for b in bodies)
     assert serve.metric("jtp:prefix_cache_hits_total") > hits
     return bodies
 

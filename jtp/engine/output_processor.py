@@ -29,6 +29,7 @@ class PromptLogprobs:
     """A request's prompt logprobs (vLLM's `prompt_logprobs`), one entry per prompt token; the first
     token has no context to be scored in, so its entries are None."""
 
+    token_ids: list[int]  # the prompt
     logprobs: list[float | None]  # the raw log-probability of the prompt token where it stands
     ranks: list[int | None]  # its rank in that distribution (1: the most likely)
     top: list[dict[int, float] | None]  # the `prompt_logprobs` most likely tokens there, best first
@@ -86,7 +87,8 @@ class RequestStream:
         self.stop_reason: str | int | None = None  # see TokenEvent.stop_reason
         self.orphaned = False  # its consumer went away before the end
         self.stops = StopMatcher(request.params.stop)
-        self.prompt_logprobs = PromptLogprobs([None], [None], [None]) if request.params.prompt_logprobs is not None else None
+        self.prompt_logprobs = (PromptLogprobs(request.prompt_ids, [None], [None], [None])
+                                if request.params.prompt_logprobs is not None else None)
 
     def add_token(self, token: int) -> bool:
         """Append the token's text; True if a stop string now ends the output."""

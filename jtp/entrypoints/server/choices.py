@@ -11,47 +11,65 @@ from jtp.entrypoints.server.logprobs import (
     TokenNames,
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
     merge_completion_logprobs,
+    prompt_logprobs_entries,
 )
 from jtp.entrypoints.server.reasoning import Qwen3ReasoningParser
 from jtp.entrypoints.server.tool_parsers import ToolCall, ToolCallParser
 
 
 class CompletionChoice:
-    def __init__(self, index: int, names: TokenNames, num_logprobs: int | None):
+    def __init__(self, index: int, names: TokenNames, num_logprobs: int | None, echo: str | None = None,
+                 echo_only: bool = False):
+        """`echo`: the prompt's text, which then opens the choice's text (its tokens' logprobs too, from
+        the first event's prompt logprobs); `echo_only`: the prompt alone, the generated token dropped."""
         self.index, self.names = index, names
         self.wants_logprobs = num_logprobs is not None
+        self.echo, self.echo_only = echo, echo_only
         self.texts: list[str] = []
         self.logprobs: list[dict] = []
         self.text_offset = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.prompt_logprobs: list | None = None  # vLLM's entries, when the request asked for them
 
     def opening(self) -> None:
         return None  # a completions stream starts with the first text
 
     def add(self, event) -> list[dict]:
-        logprobs = None
-        if self.wants_logprobs and event.token_ids:
-            logprobs, self.text_offset = completion_logprobs(
+        text, parts = ("", []) if self.echo_only else (event.text, [])
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs_entries(self.names, event.prompt_logprobs)
+        if self.echo is not None and not self.texts:
+            text = self.echo + text
+            if self.wants_logprobs and event.prompt_logprobs is not None:
+                part, self.text_offset = echo_logprobs(self.names, event.prompt_logprobs)
+                parts.append(part)
+        if self.wants_logprobs and event.token_ids and not self.echo_only:
+            part, self.text_offset = completion_logprobs(
                 self.names, event.token_ids, event.logprobs, event.top_logprobs, self.text_offset)
+            parts.append(part)
+        logprobs = merge_completion_logprobs(parts) if parts else None
+        if logprobs:
             self.logprobs.append(logprobs)
-        self.texts.append(event.text)
+        self.texts.append(text)
         if event.finished:
             self.finish_reason, self.stop_reason = event.finish_reason, event.stop_reason
-        if not (event.text or logprobs or event.finished):
+        if not (text or logprobs or event.finished):
             return []
-        piece = {"index": self.index, "text": event.text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        piece = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
         return [{**piece, "stop_reason": self.stop_reason} if event.finished else piece]
 
     def result(self) -> dict:
-        return {
+        out = {
             "index": self.index,
             "text": "".join(self.texts),
             "logprobs": merge_completion_logprobs(self.logprobs) if self.wants_logprobs else None,
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,  # vLLM's: the stop string or stop token id that ended it
         }
+        return out if self.prompt_logprobs is None else {**out, "prompt_logprobs": self.prompt_logprobs}
 
 
 class ChatChoice:
@@ -67,6 +85,7 @@ class ChatChoice:
         self.logprobs: list[dict] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.prompt_logprobs: list | None = None  # vLLM's entries (the response's, not the choice's)
 
     def opening(self) -> dict:
         """The first streamed piece: the role, before any token (as OpenAI sends it)."""
@@ -74,6 +93,8 @@ class ChatChoice:
                 "finish_reason": None}
 
     def add(self, event) -> list[dict]:
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs_entries(self.names, event.prompt_logprobs)
         reasoning, content = self._split(event.text, event.finished)
         content, calls = self._calls(content, event.finished)
         self.reasonings.append(reasoning)

@@ -35,6 +35,10 @@ class TokenNames:
         self.text = functools.lru_cache(maxsize=1 << 16)(self._text)
         self.bytes = functools.lru_cache(maxsize=1 << 16)(self._bytes)
 
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of a token id prompt (echo)."""
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
     def _text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
@@ -70,6 +74,33 @@ def completion_logprobs(names: TokenNames, token_ids: list[int], logprobs: list[
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out, text_offset
+
+
+def echo_logprobs(names: TokenNames, scores) -> tuple[dict, int]:
+    """The legacy shape for an echoed prompt (its `PromptLogprobs`): as `completion_logprobs`, but
+    the first token, which nothing predicts, has null logprobs (as OpenAI and vLLM send it)."""
+    prompt_ids = scores.token_ids
+    out, offset = completion_logprobs(names, prompt_ids[1:], scores.logprobs[1:], scores.top[1:],
+                                      len(names.text(prompt_ids[0])))
+    for key, first in (("tokens", names.text(prompt_ids[0])), ("token_logprobs", None), ("top_logprobs", None),
+                       ("text_offset", 0)):
+        out[key].insert(0, first)
+    return out, offset
+
+
+def prompt_logprobs_entries(names: TokenNames, scores) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` (from a `PromptLogprobs`): per prompt token, None for the first, else
+    {token id: {"logprob", "rank", "decoded_token"}} for the prompt token and the top tokens there."""
+    prompt_ids = scores.token_ids
+    entries: list[dict | None] = [None]
+    for k in range(1, len(prompt_ids)):
+        top = scores.top[k] or {}
+        entry = {str(t): {"logprob": _finite(v), "rank": rank, "decoded_token": names.text(t)}
+                 for rank, (t, v) in enumerate(top.items(), 1)}
+        entry[str(prompt_ids[k])] = {"logprob": _finite(scores.logprobs[k]), "rank": scores.ranks[k],
+                                     "decoded_token": names.text(prompt_ids[k])}
+        entries.append(entry)
+    return entries
 
 
 def merge_completion_logprobs(parts: list[dict]) -> dict:

@@ -2,7 +2,7 @@
 
 Known fields are type-checked (a wrong type is a 400 naming the field); fields this server
 does not know, such as `user` or `metadata`, are ignored as OpenAI clients expect. Fields
-that would change the result but are not implemented (`logit_bias`, `echo`, the legacy
+that would change the result but are not implemented (`logit_bias`, `suffix`, the legacy
 `functions`, ...) are refused rather than silently ignored. `null` means "not given" for every optional field.
 """
 
@@ -41,6 +41,7 @@ _COMMON_FIELDS: dict[str, tuple] = {
     "max_tokens": (int,),
     "seed": (int,),
     "logit_bias": (dict,),
+    "prompt_logprobs": (int,),  # vLLM's: each prompt token's logprob and the top n there
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its legacy guided_* names
     "response_format": (dict,),
     "structured_outputs": (dict,),
@@ -85,6 +86,7 @@ class GenerationRequest:
     max_tokens: int | None  # None: the endpoint's default
     seed: int | None
     num_logprobs: int | None  # None: no logprobs; k: the sampled token's plus the top k
+    prompt_logprobs: int | None  # None: none; k: each prompt token's logprob plus the top k
     sampling: dict[str, Any]  # the remaining SamplingParams fields that were given
     structure_param: str | None  # the field that asked for a structured output (for its errors), else None
 
@@ -92,6 +94,8 @@ class GenerationRequest:
 @dataclasses.dataclass
 class CompletionRequest(GenerationRequest):
     prompts: list[str | list[int]]  # one or more; each gets n choices
+    echo: bool = False  # the prompt first in each choice's text (and its logprobs, with logprobs)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (a token is generated and dropped)
 
 
 @dataclasses.dataclass
@@ -107,8 +111,6 @@ class ChatRequest(GenerationRequest):
 def parse_completion_request(body: Any) -> CompletionRequest:
     fields = _checked(body, _COMPLETION_FIELDS)
     _refuse_unsupported(fields)
-    if fields.get("echo"):
-        raise APIError("echo is not supported", param="echo")
     if fields.get("suffix"):
         raise APIError("suffix is not supported", param="suffix")
     for name in ("tools", "tool_choice"):
@@ -120,10 +122,17 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         raise APIError("best_of other than n is not supported", param="best_of")
     logprobs = fields.get("logprobs")
     _check_range("logprobs", logprobs, 0, MAX_LOGPROBS)
+    echo, max_tokens = fields.get("echo", False), fields.get("max_tokens")
+    echo_only = echo and max_tokens == 0  # scoring a text (lm-eval's loglikelihood), as vLLM serves it
+    common = _common(fields, n, 1 if echo_only else max_tokens)
+    if echo and logprobs is not None:  # the echoed prompt's tokens carry logprobs too
+        common["prompt_logprobs"] = max(common["prompt_logprobs"] or 0, logprobs)
     return CompletionRequest(
-        **_common(fields, n, fields.get("max_tokens")),
+        **common,
         num_logprobs=logprobs,
         prompts=_prompts(fields.get("prompt")),
+        echo=echo,
+        echo_only=echo_only,
     )
 
 
@@ -168,7 +177,7 @@ def sampling_params(req: GenerationRequest, max_tokens: int, choice: int, defaul
     reproducible, yet the n choices differ. Values are checked by the engine at submit."""
     seed = None if req.seed is None else req.seed + choice
     return SamplingParams(**{**defaults, **req.sampling, "max_tokens": max_tokens, "seed": seed,
-                             "logprobs": req.num_logprobs})
+                             "logprobs": req.num_logprobs, "prompt_logprobs": req.prompt_logprobs})
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -227,6 +236,10 @@ def _common(fields: dict[str, Any], n: int, max_tokens: int | None) -> dict[str,
             check_stop_strings([stop] if isinstance(stop, str) else stop)
         except ValueError as e:
             raise APIError(str(e), param="stop") from e
+    prompt_logprobs = fields.get("prompt_logprobs")
+    _check_range("prompt_logprobs", prompt_logprobs, 0, MAX_LOGPROBS)
+    if prompt_logprobs is not None and fields.get("stream"):
+        raise APIError("prompt_logprobs are not available when stream is true (as in vLLM)", param="prompt_logprobs")
     sampling = {k: v for k, v in fields.items() if k in _SAMPLING_FIELDS}
     structure, structure_param = _structure(fields)
     if structure is not None:
@@ -238,6 +251,7 @@ def _common(fields: dict[str, Any], n: int, max_tokens: int | None) -> dict[str,
         include_usage=include_usage,
         max_tokens=max_tokens,
         seed=fields.get("seed"),
+        prompt_logprobs=prompt_logprobs,
         sampling=sampling,
         structure_param=structure_param,
     )

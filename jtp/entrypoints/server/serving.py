@@ -90,8 +90,9 @@ class OpenAIServing:
     # ------------------------------------------------------------------ endpoints
 
     async def completions(self, raw: bytes) -> Response:
-        req, prompts = await self.intake.run(self._prepare_completion, raw)
-        choices = [CompletionChoice(i, self.names, req.num_logprobs) for i in range(len(prompts) * req.n)]
+        req, prompts, echoes = await self.intake.run(self._prepare_completion, raw)
+        choices = [CompletionChoice(i, self.names, req.num_logprobs, echoes[i // req.n], req.echo_only)
+                   for i in range(len(prompts) * req.n)]
         return await self._respond(COMPLETIONS, req, prompts, choices)
 
     async def chat(self, raw: bytes) -> Response:
@@ -194,7 +195,10 @@ class OpenAIServing:
         max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = self.engine.sampling_defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
-        return req, [(self._prompt_ids(p), max_tokens) for p in req.prompts]
+        prompts = [(self._prompt_ids(p), max_tokens) for p in req.prompts]
+        # echo: each prompt's text opens its choices' text (token ids decoded)
+        echoes = [(p if isinstance(p, str) else self.names.decode(p)) if req.echo else None for p in req.prompts]
+        return req, prompts, echoes
 
     def _prepare_chat(self, raw: bytes) -> tuple:
         return self._prepare_chat_body(parse_json(raw, self.max_json_values))
@@ -282,6 +286,8 @@ class OpenAIServing:
         await self._collect(generation, choices)
         body = {**head, "object": endpoint.object_name, "choices": [c.result() for c in choices],
                 "usage": generation.usage()}
+        if endpoint is CHAT and choices[0].prompt_logprobs is not None:  # vLLM's: the response's, one prompt
+            body["prompt_logprobs"] = choices[0].prompt_logprobs
         return JSONResponse(body)
 
     async def _submit(self, generation: Generation) -> None:
