@@ -6,6 +6,8 @@ median of timed batches of calls), for:
   plain         greedy / temperature rows only (no sort)
   top_k_p       + the sort for top-k / top-p / min-p
   logprobs      + top-20 logprobs
+  mask          + a token mask (structured outputs), alone
+  mask_top_k_p_logprobs   the mask with the sort and top-20 logprobs (the variant of a truncating masked step)
   penalties_L   + repetition / frequency / presence penalties from a [B, L] token history
 
     python scripts/sampler_cost.py --vocab 151936 --batches 1,8,64,256 --lengths 2048,40960
@@ -63,6 +65,13 @@ def main() -> None:
                                                        num_logprobs=0), logits, sampling)
         row["logprobs"] = _time(lambda x, s: sample_jit(x, s, needs_top_k_p_min_p=False, needs_penalties=False,
                                                         num_logprobs=20), logits, sampling)
+        mask = jnp.asarray(rng.integers(-2**31, 2**31, (B, -(-args.vocab // 32)), dtype=np.int64).astype(np.int32))
+        row["mask"] = _time(lambda x, s, m: sample_jit(x, s, needs_top_k_p_min_p=False, needs_penalties=False,
+                                                       num_logprobs=0, needs_mask=True, token_mask=m),
+                            logits, sampling, mask)
+        row["mask_top_k_p_logprobs"] = _time(
+            lambda x, s, m: sample_jit(x, s, needs_top_k_p_min_p=True, needs_penalties=False, num_logprobs=20,
+                                       needs_mask=True, token_mask=m), logits, sampling, mask)
         for L in lengths:
             ids = jnp.asarray(rng.integers(0, args.vocab, (B, L), dtype=np.int32))
             is_output = jnp.asarray(np.arange(L)[None, :].repeat(B, 0) >= L // 2)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What structured outputs cost the batch (docs/bench/h200-structured.md): `jtp serve` with Qwen3-8B shapes
-# (random weights drawn on the GPU, default flags and warm-up) on one H200, loaded by
+# (random weights drawn on the GPU, default flags but the prefix cache off, and warm-up) on one H200, loaded by
 # scripts/bench_serving.py at concurrency 8, 1024 prompt / 128 output tokens, with 0, half and all of
 # the requests under a JSON schema (--structured-fraction); then one sampled json_schema chat checked.
 # Random checkpoints carry a word-level placeholder tokenizer llguidance cannot read: TOKENIZER=dir
@@ -14,7 +14,9 @@ PORT=8012
 mkdir -p "$OUT"
 python3 scripts/make_random_checkpoint.py --preset qwen3-8b --out /tmp/q8s --config-only > /dev/null
 python3 scripts/synthetic_bpe_tokenizer.py --base "$TOKENIZER" --vocab-size 151936 --out /tmp/q8s
-python3 -m jtp.entrypoints.cli serve --model /tmp/q8s --load-format dummy --port $PORT > "$OUT/server.log" 2>&1 &
+# No prefix caching: runs of one seed send the same prompts, which a warm cache would not prefill.
+python3 -m jtp.entrypoints.cli serve --model /tmp/q8s --load-format dummy --port $PORT --no-enable-prefix-caching \
+  > "$OUT/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 for i in $(seq 600); do

@@ -104,16 +104,16 @@ def test_ahead_of_time_warmup_gives_the_jitted_steps_results_and_compiles_nothin
         report = eng.warmup_report
         assert report.finished and compiled == report.compiled == eng.runner.compilations >= report.programs
         # Each shape of the decode loop: one program per sampling variant (two). Every other shape: one
-        # forward program, plus one sampling program per rows bucket and variant (four: plain, truncated,
-        # logprobs, which truncates too, and a token mask, with truncation and logprobs),
+        # forward program, plus one sampling program per rows bucket and variant (five: plain, truncated,
+        # logprobs, which truncates too, and a token mask, alone or with truncation and logprobs),
         # and per rows bucket one penalty variant per history length; and the one prompt-logprobs program.
         shapes = eng.scheduler.buckets.shapes()
         looped = [s for s in shapes if steps > 1 and s[2] == 1]
         apart = [s for s in shapes if s not in looped]
         rows, lengths = len({B for _, B, _ in apart}), len(penalty_lengths(SMALL["max_model_len"]))
         assert lengths == 1  # max_model_len 128: one length, the whole context
-        assert compiled == 2 * len(looped) + len(apart) + rows * (4 + lengths) + 1
-        assert report.variants == 2 * len(looped) + 3 * len(apart) + rows * (1 + lengths) + 1
+        assert compiled == 2 * len(looped) + len(apart) + rows * (5 + lengths) + 1
+        assert report.variants == 2 * len(looped) + 3 * len(apart) + rows * (2 + lengths) + 1
         assert eng.runner.compile_seconds > 0
         got = [r.token_ids for r in eng.generate(prompts, params)]
         assert eng.runner.compilations == compiled, "a step compiled after the ahead-of-time warm-up"

@@ -153,15 +153,17 @@ def _offsets(layout: StepLayout):
 
 def compiled_flags(flags: SamplingFlags) -> SamplingFlags:
     """The sampling variant a step with these needs compiles as: any top-n request rounded up to
-    MAX_LOGPROBS with truncation on (one variant instead of forty); a token mask with truncation and
-    logprobs on too; with penalties, every option on, the mask included (one variant per history
-    length instead of eight). Truncation with top_k 0, top_p 1 and min_p 0 keeps every token, and so
-    does a mask of ones, so a row samples the same tokens in every variant; the rarer steps pay for
-    the options they did not ask for, and warm-up has fewer programs to compile."""
+    MAX_LOGPROBS with truncation on (one variant instead of forty), and so does a token mask beside
+    truncation (a masked step whose rows neither truncate nor ask for logprobs, greedy structured
+    outputs, keeps the mask alone: the truncation's sort is most of a sampling program's time); with
+    penalties, every option on, the mask included (one variant per history length instead of eight).
+    Truncation with top_k 0, top_p 1 and min_p 0 keeps every token, and so does a mask of ones, so a
+    row samples the same tokens in every variant; the rarer steps pay for the options they did not
+    ask for, and warm-up has fewer programs to compile."""
     if flags.needs_penalties:
         return SamplingFlags(needs_top_k_p_min_p=True, needs_penalties=True, num_logprobs=MAX_LOGPROBS,
                              needs_mask=True)
-    if flags.needs_mask or flags.num_logprobs:
+    if flags.num_logprobs or (flags.needs_mask and flags.needs_top_k_p_min_p):
         return SamplingFlags(needs_top_k_p_min_p=True, needs_penalties=False, num_logprobs=MAX_LOGPROBS,
                              needs_mask=flags.needs_mask)
     return flags

@@ -85,9 +85,9 @@ def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None,
                  mask_words: int = 0) -> list[StepInput]:
     """The padding steps that cover every program the scheduler can pick: per shape the two
     variants; where the runner samples in a program of its own (`samples_separately`), the
-    logprobs variant too, once the prompt-logprobs program, and per rows bucket the token-mask variant (`mask_words` > 0: structured
-    outputs) and the penalty variant at each history length, which carries the mask too (small
-    programs: the forward program is the shape's)."""
+    logprobs variant too, once the prompt-logprobs program, and per rows bucket the two token-mask
+    variants (`mask_words` > 0: structured outputs) and the penalty variant at each history length,
+    which carries the mask too (small programs: the forward program is the shape's)."""
     steps, rows_seen, scored = [], set(), False
     for shape in scheduler.buckets.shapes():
         _, B, max_row_len = shape
@@ -105,7 +105,7 @@ def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None,
                     rows_seen.add((B, verify))
                     mask = np.full((B, mask_words), -1, np.int32) if mask_words else None
                     if mask is not None and not verify:  # structured outputs never speculate
-                        variants.append(StepInput(plan, _sampling(VARIANTS[0], B), token_mask=mask))
+                        variants += [StepInput(plan, _sampling(params, B), token_mask=mask) for params in VARIANTS]
                     variants += [StepInput(plan, _sampling(PENALISED, B), pack_penalty_tokens([[]] * B, [[]] * B, B,
                                                                                                length=length),
                                            token_mask=mask)
