@@ -11,7 +11,7 @@ import random
 
 from jtp.config.model_config import ModelConfig
 from jtp.core.page_pool import PagePool
-from jtp.core.sampling_params import SamplingParams, request_seed
+from jtp.core.sampling_params import SamplingParamError, SamplingParams, request_seed
 from jtp.core.scheduler import Request
 from jtp.errors import ContextLengthError, RequestError
 
@@ -27,8 +27,8 @@ class InputProcessor:
         vocab = self.cfg.vocab_size
         try:
             params.validate(vocab)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
+        except SamplingParamError as e:
+            raise RequestError(str(e), param=e.param) from e
         if not prompt_ids:
             raise RequestError("the prompt is empty: at least one token is needed")
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
