@@ -26,16 +26,18 @@ class ShardingError(JtpError, ValueError):
 class RequestError(JtpError, ValueError):
     """A request that can never be served (bad parameters, too long, larger than the pool).
 
-    `code` follows the OpenAI error body's `code` field where one applies.
+    `code` follows the OpenAI error body's `code` field where one applies; `param` names the
+    request field at fault, where one is.
     """
 
     status = 400
     code: str | None = None
 
-    def __init__(self, message: str, code: str | None = None):
+    def __init__(self, message: str, code: str | None = None, param: str | None = None):
         super().__init__(message)
         if code is not None:
             self.code = code
+        self.param = param
 
 
 class ContextLengthError(RequestError):

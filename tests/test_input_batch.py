@@ -6,7 +6,7 @@ simulated device that samples random tokens, with the engine's overlap (a step's
 seen by the host one step late). Every step, the `PackedStep` the InputBatch builds from the
 `SchedulerOutput` must unpack to the arrays a plain-Python construction from the `Request`s
 gives (`reference_step` below: the row-by-row logic of the old `Scheduler.build_plan`,
-`pack_sampling`, `pack_penalty_tokens` and `pack_stop_ids`).
+`pack_sampling`, `pack_penalty_tokens`, `pack_logit_bias` and `pack_stop_ids`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from jtp.config.speculative import SpeculativeConfig
 from jtp.core.block_hash import root_key
 from jtp.core.packed_step import PackedStep
 from jtp.core.page_pool import PagePool
-from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling
+from jtp.core.sampling_params import SamplingParams, pack_logit_bias, pack_penalty_tokens, pack_sampling
 from jtp.core.scheduler import Request, Scheduler, Status
 from jtp.core.state_pool import StatePool
 from jtp.core.step_input import STOP_IDS_WIDTH, StepInput, StepPlan
@@ -67,18 +67,19 @@ def reference_plan(sched: Scheduler, rows) -> StepPlan:
 def reference_step(sched: Scheduler, rows) -> StepInput:
     plan = reference_plan(sched, rows)
     B = len(plan.context_lens)
-    sampling = pack_sampling([r.request.params if r.picks_next_token else None for r in rows], B,
-                             [r.request.seed for r in rows], [r.request.num_generated for r in rows])
-    penalty = None
-    if sampling.static_flags().needs_penalties:
+    params = [r.request.params if r.picks_next_token else None for r in rows]
+    sampling = pack_sampling(params, B, [r.request.seed for r in rows], [r.request.num_generated for r in rows])
+    penalty = logit_bias = None
+    if any(p is not None and p.has_penalties for p in params):  # a logit bias too
         reqs = [r.request if r.picks_next_token else None for r in rows]
         penalty = pack_penalty_tokens([q.prompt_ids if q else None for q in reqs],
                                       [q.output_ids if q else None for q in reqs], B, sched.max_model_len)
+        logit_bias = pack_logit_bias(params, B)
     stop_ids = np.full((B, STOP_IDS_WIDTH), -1, np.int32)
     for b, row in enumerate(rows):
         ids = sorted(row.request.stop_ids)[:STOP_IDS_WIDTH]
         stop_ids[b, : len(ids)] = ids
-    return StepInput(plan, sampling, penalty, stop_ids)
+    return StepInput(plan, sampling, penalty, stop_ids, logit_bias=logit_bias)
 
 
 def assert_same(got: StepInput, want: StepInput, where: str):
@@ -94,14 +95,18 @@ def assert_same(got: StepInput, want: StepInput, where: str):
         np.testing.assert_array_equal(a, b, err_msg=f"{where}: sampling.{name}")
     assert (got.penalty_tokens is None) == (want.penalty_tokens is None), where
     if want.penalty_tokens is not None:
-        for a, b in zip(got.penalty_tokens, want.penalty_tokens):
+        for a, b in zip(got.penalty_tokens + got.logit_bias, want.penalty_tokens + want.logit_bias, strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"{where}: penalty")
     np.testing.assert_array_equal(got.stop_ids, want.stop_ids, err_msg=f"{where}: stop ids")
 
 
 def random_params(rng: random.Random, penalties: bool) -> SamplingParams:
-    kind = rng.randrange(5 if penalties else 4)
+    kind = rng.randrange(6 if penalties else 4)
     max_tokens = rng.randint(1, 20)
+    if kind == 5:  # a logit bias: the penalised variant, neutral penalties; min_tokens caps multi-step decodes
+        bias = {t: rng.uniform(-100, 100) for t in rng.sample(range(60), rng.randint(1, 8))}
+        return SamplingParams(max_tokens=max_tokens, temperature=0.5, logit_bias=bias,
+                              min_tokens=rng.randint(0, max_tokens))
     if kind == 0:
         return SamplingParams(max_tokens=max_tokens, temperature=0.0)
     if kind == 1:

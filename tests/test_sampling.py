@@ -1,5 +1,5 @@
 """jtp.worker.sampler against independent references: a per-row numpy reference of
-penalties and truncation, numpy argmax / log_softmax, exact distributions, and
+logit bias, penalties and truncation, numpy argmax / log_softmax, exact distributions, and
 the host-side jax.random key derivation."""
 from __future__ import annotations
 
@@ -16,9 +16,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling
+from jtp.core.sampling_params import (
+    MAX_LOGIT_BIAS,
+    SamplingParamError,
+    SamplingParams,
+    pack_logit_bias,
+    pack_penalty_tokens,
+    pack_sampling,
+)
 from jtp.worker.sampler import (
     apply_penalties,
+    build_logit_bias,
     build_penalty_counts,
     process_logits,
     sample,
@@ -28,9 +36,18 @@ from jtp.worker.sampler import (
 # ----------------------------------------------------------------------------- numpy reference
 
 
+def ref_bias(p: SamplingParams, vocab: int):
+    """The row's logit bias as a dense vector (its float32 values, as they travel to the device)."""
+    bias = np.zeros(vocab)
+    for token, value in (p.logit_bias or {}).items():
+        bias[int(token)] += float(np.float32(value))
+    return bias
+
+
 def ref_penalise(row, p: SamplingParams, prompt_ids, output_ids):
-    """HF repetition penalty over prompt+output, then OpenAI frequency/presence over output."""
-    x = np.asarray(row, np.float64).copy()
+    """The logit bias, then HF repetition penalty over prompt+output, then OpenAI frequency/presence
+    over output."""
+    x = np.asarray(row, np.float64) + ref_bias(p, len(row))
     for t in set(prompt_ids) | set(output_ids):
         x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
     for t, count in Counter(output_ids).items():
@@ -101,12 +118,13 @@ def flags_of(batch):
 
 
 @functools.partial(jax.jit, static_argnames=("needs_top_k_p_min_p", "needs_penalties"))
-def device_process(logits, batch, ids, is_output, *, needs_top_k_p_min_p, needs_penalties):
+def device_process(logits, batch, ids, is_output, bias_ids, biases, *, needs_top_k_p_min_p, needs_penalties):
     counts, prompt_mask = build_penalty_counts(ids, is_output, logits.shape[-1])
-    penalised = apply_penalties(logits, batch, counts, prompt_mask)
+    bias = build_logit_bias(bias_ids, biases, logits.shape[-1])
+    penalised = apply_penalties(logits + bias, batch, counts, prompt_mask)
     processed = process_logits(logits, batch, needs_top_k_p_min_p=needs_top_k_p_min_p,
                                needs_penalties=needs_penalties, output_counts=counts,
-                               prompt_mask=prompt_mask)
+                               prompt_mask=prompt_mask, logit_bias=bias)
     return penalised, processed
 
 
@@ -125,6 +143,7 @@ def make_logits(rng, shape, mode):
 def param_strategy(vocab):
     return st.builds(
         SamplingParams,
+        logit_bias=st.none() | st.dictionaries(st.integers(0, vocab - 1), st.floats(-100, 100), max_size=4),
         temperature=st.sampled_from([0.0, 0.05, 0.5, 1.0, 1.7]) | st.floats(0.05, 3.0),
         top_k=st.integers(-1, vocab + 1),
         top_p=st.sampled_from([1.0, 0.9, 0.5, 1e-6]) | st.floats(0.01, 1.0),
@@ -152,8 +171,8 @@ def test_process_logits_matches_reference(data, num_rows, vocab, mode, np_seed):
     ids, is_output = pack_penalty_tokens(prompts, outputs, num_rows, length=16)
     flags = batch.static_flags()
     penalised, processed = device_process(
-        logits, batch, ids, is_output, needs_top_k_p_min_p=flags.needs_top_k_p_min_p,
-        needs_penalties=flags.needs_penalties)
+        logits, batch, ids, is_output, *pack_logit_bias(params, num_rows),
+        needs_top_k_p_min_p=flags.needs_top_k_p_min_p, needs_penalties=flags.needs_penalties)
     penalised, processed = np.asarray(penalised), np.asarray(processed)
 
     for r, p in enumerate(params):
@@ -235,6 +254,80 @@ def test_build_penalty_counts_matches_bincount():
         prompt = prompts[r] if r < 3 else []
         np.testing.assert_array_equal(counts[r], np.bincount(out, minlength=vocab))
         np.testing.assert_array_equal(prompt_mask[r], np.bincount(prompt, minlength=vocab) > 0)
+
+
+# ----------------------------------------------------------------------------- logit bias
+
+
+def test_logit_bias_moves_greedy_tokens_as_numpy_says_and_keeps_raw_logprobs():
+    rng = np.random.default_rng(11)
+    rows, vocab = 8, 40
+    logits = make_logits(rng, (rows, vocab), "normal")
+    row_biases = [{int(t): float(rng.uniform(-8, 8)) for t in rng.choice(vocab, 5, replace=False)} for _ in range(6)]
+    params = [SamplingParams(temperature=0.0, logprobs=3, logit_bias=bias) for bias in row_biases]
+    params += [SamplingParams(temperature=0.0, logprobs=3), None]
+    batch = pack_sampling(params, rows, list(range(rows)), [0] * rows)
+    bias_ids, biases = pack_logit_bias(params, rows)
+    out = sample_jit(logits, batch, **flags_of(batch), logit_bias_ids=bias_ids, logit_bias=biases)
+    dense = np.stack([ref_bias(p, vocab) if p is not None else np.zeros(vocab) for p in params])
+    np.testing.assert_array_equal(out.tokens, np.argmax(logits + dense, axis=-1))
+    assert np.any(np.argmax(logits + dense, axis=-1) != np.argmax(logits, axis=-1))  # the biases moved tokens
+    raw = np_log_softmax(logits)  # logprobs: the model's, whatever the bias
+    np.testing.assert_allclose(out.logprob, raw[np.arange(rows), np.asarray(out.tokens)], atol=1e-5)
+    np.testing.assert_array_equal(out.top_ids, np.argsort(-raw, axis=-1)[:, :3])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_bias_of_100_forces_a_token_and_minus_100_bans_one(temperature):
+    rng = np.random.default_rng(12)
+    rows, vocab = 64, 50
+    logits = make_logits(rng, (rows, vocab), "normal")
+    favourite = np.argmax(logits, axis=-1)
+    forced = [SamplingParams(temperature=temperature, logit_bias={7: 100}) for _ in range(rows)]
+    banned = [SamplingParams(temperature=temperature, logit_bias={int(t): -100}) for t in favourite]
+    for params in (forced, banned):
+        batch = pack_sampling(params, rows, list(range(rows)), [3] * rows)
+        bias_ids, biases = pack_logit_bias(params, rows)
+        tokens = np.asarray(sample_jit(logits, batch, **flags_of(batch), logit_bias_ids=bias_ids,
+                                       logit_bias=biases).tokens)
+        if params is forced:
+            assert np.all(tokens == 7), tokens
+        else:
+            assert not np.any(tokens == favourite), tokens
+            if temperature == 0.0:  # the second best instead
+                np.testing.assert_array_equal(tokens, np.argsort(-logits, axis=-1)[:, 1])
+
+
+def test_logit_bias_comes_before_the_penalties():
+    """OpenAI's / vLLM's order: the bias is added to the raw logit, then the repetition penalty divides
+    it. Penalising first would pick another token here."""
+    logits = np.array([[2.0, -2.0, 1.0, 0.5, 2.5]], np.float32)
+    p = SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={0: 2.0, 1: 3.0})
+    ids, is_output = pack_penalty_tokens([[0, 1]], [[]], 1)
+    batch = pack_sampling([p], 1, [0], [0])
+    bias_ids, biases = pack_logit_bias([p], 1)
+    out = sample(jnp.asarray(logits), batch, needs_top_k_p_min_p=False, needs_penalties=True, num_logprobs=0,
+                 penalty_ids=ids, penalty_is_output=is_output, logit_bias_ids=bias_ids, logit_bias=biases)
+    # bias first: 0: (2+2)/2 = 2; 1: (-2+3)/2 = .5; 4: 2.5 (unseen, unbiased) wins.
+    # penalties first: 0: 2/2+2 = 3 would win.
+    np.testing.assert_allclose(ref_penalise(logits[0], p, [0, 1], []), [2.0, 0.5, 1.0, 0.5, 2.5])
+    assert int(out.tokens[0]) == 4
+    counts, prompt_mask = build_penalty_counts(jnp.asarray(ids), jnp.asarray(is_output), 5)
+    processed = process_logits(jnp.asarray(logits), batch, needs_top_k_p_min_p=False, needs_penalties=True,
+                               output_counts=counts, prompt_mask=prompt_mask,
+                               logit_bias=build_logit_bias(jnp.asarray(bias_ids), jnp.asarray(biases), 5))
+    np.testing.assert_allclose(np.asarray(processed)[0], [2.0, 0.5, 1.0, 0.5, 2.5])
+
+
+def test_build_logit_bias_ignores_padding_and_adds_repeats():
+    ids = np.array([[3, -1, 0, -1], [-1, -1, -1, -1], [2, 2, -1, 4]], np.int32)
+    biases = np.array([[1.5, 50.0, -2.0, 7.0], [9.0, 9.0, 9.0, 9.0], [1.0, 0.25, 30.0, -100.0]], np.float32)
+    dense = np.asarray(build_logit_bias(jnp.asarray(ids), jnp.asarray(biases), 5))
+    np.testing.assert_array_equal(dense, [[-2.0, 0, 0, 1.5, 0], [0] * 5, [0, 0, 1.25, 0, -100.0]])
+    ids, biases = pack_logit_bias([SamplingParams(logit_bias={"4": -1, 0: 2}), None], 3)
+    assert ids.shape == biases.shape == (3, MAX_LOGIT_BIAS)
+    assert ids[0, :3].tolist() == [4, 0, -1] and biases[0, :2].tolist() == [-1.0, 2.0]
+    assert (ids[1:] == -1).all() and (biases[1:] == 0).all()
 
 
 # ----------------------------------------------------------------------------- greedy
@@ -467,6 +560,11 @@ def test_truncation_flag_ignores_greedy_rows():
     ("stop_token_ids", [5, 100]), ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
     ("stop", ["ok", 3]), ("stop", 5),
     ("seed", 1.5), ("seed", "42"),
+    ("logit_bias", [1, 2]), ("logit_bias", {"abc": 1}), ("logit_bias", {"1.5": 1}), ("logit_bias", {"100": 1}),
+    ("logit_bias", {"-1": 1}), ("logit_bias", {"1": 100.5}), ("logit_bias", {"1": -101}), ("logit_bias", {"1": "2"}),
+    ("logit_bias", {"1": True}), ("logit_bias", {"1": float("nan")}), ("logit_bias", {"1": 1, 1: 2}),
+    ("logit_bias", {str(t): 1 for t in range(MAX_LOGIT_BIAS + 1)}),
+    ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 1.5), ("min_tokens", None),
 ])
 def test_validate_rejects(field_name, value):
     params = SamplingParams(**{field_name: value})
@@ -480,14 +578,30 @@ def test_validate_accepts_edges():
     for kwargs in [dict(), dict(temperature=0), dict(top_p=1.0, top_k=-1), dict(top_k=100),
                    dict(min_p=1.0), dict(presence_penalty=-2, frequency_penalty=2),
                    dict(logprobs=0), dict(logprobs=20), dict(seed=-5),
-                   dict(stop_token_ids=[0, 99])]:
-        SamplingParams(**kwargs).validate(vocab_size=100)
+                   dict(stop_token_ids=[0, 99]), dict(logit_bias={}), dict(logit_bias={"0": -100, 99: 100}),
+                   dict(logit_bias={str(t): 0.5 for t in range(MAX_LOGIT_BIAS)}, max_tokens=1, min_tokens=1),
+                   dict(min_tokens=16), dict(min_tokens=0)]:
+        SamplingParams(**kwargs).validate(vocab_size=MAX_LOGIT_BIAS)
     SamplingParams(top_k=10**6).validate()  # no vocab given: no upper bound
 
 
 def test_validate_message_names_value_and_range():
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
         SamplingParams(top_p=1.5).validate()
+
+
+def test_logit_bias_is_normalised_and_errors_name_their_field():
+    p = SamplingParams(logit_bias={"5": 1, 7: -2.5})
+    p.validate(vocab_size=10)
+    assert p.logit_bias == {5: 1.0, 7: -2.5} and p.has_penalties  # the penalised sampling variant
+    assert SamplingParams.from_dict({"logit_bias": {"3": 4}}).logit_bias == {3: 4.0}
+    assert not SamplingParams(logit_bias={}).has_penalties
+    with pytest.raises(SamplingParamError, match=r"logit_bias token ids must be in \[0, 10\), got '10'") as e:
+        SamplingParams(logit_bias={"10": 1}).validate(vocab_size=10)
+    assert e.value.param == "logit_bias"
+    with pytest.raises(SamplingParamError, match=r"min_tokens must be in \[0, max_tokens \(4\)\], got 5") as e:
+        SamplingParams(max_tokens=4, min_tokens=5).validate()
+    assert e.value.param == "min_tokens"
 
 
 def test_stop_string_is_normalised():

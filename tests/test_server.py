@@ -305,7 +305,8 @@ def test_prompt_ends_in_think():
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({}, "prompt"),
-    ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": [1]}, "logit_bias"),
+    ({"prompt": "x", "min_tokens": "2"}, "min_tokens"),
     ({"prompt": "x", "echo": True}, "echo"),
 ])
 def test_completion_request_errors_name_the_field(body, param):

@@ -9,9 +9,9 @@ arrays instead of two dozen. The compiled shapes are the buckets' as before; the
 variant a `StepInput` would not have had.
 
 The int buffer ends with the sampling part (`SamplingLayout`: the rows' slots, sampling columns,
-stop ids, step count, penalty history), which depends on the rows alone: the runner's forward
-program reads the buffer up to the penalty history, and its sampling program (one per rows bucket
-and sampling variant, shared by every token bucket) reads that tail.
+stop ids, step count, penalty history and logit-bias ids, token masks), which depends on the rows
+alone: the runner's forward program reads the buffer up to the penalty history, and its sampling
+program (one per rows bucket and sampling variant, shared by every token bucket) reads that tail.
 
 Wire format (`PackedStep.encode` / `decode`): magic, version, a length-prefixed JSON header (the
 layout), then the two buffers' raw bytes. No pickle, nothing executable. Imports numpy only.
@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jtp.core.sampling_params import MAX_LOGPROBS
+from jtp.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jtp.core.step_input import (
     STOP_IDS_WIDTH,
     SamplingBatch,
@@ -53,7 +53,7 @@ class StepLayout(NamedTuple):
     max_blocks: int  # M: block-table width
     max_row_len: int | None  # the tokens-per-row bucket (None: T)
     verify_positions: int  # 1 + k in a speculative verify step ([1 + k, B] logits indices), else 0
-    penalty_len: int  # L of the [B, L] penalty history, 0 without one
+    penalty_len: int  # L of the [B, L] penalty history (which brings [B, MAX_LOGIT_BIAS] logit biases), 0: none
     flags: SamplingFlags
     mask_words: int = 0  # W of the [B, W] token mask (flags.needs_mask), 0 without one
 
@@ -127,11 +127,14 @@ def _size(shape) -> int:
 def _sampling_shapes(B: int, penalty_len: int, mask_words: int = 0):
     ints = {"seq_slots": (B,), **{name: (B,) for name in _SAMPLING_INTS}, "stop_ids": (B, STOP_IDS_WIDTH),
             "num_steps": (1,)}
+    floats = {name: (B,) for name in _SAMPLING_FLOATS}
     if penalty_len:  # last: the forward program's buffer stops before it
         ints["penalty_ids"] = ints["penalty_is_output"] = (B, penalty_len)
+        ints["logit_bias_ids"] = (B, MAX_LOGIT_BIAS)
+        floats["logit_bias"] = (B, MAX_LOGIT_BIAS)
     if mask_words:
         ints["token_mask"] = (B, mask_words)
-    return ints, {name: (B,) for name in _SAMPLING_FLOATS}
+    return ints, floats
 
 
 @functools.cache
@@ -179,8 +182,9 @@ class PackedStep:
     prompt_targets: np.ndarray | None = None
 
     MAGIC = b"JTPP"
-    # 2: the sampling part (seq_slots first) at the end of the int buffer; 3: token masks; 4: prompt targets
-    VERSION = 4
+    # 2: the sampling part (seq_slots first) at the end of the int buffer; 3: token masks; 4: logit biases;
+    # 5: prompt targets
+    VERSION = 5
 
     @classmethod
     def empty(cls, layout: StepLayout) -> "PackedStep":
@@ -199,6 +203,8 @@ class PackedStep:
     def from_step_input(cls, step: StepInput) -> "PackedStep":
         """Pack an explicit `StepInput` (warm-up, tests, tools)."""
         plan, sampling, penalty = step.plan, step.sampling, step.penalty_tokens
+        if step.logit_bias is not None and penalty is None:
+            raise ValueError("a logit bias rides the penalty history's sampling variant: give penalty_tokens too")
         li = plan.logits_indices
         masked = step.token_mask is not None
         # (without a mask, a penalised step's variant has none; the engine's always has one)
@@ -220,6 +226,8 @@ class PackedStep:
         f["num_steps"][0] = plan.num_steps
         if penalty is not None:
             f["penalty_ids"][...], f["penalty_is_output"][...] = penalty
+            f["logit_bias_ids"][...], f["logit_bias"][...] = (step.logit_bias if step.logit_bias is not None
+                                                              else (-1, 0.0))
         if step.token_mask is not None:
             f["token_mask"][...] = step.token_mask
         packed.prompt_targets = step.prompt_targets
@@ -233,8 +241,9 @@ class PackedStep:
         sampling = SamplingBatch(**{name: f[name] for name in _SAMPLING_INTS + _SAMPLING_FLOATS})
         sampling = sampling._replace(seed=sampling.seed.view(np.uint32))
         penalty = (f["penalty_ids"], f["penalty_is_output"].astype(bool)) if self.layout.penalty_len else None
+        logit_bias = (f["logit_bias_ids"], f["logit_bias"]) if self.layout.penalty_len else None
         targets = None if self.prompt_targets is None else np.array(self.prompt_targets)
-        return StepInput(plan, sampling, penalty, f["stop_ids"], f.get("token_mask"), targets)
+        return StepInput(plan, sampling, penalty, f["stop_ids"], f.get("token_mask"), logit_bias, targets)
 
     def encode(self) -> bytes:
         targets = self.prompt_targets if self.prompt_targets is not None else np.zeros((2, 0), np.int32)

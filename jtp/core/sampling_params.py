@@ -1,16 +1,17 @@
 """Sampling parameters of a request, checked at submit, and their per-step numpy packing.
 
-`SamplingParams` is what a caller asks for (vLLM's / OpenAI's field names); `pack_sampling` and
-`pack_penalty_tokens` lay a step's rows out as the numpy arrays the device sampler reads
-(`jtp.worker.sampler`). Host only: numpy, never jax.
+`SamplingParams` is what a caller asks for (vLLM's / OpenAI's field names); `pack_sampling`,
+`pack_penalty_tokens` and `pack_logit_bias` lay a step's rows out as the numpy arrays the device
+sampler reads (`jtp.worker.sampler`). Host only: numpy, never jax.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import numpy as np
 
@@ -21,6 +22,16 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 8192  # all of a request's stop strings together
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300  # logit_bias entries of a request (OpenAI's bound): the width of a step's bias arrays
+MAX_BIAS = 100.0  # |bias| (OpenAI's range)
+
+
+class SamplingParamError(ValueError):
+    """A sampling parameter out of its type or range; `param` names the field (an API error's param)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 # ----------------------------------------------------------------------------- host side
@@ -48,6 +59,9 @@ class SamplingParams:
     # vLLM's structured outputs: exactly one of {"json": schema, "json_object": true, "regex": str,
     # "choice": [str, ...], "grammar": Lark or GBNF text}; the output then follows it (a token mask).
     structured_outputs: dict | None = None
+    # OpenAI's: token id (an int, or its string as JSON keys are) -> bias in [-100, 100], added to the logit.
+    logit_bias: dict | None = None
+    min_tokens: int = 0  # vLLM's: no stop token or stop string ends the output before it has this many tokens
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -64,23 +78,32 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Whether the sampler's penalty stage applies: a penalty, or a logit bias (it rides the penalised
+        sampling variant, whose steps carry the token history: lockstep, one decode step per dispatch)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
+
+    def mask_limit(self, num_generated: int) -> int:
+        """The output count at which the token mask of a request with `num_generated` outputs next
+        changes: min_tokens while it is short of it (its stop tokens masked), else max_tokens."""
+        return self.min_tokens if num_generated < self.min_tokens else self.max_tokens
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the field, its value and the allowed range."""
+        """Raise SamplingParamError naming the field, its value and the allowed range. Normalises `stop`
+        to a list and `logit_bias` to int token ids and float biases."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name, kinds in _FIELD_TYPES.items():
             value = getattr(self, name)
             if not _is_type(value, kinds):
-                raise ValueError(f"{name} must be {_type_names(kinds)}, got {value!r}")
+                raise SamplingParamError(name, f"{name} must be {_type_names(kinds)}, got {value!r}")
 
         def check(name: str, ok: bool, allowed: str) -> None:
             if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+                raise SamplingParamError(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
         check("max_tokens", self.max_tokens >= 1, ">= 1")
+        check("min_tokens", 0 <= self.min_tokens <= self.max_tokens, f"in [0, max_tokens ({self.max_tokens})]")
         check("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
               "a finite number >= 0")
         check("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]")
@@ -99,13 +122,14 @@ class SamplingParams:
                 check(name, 0 <= getattr(self, name) <= MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]")
         check_stop_strings(self.stop)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
-                             f"are allowed")
+            raise SamplingParamError("stop_token_ids", f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most "
+                                     f"{MAX_STOP_TOKEN_IDS} are allowed")
         check_structured_outputs(self.structured_outputs)
         for t in self.stop_token_ids:
             if not _is_type(t, (int,)) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 allowed = "ints >= 0" if vocab_size is None else f"ints in [0, {vocab_size})"
-                raise ValueError(f"stop_token_ids must hold {allowed}, got {t!r}")
+                raise SamplingParamError("stop_token_ids", f"stop_token_ids must hold {allowed}, got {t!r}")
+        self.logit_bias = check_logit_bias(self.logit_bias, vocab_size)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], vocab_size: int | None = None) -> "SamplingParams":
@@ -118,8 +142,7 @@ class SamplingParams:
                              f"allowed: {', '.join(_FIELD_TYPES)}")
         for name, value in d.items():
             if not _is_type(value, _FIELD_TYPES[name]):
-                raise ValueError(f"{name} must be {_type_names(_FIELD_TYPES[name])}, "
-                                 f"got {value!r}")
+                raise SamplingParamError(name, f"{name} must be {_type_names(_FIELD_TYPES[name])}, got {value!r}")
         params = cls(**{k: (list(v) if isinstance(v, list) else v) for k, v in d.items()})
         params.validate(vocab_size)
         return params
@@ -134,7 +157,8 @@ def check_structured_outputs(spec: dict | None) -> None:
     if spec is None:
         return
     if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURE_KINDS:
-        raise ValueError(f"structured_outputs must hold exactly one of {', '.join(STRUCTURE_KINDS)}, got {spec!r}"[:300])
+        raise SamplingParamError("structured_outputs", f"structured_outputs must hold exactly one of "
+                                 f"{', '.join(STRUCTURE_KINDS)}, got {spec!r}"[:300])
     kind, value = next(iter(spec.items()))
     ok = {
         "json": isinstance(value, (dict, str, bool)),
@@ -147,7 +171,8 @@ def check_structured_outputs(spec: dict | None) -> None:
         allowed = {"json": "a JSON schema (an object or its text)", "json_object": "true",
                    "regex": "a non-empty string", "choice": "a non-empty list of strings",
                    "grammar": "a non-empty Lark or GBNF grammar"}[kind]
-        raise ValueError(f"structured_outputs.{kind} must be {allowed}, got {value!r}"[:300])
+        raise SamplingParamError("structured_outputs",
+                                 f"structured_outputs.{kind} must be {allowed}, got {value!r}"[:300])
 
 
 def check_stop_strings(stop: list) -> None:
@@ -155,12 +180,44 @@ def check_stop_strings(stop: list) -> None:
     MAX_STOP_CHARS characters in all."""
     for s in stop:
         if not isinstance(s, str):
-            raise ValueError(f"stop must hold strings only, got {s!r}")
+            raise SamplingParamError("stop", f"stop must hold strings only, got {s!r}")
     if len(stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        raise SamplingParamError("stop", f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
     total = sum(len(s) for s in stop)
     if total > MAX_STOP_CHARS:
-        raise ValueError(f"stop strings hold {total} characters in all; at most {MAX_STOP_CHARS} are allowed")
+        raise SamplingParamError("stop", f"stop strings hold {total} characters in all; at most {MAX_STOP_CHARS} "
+                                 f"are allowed")
+
+
+def check_logit_bias(bias: dict | None, vocab_size: int | None = None) -> dict[int, float] | None:
+    """`bias` with int token ids and float biases, or SamplingParamError: at most MAX_LOGIT_BIAS entries,
+    keys token ids in [0, vocab_size) (ints, or strings of ints as JSON objects have them), each id once,
+    biases numbers in [-MAX_BIAS, MAX_BIAS]."""
+    if not bias:
+        return bias
+
+    def fail(message: str) -> NoReturn:
+        raise SamplingParamError("logit_bias", f"logit_bias {message}"[:300])
+
+    if len(bias) > MAX_LOGIT_BIAS:
+        fail(f"holds {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key):
+            token = int(key)
+        elif _is_type(key, (int,)):
+            token = int(key)
+        else:
+            fail(f"keys must be token ids (integers, or strings of integers), got {key!r}")
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            allowed = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
+            fail(f"token ids must be {allowed}, got {key!r}")
+        if token in out:
+            fail(f"gives token id {token} twice")
+        if not _is_type(value, (float,)) or not -MAX_BIAS <= value <= MAX_BIAS:
+            fail(f"values must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {value!r} for token id {token}")
+        out[token] = float(value)
+    return out
 
 
 # field -> accepted types; `float` fields also take ints (JSON has one number type)
@@ -181,6 +238,8 @@ _FIELD_TYPES: dict[str, tuple] = {
     "prompt_logprobs": (int, type(None)),
     "speculate": (bool,),
     "structured_outputs": (dict, type(None)),
+    "logit_bias": (dict, type(None)),
+    "min_tokens": (int,),
 }
 assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -276,6 +335,18 @@ def pack_penalty_tokens(prompts: Sequence[Sequence[int] | None],
         ids[i, :len(p) + len(o)] = p + o
         is_output[i, len(p):len(p) + len(o)] = True
     return ids, is_output
+
+
+def pack_logit_bias(params: Sequence[SamplingParams | None], num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' logit biases: (ids i32[B, MAX_LOGIT_BIAS], biases f32[B, MAX_LOGIT_BIAS]), -1 ids padding.
+    `params[i]` is None for a row that samples nothing."""
+    ids = np.full((num_rows, MAX_LOGIT_BIAS), -1, np.int32)
+    biases = np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
+    for i, p in enumerate(params):
+        bias = (p.logit_bias or {}) if p is not None else {}
+        ids[i, : len(bias)] = [int(t) for t in bias]
+        biases[i, : len(bias)] = list(bias.values())
+    return ids, biases
 
 
 # ----------------------------------------------------------------------------- device side

@@ -352,14 +352,15 @@ class Scheduler:
 
     def _drafts(self, r: Request, room: int) -> tuple[int, ...]:
         """Drafts (n-gram, or the MTP head's) for a generating row whose last token the host knows, at
-        most `room` of them and never past max_tokens (the last token of a request is never drafted). On hybrid
-        models the row needs its own state slot (the state before the drafts goes there) and a
-        spare one (for the state after them), else it does not draft."""
+        most `room` of them and never past max_tokens (the last token of a request is never drafted) nor,
+        short of min_tokens, past it (every position samples under the row's one mask). On hybrid models
+        the row needs its own state slot (the state before the drafts goes there) and a spare one (for
+        the state after them), else it does not draft."""
         spec = self.speculative
         if (spec is None or r.num_unseen_tokens or r.num_computed < len(r.prompt_ids) or not r.params.speculate
                 or r.params.has_penalties):
             return ()
-        k = min(spec.num_speculative_tokens, room, r.params.max_tokens - r.num_generated - 1)
+        k = min(spec.num_speculative_tokens, room, r.params.mask_limit(r.num_generated) - r.num_generated - 1)
         if spec.method == "mtp":  # the guesses the MTP head made in the step that produced the last token
             drafts = tuple(r.mtp_drafts[: max(k, 0)])
         else:
@@ -376,14 +377,15 @@ class Scheduler:
 
     def _decode_steps(self, rows: list[ScheduledRow]) -> int:
         """How many decode steps this step runs on the device: up to num_scheduler_steps when every
-        row decodes (a prompt chunk runs alone), as far as every row may still generate, one when a
-        row needs its exact token history (penalties), and on hybrids with prefix caching no
-        further than the next block boundary (where a row's state checkpoint is taken)."""
+        row decodes (a prompt chunk runs alone), as far as every row may still generate under one token
+        mask (min_tokens), one when a row needs its exact token history (penalties), and on hybrids with
+        prefix caching no further than the next block boundary (where a row's state checkpoint is taken)."""
         if self.num_scheduler_steps == 1 or not rows:
             return 1
         if any(row.num_tokens != 1 or not row.picks_next_token or row.request.params.has_penalties for row in rows):
             return 1
-        steps = min(self.num_scheduler_steps, *(r.request.params.max_tokens - r.request.num_generated for r in rows))
+        steps = min(self.num_scheduler_steps,
+                    *(r.request.params.mask_limit(r.request.num_generated) - r.request.num_generated for r in rows))
         if self.states is not None and self.caching:
             bs = self.pool.block_size
             steps = min(steps, *(bs - r.start % bs for r in rows))

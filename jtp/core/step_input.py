@@ -1,8 +1,8 @@
 """A step's arrays one by one, as plain numpy: `StepInput`.
 
 What a step computes (`StepPlan`: token ids, positions, KV slots, block tables, rows, state
-slots), the rows' sampling parameters (`SamplingBatch`) and, for penalties, their token
-histories. The serving path packs these into two buffers (`jtp.core.packed_step.PackedStep`, also
+slots), the rows' sampling parameters (`SamplingBatch`) and, for penalties and logit biases,
+their token histories and biases. The serving path packs these into two buffers (`jtp.core.packed_step.PackedStep`, also
 the followers' wire format); this explicit form is what the warm-up's padding steps and tools
 build, and what `PackedStep.to_step_input` gives back for inspection. Imports numpy only.
 """
@@ -134,6 +134,9 @@ class StepInput:
     # i32[B, ceil(V / 32)]: the tokens each row may sample, bit t % 32 of word t // 32 (llguidance's
     # bitmask layout; -1 allows every token). None: no mask.
     token_mask: np.ndarray | None = None
+    # (ids i32[B, MAX_LOGIT_BIAS], biases f32[B, MAX_LOGIT_BIAS]), -1 ids padding: each row's logit bias
+    # (`pack_logit_bias`). A step with a penalty history always carries one (None there: no row has a bias).
+    logit_bias: tuple[np.ndarray, np.ndarray] | None = None
     # i32[2, P] (P a multiple of PROMPT_CHUNK): the flat token indices whose hidden states score a prompt
     # token, and those tokens (prompt logprobs; padding scores token 0 at index 0). None: none.
     prompt_targets: np.ndarray | None = None

@@ -54,6 +54,7 @@ from jtp.engine.structured_output import (
     GrammarCompiler,
     advance_grammar,
     constrained_rows,
+    has_masks,
     request_matcher,
     token_masks,
 )
@@ -266,8 +267,8 @@ class Engine(EngineSnapshots):
         compute. When step N has already finished (the host, not the device, is the bottleneck)
         its tokens are processed first, so they go out a host step earlier (a cached prompt's
         first token among them) at no cost to the idle device. Penalties need the exact token
-        history, so batches that use them run in lockstep. A step with token masks (structured
-        outputs) enqueues its forward program, then processes step N (its tokens advance the
+        history, so batches that use them run in lockstep. A step with a grammar's token masks
+        (structured outputs) enqueues its forward program, then processes step N (its tokens advance the
         grammars), then fills the masks and enqueues its sampling program: the forward overlaps
         the host's work as in any step (where the runner cannot sample late, lockstep).
         Returns the events of the step whose results were processed.
@@ -314,10 +315,10 @@ class Engine(EngineSnapshots):
         t0 = time.perf_counter()
         out = self.scheduler.output(rows)
         t1 = time.perf_counter()
-        masked = bool(constrained_rows(rows))
+        masked = has_masks(rows)
         packed = self.input_batch.prepare(out, masked)
-        # Sampling late: the masks are written once step N's tokens are in (see `step`).
-        late = masked and self.runner.samples_late and self.runner.samples_separately(packed)
+        # Sampling late: a grammar's mask waits for step N's tokens (see `step`); min_tokens' is known now.
+        late = bool(constrained_rows(rows)) and self.runner.samples_late and self.runner.samples_separately(packed)
         if masked and not late:
             self._write_masks(packed, rows)
         t2 = time.perf_counter()
@@ -341,7 +342,7 @@ class Engine(EngineSnapshots):
         return result
 
     def _write_masks(self, packed, rows: list[ScheduledRow]) -> None:
-        masks = token_masks(self.grammars, rows)
+        masks = token_masks(self.grammars, rows, self.input_batch.mask_words)
         if masks is not None:
             packed.fields()["token_mask"][: len(rows)] = masks
 

@@ -11,7 +11,7 @@ import random
 
 from jtp.config.model_config import ModelConfig
 from jtp.core.page_pool import PagePool
-from jtp.core.sampling_params import SamplingParams, request_seed
+from jtp.core.sampling_params import SamplingParamError, SamplingParams, request_seed
 from jtp.core.scheduler import Request
 from jtp.errors import ConfigError, ContextLengthError, RequestError
 
@@ -38,8 +38,8 @@ class InputProcessor:
         vocab = self.cfg.vocab_size
         try:
             params.validate(vocab)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
+        except SamplingParamError as e:
+            raise RequestError(str(e), param=e.param) from e
         if params.prompt_logprobs is not None and self.no_prompt_logprobs:
             raise RequestError(f"prompt_logprobs are not supported with {self.no_prompt_logprobs}")
         if not prompt_ids:

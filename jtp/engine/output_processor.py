@@ -90,15 +90,15 @@ class RequestStream:
         self.prompt_logprobs = (PromptLogprobs(request.prompt_ids, [None], [None], [None])
                                 if request.params.prompt_logprobs is not None else None)
 
-    def add_token(self, token: int) -> bool:
-        """Append the token's text; True if a stop string now ends the output."""
+    def add_token(self, token: int, may_stop: bool = True) -> bool:
+        """Append the token's text; True if a stop string now ends the output (never unless `may_stop`)."""
         if self.detok is None:
             return False
         new = self.detok.add(token)
         self.text += new
         if not self.stops.active:
             return False
-        cut = self.stops.feed(new)  # O(len(new)), however many stop strings there are
+        cut = self.stops.feed(new, may_stop)  # O(len(new)), however many stop strings there are
         if cut is None:
             return False
         # The stop string that ended it: the longest one the text goes on with at the cut.
@@ -221,10 +221,11 @@ class OutputProcessor:
             if top:
                 out.top_logprobs += top
         reason = None
-        if token in req.stop_ids:
+        may_stop = len(req.output_ids) >= req.params.min_tokens  # vLLM's: no stop before min_tokens
+        if may_stop and token in req.stop_ids:
             reason = "stop"
             out.stop_reason = token if token in req.params.stop_token_ids else None
-        elif out.add_token(token):  # a stop string
+        elif out.add_token(token, may_stop):  # a stop string
             reason = "stop"
         elif len(req.output_ids) >= req.params.max_tokens:
             reason = "length"

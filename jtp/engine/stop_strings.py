@@ -7,7 +7,8 @@ how much of the text's tail could still begin a match: only that much is held ba
 stream.
 
 Semantics: the output ends at the first character that completes any stop string; the cut is
-at the start of the longest stop string ending there (the earliest start).
+at the start of the longest stop string ending there (the earliest start). Text fed with
+`may_stop` False (a request short of its min_tokens) advances the automaton but ends nothing.
 """
 
 from __future__ import annotations
@@ -70,15 +71,16 @@ class StopMatcher:
         """Characters at the end of the text fed so far that could still begin a stop string."""
         return self._depth[self._state]
 
-    def feed(self, text: str) -> int | None:
-        """Feed new text; the index (into everything fed) where the output must end, or None."""
+    def feed(self, text: str, may_stop: bool = True) -> int | None:
+        """Feed new text; the index (into everything fed) where the output must end, or None (always
+        None unless `may_stop`)."""
         nxt, fail, match = self._next, self._fail, self._match
         state = self._state
         for i, ch in enumerate(text):
             while state and ch not in nxt[state]:
                 state = fail[state]
             state = nxt[state].get(ch, 0)
-            if match[state]:
+            if match[state] and may_stop:
                 end = self._seen + i + 1
                 self._state, self._seen = state, end
                 return end - match[state]

@@ -1,4 +1,5 @@
-"""Structured outputs: a request's JSON schema, regex, choice or grammar as a token mask per step.
+"""Token masks: a request's JSON schema, regex, choice or grammar (structured outputs), and the stop
+tokens it may not sample yet (min_tokens), as a token mask per step.
 
 llguidance does the grammar work on the host (no torch: it fills numpy int32 bitmasks, 32 tokens a
 word, in Rust with the GIL released). A request's grammar is compiled when it is submitted, on the
@@ -6,6 +7,11 @@ caller's thread (the server's intake threads), not on the step loop: the compile
 cached by its spec, and each request gets a matcher of its own. While the request runs, the
 engine fills its row of the step's mask before the step is dispatched and feeds the matcher each
 token the request samples; the device sampler turns the mask's bits into -inf logits.
+
+A request short of its min_tokens has its stop tokens' bits cleared (in its grammar's mask, or in
+a mask of ones): that mask depends on the row alone, never on the step before, so it is known when
+the step is scheduled and stays the same until the request reaches min_tokens, which lets the
+scheduler run such a row several decode steps, or drafts, under one mask (`SamplingParams.mask_limit`).
 """
 
 from __future__ import annotations
@@ -116,10 +122,35 @@ def constrained_rows(rows: list) -> list[tuple]:
             if row.request.grammar is not None and row.picks_next_token and row.request.status is Status.RUNNING]
 
 
-def token_masks(grammars: GrammarCompiler | None, rows: list) -> np.ndarray | None:
-    """The token masks of a step's scheduled rows, or None when no row samples under a grammar."""
-    constrained = constrained_rows(rows)
-    return grammars.fill(constrained, len(rows)) if constrained else None
+def short_rows(rows: list) -> list[tuple[int, frozenset[int]]]:
+    """(row index, stop token ids) of a step's scheduled rows whose (first) sampled token comes before
+    their request's min_tokens: those stop tokens cannot be sampled there."""
+    out = []
+    for b, row in enumerate(rows):
+        req = row.request
+        output_index = row.start + row.num_tokens - len(row.drafts) - len(req.prompt_ids)  # the token it samples
+        if row.picks_next_token and output_index < req.params.min_tokens and req.stop_ids:
+            out.append((b, req.stop_ids))
+    return out
+
+
+def has_masks(rows: list) -> bool:
+    """Whether a step carries token masks: a row samples under a grammar or short of its min_tokens."""
+    return bool(constrained_rows(rows) or short_rows(rows))
+
+
+def token_masks(grammars: GrammarCompiler | None, rows: list, words: int) -> np.ndarray | None:
+    """i32[rows, words]: the token masks of a step's scheduled rows (a grammar's, then min_tokens' stop
+    tokens cleared; ones elsewhere), or None when no row has one."""
+    constrained, short = constrained_rows(rows), short_rows(rows)
+    if not constrained and not short:
+        return None
+    masks = grammars.fill(constrained, len(rows)) if constrained else np.full((len(rows), words), -1, np.int32)
+    bits = masks.view(np.uint32)  # clearing a bit here clears it in `masks`
+    for b, stop_ids in short:
+        ids = np.fromiter(stop_ids, np.int64)
+        np.bitwise_and.at(bits[b], ids // 32, ~np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+    return masks
 
 
 def advance_grammar(request, token: int) -> str | None:

@@ -86,8 +86,9 @@ def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None,
     """The padding steps that cover every program the scheduler can pick: per shape the two
     variants; where the runner samples in a program of its own (`samples_separately`), the
     logprobs variant too, once the prompt-logprobs program, and per rows bucket the two token-mask
-    variants (`mask_words` > 0: structured outputs) and the penalty variant at each history length,
-    which carries the mask too (small programs: the forward program is the shape's)."""
+    variants (`mask_words` > 0: structured outputs, min_tokens; verify steps too, for min_tokens) and
+    the penalty variant at each history length, which carries the mask and the logit biases too
+    (small programs: the forward program is the shape's)."""
     steps, rows_seen, scored = [], set(), False
     for shape in scheduler.buckets.shapes():
         _, B, max_row_len = shape
@@ -104,7 +105,7 @@ def warmup_steps(scheduler: Scheduler, speculative: SpeculativeConfig | None,
                 if (B, verify) not in rows_seen:
                     rows_seen.add((B, verify))
                     mask = np.full((B, mask_words), -1, np.int32) if mask_words else None
-                    if mask is not None and not verify:  # structured outputs never speculate
+                    if mask is not None:
                         variants += [StepInput(plan, _sampling(params, B), token_mask=mask) for params in VARIANTS]
                     variants += [StepInput(plan, _sampling(PENALISED, B), pack_penalty_tokens([[]] * B, [[]] * B, B,
                                                                                                length=length),

@@ -2,7 +2,7 @@
 packed host arrays laid out from them with vectorised numpy.
 
 A slot's row is written once when its request is admitted (prompt tokens, sampling columns,
-stop ids) and then only changed by the diffs of each `SchedulerOutput` (tokens the host
+stop ids, logit bias) and then only changed by the diffs of each `SchedulerOutput` (tokens the host
 accepted, blocks its table gained). A step then costs a handful of array operations whatever its
 batch: token ids are one gather from the token table (-1 where the device's sampled-token buffer
 fills in a token the host has not seen), positions and slot mapping come from `np.repeat` of the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from jtp.core.packed_step import PackedStep, StepLayout, compiled_flags
-from jtp.core.sampling_params import penalty_len
+from jtp.core.sampling_params import MAX_LOGIT_BIAS, penalty_len
 from jtp.core.scheduler import Buckets
 from jtp.core.scheduler_output import SchedulerOutput
 from jtp.core.step_input import GREEDY_EPS, PROMPT_CHUNK, STOP_IDS_WIDTH, SamplingFlags, scored_prompt_positions
@@ -46,9 +46,11 @@ class InputBatch:
         self.sampling_floats = np.tile(np.array(list(_FLOAT_COLUMNS.values()), np.float32), (S, 1))
         self.sampling_ints = np.tile(np.array(list(_INT_COLUMNS.values()), np.int32), (S, 1))
         self.stop_ids = np.full((S, STOP_IDS_WIDTH), -1, np.int32)
+        self.logit_bias_ids = np.full((S, MAX_LOGIT_BIAS), -1, np.int32)
+        self.logit_bias = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
         # Per-slot facts behind the step's static sampling flags.
         self.truncates = np.zeros(S, bool)  # samples (not greedy) and uses top-k / top-p / min-p
-        self.penalised = np.zeros(S, bool)
+        self.penalised = np.zeros(S, bool)  # a penalty or a logit bias: the penalised sampling variant
         self.scores_prompt = np.zeros(S, bool)  # prompt logprobs: its prompt rows score their positions
         self._arange = np.arange(max(buckets.tokens[-1], buckets.table_width, verify_positions, S) + 1, dtype=np.int32)
         self._templates: dict[StepLayout, tuple[np.ndarray, np.ndarray]] = {}
@@ -69,10 +71,14 @@ class InputBatch:
             stops = sorted(new.stop_ids)[:STOP_IDS_WIDTH]
             self.stop_ids[s] = -1
             self.stop_ids[s, : len(stops)] = stops
+            bias = p.logit_bias or {}
+            self.logit_bias_ids[s], self.logit_bias[s] = -1, 0.0
+            self.logit_bias_ids[s, : len(bias)] = [int(t) for t in bias]
+            self.logit_bias[s, : len(bias)] = list(bias.values())
             # From the float32 columns, as the device sees them.
             temperature, top_p, min_p, rep, pres, freq = self.sampling_floats[s]
             self.truncates[s] = temperature >= GREEDY_EPS and (p.top_k > 0 or top_p < 1.0 or min_p > 0.0)
-            self.penalised[s] = rep != 1.0 or pres != 0.0 or freq != 0.0
+            self.penalised[s] = rep != 1.0 or pres != 0.0 or freq != 0.0 or bool(bias)
             self.scores_prompt[s] = p.prompt_logprobs is not None
         slots, positions, tokens = out.token_updates
         if len(tokens):
@@ -161,7 +167,7 @@ class InputBatch:
         int_fields = layout.offsets()[0]
         start = int_fields["top_k"][0]
         sampling_ints = ints[start : start + 4 * B].reshape(4, B)
-        sampling_floats = floats.reshape(6, B)
+        sampling_floats = floats[: 6 * B].reshape(6, B)
         rows = slice(None) if all_sample else samples
         sampling_ints[:, :n][:, rows] = self.sampling_ints[slots[rows]].T
         sampling_floats[:, :n][:, rows] = self.sampling_floats[slots[rows]].T
@@ -175,6 +181,8 @@ class InputBatch:
             in_history = cols < known[:, None]
             f["penalty_ids"][:n] = np.where(in_history, history, -1)
             f["penalty_is_output"][:n] = in_history & (cols >= self.num_prompt[slots][:, None])
+            f["logit_bias_ids"][:n] = np.where(samples[:, None], self.logit_bias_ids[slots], -1)
+            f["logit_bias"][:n] = np.where(samples[:, None], self.logit_bias[slots], 0.0)
         return packed
 
     def _prompt_targets(self, out: SchedulerOutput, first: np.ndarray) -> np.ndarray | None:
@@ -202,7 +210,7 @@ class InputBatch:
             for name in ("slot_mapping", "seq_slots", "state_reads", "state_writes", "state_keeps", "stop_ids"):
                 f[name][...] = -1
             if layout.penalty_len:
-                f["penalty_ids"][...] = -1
+                f["penalty_ids"][...] = f["logit_bias_ids"][...] = -1
             if layout.mask_words:
                 f["token_mask"][...] = -1  # every token allowed
             for name, default in _INT_COLUMNS.items():

@@ -37,8 +37,8 @@ from jtp.worker.sampler import PromptScores, SampleResult, sample
 def unpack(layout: StepLayout, ints, floats):
     """The step's arrays, sliced out of the packed buffers (inside the jit: static offsets).
 
-    Returns (tokens, attention metadata, logits indices, seq_slots, sampling, penalty tokens or
-    None, stop ids, num_steps)."""
+    Returns (tokens, attention metadata, logits indices, seq_slots, sampling, penalty inputs or
+    None, token mask or None, stop ids, num_steps)."""
     f = layout.views(ints, floats)
     return (*_plan_arrays(layout, f), *_sampling_arrays(layout.penalty_len, f))
 
@@ -65,15 +65,17 @@ def _plan_arrays(layout: StepLayout, f: dict):
 
 
 def _sampling_arrays(penalty_len: int, f: dict):
-    """(sampling, penalty tokens or None, stop ids, num_steps) from the step's fields."""
+    """(sampling, penalty inputs or None, token mask or None, stop ids, num_steps) from the step's fields.
+    The penalty inputs (the penalised variant's): (history ids, is_output, logit bias ids, biases)."""
     sampling = SamplingBatch(
         temperature=f["temperature"], top_p=f["top_p"], top_k=f["top_k"], min_p=f["min_p"],
         repetition_penalty=f["repetition_penalty"], presence_penalty=f["presence_penalty"],
         frequency_penalty=f["frequency_penalty"], seed=jax.lax.bitcast_convert_type(f["seed"], jnp.uint32),
         step=f["step"], logprobs=f["logprobs"],
     )
-    penalty = (f["penalty_ids"], f["penalty_is_output"].astype(bool)) if penalty_len else None
-    return sampling, penalty, f["stop_ids"], f["num_steps"][0]
+    penalty = ((f["penalty_ids"], f["penalty_is_output"].astype(bool), f["logit_bias_ids"], f["logit_bias"])
+               if penalty_len else None)
+    return sampling, penalty, f.get("token_mask"), f["stop_ids"], f["num_steps"][0]
 
 
 def is_ready(result) -> bool:
@@ -394,9 +396,9 @@ def _sample_rows(logits, sampled, tail, floats, layout: SamplingLayout):
     logits, recorded in the sampled-token buffer. One program per rows bucket and sampling variant."""
     _TRACES.count += 1
     f = layout.views(tail, floats)
-    sampling, penalty_tokens, _, _ = _sampling_arrays(layout.penalty_len, f)
-    positions = _sample_positions(logits, sampling, penalty_tokens, layout.flags, max(1, layout.verify_positions),
-                                  f.get("token_mask"))
+    sampling, penalty_inputs, token_mask, _, _ = _sampling_arrays(layout.penalty_len, f)
+    positions = _sample_positions(logits, sampling, penalty_inputs, layout.flags, max(1, layout.verify_positions),
+                                  token_mask)
     return _stack(positions), _record(sampled, f["seq_slots"], positions[0].tokens)
 
 
@@ -404,10 +406,10 @@ def _step(family, cfg, attention, experts, mtp_drafts, params, cache, sampled, i
     """A step as one program, forward and sampling together (with the MTP head, which drafts from
     both). Results get a leading axis of one step (the decode loop's results have several)."""
     _TRACES.count += 1
-    tokens, meta, logits_indices, seq_slots, sampling, penalty_tokens, _, _ = unpack(layout, ints, floats)
+    tokens, meta, logits_indices, seq_slots, sampling, penalty_inputs, token_mask, _, _ = unpack(layout, ints, floats)
     result, cache, sampled = _forward_and_sample(
         family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
-        sampling, penalty_tokens, layout.flags,
+        sampling, penalty_inputs, token_mask, layout.flags,
     )
     if logits_indices.ndim == 1:
         result = jax.tree.map(lambda x: x[None], result)
@@ -422,10 +424,13 @@ def _decode_steps(
     Step i feeds each row the token step i-1 sampled, one position further (its K/V slot found in
     the row's block table, which the scheduler extended for every step), samples with the row's
     key for generation step `step + i` (what i separate steps would use), and writes the state
-    slot it wrote before. The loop ends early once every row has sampled one of its stop ids.
+    slot it wrote before. The loop ends early once every row has sampled one of its stop ids. A
+    token mask holds for every step (the scheduler runs a masked row several steps only while its
+    mask stays the same: short of min_tokens, its stop tokens cleared).
     """
     _TRACES.count += 1
-    tokens, meta, logits_indices, seq_slots, sampling, penalty_tokens, stop_ids, num_steps = unpack(layout, ints, floats)
+    (tokens, meta, logits_indices, seq_slots, sampling, penalty_inputs, token_mask, stop_ids,
+     num_steps) = unpack(layout, ints, floats)
     flags = layout.flags
     real_token = meta.slot_mapping >= 0
     real_row = seq_slots >= 0
@@ -450,7 +455,7 @@ def _decode_steps(
         step_sampling = sampling._replace(step=sampling.step + i)
         result, cache, sampled = _forward_and_sample(
             family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
-            step_sampling, penalty_tokens, flags,
+            step_sampling, penalty_inputs, token_mask, flags,
         )
         results = jax.tree.map(lambda acc, r: acc.at[i].set(r), results, result)
         done = done | jnp.any(result.tokens[:, None] == stop_ids, axis=1)
@@ -476,19 +481,20 @@ def _forward(family, cfg, attention, experts, params, cache, sampled, tokens, me
     return hidden, model_cache, tokens
 
 
-def _sample_positions(logits, sampling, penalty_tokens, flags, num_positions: int,
+def _sample_positions(logits, sampling, penalty_inputs, flags, num_positions: int,
                       token_mask=None) -> list[SampleResult]:
     """Sample logits [num_positions x B, V] (position-major): position j of a row samples generation
     step `step + j`, with the key a step-by-step decode would use there (a verify step: the host
-    accepts; otherwise one position). `token_mask` [B, W]: the tokens each row may sample (one
-    position: structured outputs never speculate)."""
-    penalty_ids, penalty_is_output = penalty_tokens if penalty_tokens is not None else (None, None)
+    accepts; otherwise one position). `token_mask` [B, W]: the tokens each row may sample, at every
+    position (structured outputs never speculate; a row short of min_tokens drafts no further than it)."""
+    penalty_ids, penalty_is_output, bias_ids, biases = penalty_inputs if penalty_inputs is not None else (None,) * 4
     B = logits.shape[0] // num_positions
     return [
         sample(logits[j * B : (j + 1) * B], sampling._replace(step=sampling.step + j),
                needs_top_k_p_min_p=flags.needs_top_k_p_min_p, needs_penalties=flags.needs_penalties,
                num_logprobs=flags.num_logprobs, needs_mask=token_mask is not None, penalty_ids=penalty_ids,
-               penalty_is_output=penalty_is_output, token_mask=token_mask)
+               penalty_is_output=penalty_is_output, token_mask=token_mask, logit_bias_ids=bias_ids,
+               logit_bias=biases)
         for j in range(num_positions)
     ]
 
@@ -507,13 +513,14 @@ def _record(sampled, seq_slots, tokens):
 
 def _forward_and_sample(
     family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
-    sampling, penalty_tokens, flags,
+    sampling, penalty_inputs, token_mask, flags,
 ):
     hidden, model_cache, tokens = _forward(family, cfg, attention, experts, params, cache, sampled, tokens, meta,
                                            seq_slots)
     verify = logits_indices.ndim == 2
     logits = family.compute_logits(params, hidden[logits_indices.reshape(-1)])
-    per_position = _sample_positions(logits, sampling, penalty_tokens, flags, logits_indices.shape[0] if verify else 1)
+    per_position = _sample_positions(logits, sampling, penalty_inputs, flags, logits_indices.shape[0] if verify else 1,
+                                     token_mask)
     result = _stack(per_position) if verify else per_position[0]
     if "mtp" in params:
         drafts, mtp_kv = mtp.propose_drafts(

@@ -4,17 +4,21 @@ The engine's jitted step produces float32 logits [B, V]; `sample` turns them int
 token ids on device, each row using its own parameters, so only ids (and
 optional logprobs) come back to the host.
 
-Processing order (per row; `process_logits` returns the result of steps 1-3):
+Processing order (per row; `process_logits` returns the result of steps 1-4):
 
-1. Penalties, on the raw logits:
+0. Token mask (structured outputs, min_tokens): tokens the row may not sample
+   get -inf logits.
+1. Logit bias (OpenAI's logit_bias): each listed token's bias is added to its
+   logit (vLLM's order: bias, then penalties, then temperature).
+2. Penalties:
    - repetition (HF): for every token seen in the prompt or the output,
      logit > 0 -> logit / penalty, else logit * penalty;
    - frequency (OpenAI): logit -= frequency_penalty * count_in_output;
    - presence (OpenAI):  logit -= presence_penalty * (count_in_output > 0).
-2. Temperature: logits / temperature. Rows with temperature < GREEDY_EPS are
-   greedy: their token is the argmax of the penalised logits and steps 3-4 do
-   not apply to them (`process_logits` returns their penalised logits as is).
-3. Truncation, masked tokens set to -inf:
+3. Temperature: logits / temperature. Rows with temperature < GREEDY_EPS are
+   greedy: their token is the argmax of the biased, penalised logits and steps
+   4-5 do not apply to them (`process_logits` returns those logits as is).
+4. Truncation, masked tokens set to -inf:
    - top-k keeps the tokens whose logit >= the k-th largest logit;
    - top-p, over the distribution renormalised to the top-k survivors, keeps
      the shortest prefix (in descending order) whose mass reaches top_p;
@@ -22,14 +26,14 @@ Processing order (per row; `process_logits` returns the result of steps 1-3):
    Thresholds are values, so tokens tied with the last kept one are kept too:
    the kept set depends only on the logit values, never on sort order. The
    most likely token always survives.
-4. Sampling with the Gumbel-max trick, argmax(logits + Gumbel noise), the noise
+5. Sampling with the Gumbel-max trick, argmax(logits + Gumbel noise), the noise
    drawn from the row key fold_in(PRNGKey(seed), step): a row's draw depends
    only on its own seed and step, never on the rest of the batch.
 
 Ties: argmax (greedy and Gumbel) picks the lowest token index.
 
 Logprobs are of the raw model distribution (log_softmax of the logits before
-penalties and temperature), like vLLM's default.
+the mask, bias, penalties and temperature), like vLLM's default.
 
 Compile-time flags (`SamplingBatch.static_flags()`) let the common case of
 greedy / plain temperature skip the sort and the penalty inputs entirely.
@@ -42,6 +46,9 @@ Engine usage, per step:
     if flags.needs_penalties:
         ids, is_output = pack_penalty_tokens(prompts, outputs, num_rows)
         extra = dict(penalty_ids=ids, penalty_is_output=is_output)
+    if any(p.logit_bias for p in row_params):
+        bias_ids, biases = pack_logit_bias(row_params, num_rows)
+        extra.update(logit_bias_ids=bias_ids, logit_bias=biases)
     result = sample_jit(logits, batch, **flags._asdict(), **extra)
 """
 from __future__ import annotations
@@ -85,6 +92,14 @@ def build_penalty_counts(penalty_ids: jax.Array, penalty_is_output: jax.Array,
     prompt_mask = jnp.zeros((batch, vocab_size), bool).at[rows, cols].max(
         valid & ~is_output, mode="drop")
     return output_counts, prompt_mask
+
+
+def build_logit_bias(logit_bias_ids: jax.Array, logit_bias: jax.Array, vocab_size: int) -> jax.Array:
+    """f32[B, V]: each row's biases scattered onto its tokens, from padded [B, N] ids (-1 ignored) and biases."""
+    batch = logit_bias_ids.shape[0]
+    cols = jnp.where(logit_bias_ids >= 0, logit_bias_ids, vocab_size)  # padding: past the vocab, dropped
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], cols.shape)
+    return jnp.zeros((batch, vocab_size), jnp.float32).at[rows, cols].add(logit_bias.astype(jnp.float32), mode="drop")
 
 
 def apply_penalties(logits: jax.Array, batch: SamplingBatch, output_counts: jax.Array,
@@ -131,13 +146,16 @@ def _greedy_rows(batch: SamplingBatch) -> jax.Array:
 
 def process_logits(logits: jax.Array, batch: SamplingBatch, *, needs_top_k_p_min_p: bool,
                    needs_penalties: bool, output_counts: jax.Array | None = None,
-                   prompt_mask: jax.Array | None = None) -> jax.Array:
-    """Steps 1-3 of the module docstring: penalised, scaled, masked (-inf) logits.
+                   prompt_mask: jax.Array | None = None, logit_bias: jax.Array | None = None) -> jax.Array:
+    """Steps 1-4 of the module docstring: biased (`logit_bias` f32[B, V], when given), penalised,
+    scaled, truncated (-inf) logits.
 
-    Greedy rows come back penalised only (no temperature, no mask); their token
+    Greedy rows come back biased and penalised only (no temperature, no truncation); their token
     is the argmax of this output.
     """
     logits = logits.astype(jnp.float32)
+    if logit_bias is not None:
+        logits = logits + logit_bias
     if needs_penalties:
         if output_counts is None or prompt_mask is None:
             raise ValueError("needs_penalties requires output_counts and prompt_mask")
@@ -167,12 +185,15 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, needs_top_k_p_min_p: bool
            needs_penalties: bool, num_logprobs: int, needs_mask: bool = False,
            penalty_ids: jax.Array | None = None, penalty_is_output: jax.Array | None = None,
            output_counts: jax.Array | None = None,
-           prompt_mask: jax.Array | None = None, token_mask: jax.Array | None = None) -> SampleResult:
+           prompt_mask: jax.Array | None = None, token_mask: jax.Array | None = None,
+           logit_bias_ids: jax.Array | None = None, logit_bias: jax.Array | None = None) -> SampleResult:
     """Sample one token per row. Pass the flags from `batch.static_flags()` as static.
 
     With needs_penalties, give either penalty_ids/penalty_is_output (see
     `pack_penalty_tokens`) or prebuilt output_counts/prompt_mask [B, V]. With needs_mask, give
     token_mask i32[B, ceil(V / 32)] (`unpack_token_mask`): a row samples only the tokens it allows.
+    With logit_bias_ids i32[B, N] and logit_bias f32[B, N] (`pack_logit_bias`), each row's biases
+    are added to its logits first.
     """
     if needs_mask != (token_mask is not None):
         raise ValueError("needs_mask and token_mask go together")
@@ -183,11 +204,12 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, needs_top_k_p_min_p: bool
             raise ValueError("needs_penalties requires penalty_ids and penalty_is_output "
                              "(or output_counts and prompt_mask)")
         output_counts, prompt_mask = build_penalty_counts(penalty_ids, penalty_is_output, vocab)
+    bias = None if logit_bias_ids is None else build_logit_bias(logit_bias_ids, logit_bias, vocab)
     # The raw distribution gives the logprobs; the allowed tokens alone are sampled from.
     allowed = logits if token_mask is None else jnp.where(unpack_token_mask(token_mask, vocab), logits, -jnp.inf)
     processed = process_logits(allowed, batch, needs_top_k_p_min_p=needs_top_k_p_min_p,
                                needs_penalties=needs_penalties, output_counts=output_counts,
-                               prompt_mask=prompt_mask)
+                               prompt_mask=prompt_mask, logit_bias=bias)
 
     greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # ties -> lowest id
     # Gumbel noise costs B x V random numbers, well under 1% of a decode step; drawing it for

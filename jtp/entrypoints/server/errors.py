@@ -33,7 +33,7 @@ class APIError(Exception):
     @classmethod
     def from_request_error(cls, e: RequestError) -> "APIError":
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if e.status in (429, 503) else None
-        return cls(str(e), e.status, e.code, headers=headers)
+        return cls(str(e), e.status, e.code, e.param, headers)
 
     def body(self) -> dict:
         return {

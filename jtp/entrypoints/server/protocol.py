@@ -2,7 +2,7 @@
 
 Known fields are type-checked (a wrong type is a 400 naming the field); fields this server
 does not know, such as `user` or `metadata`, are ignored as OpenAI clients expect. Fields
-that would change the result but are not implemented (`logit_bias`, `suffix`, the legacy
+that would change the result but are not implemented (`suffix`, the legacy
 `functions`, ...) are refused rather than silently ignored. `null` means "not given" for every optional field.
 """
 
@@ -31,6 +31,8 @@ _SAMPLING_FIELDS: dict[str, tuple] = {
     "stop_token_ids": (list,),
     "ignore_eos": (bool,),
     "speculate": (bool,),  # jtp: false opts this request out of speculative decoding
+    "logit_bias": (dict,),  # token id -> bias; its keys and values are checked with the others (SamplingParams)
+    "min_tokens": (int,),
 }
 _COMMON_FIELDS: dict[str, tuple] = {
     **_SAMPLING_FIELDS,
@@ -40,7 +42,6 @@ _COMMON_FIELDS: dict[str, tuple] = {
     "stream_options": (dict,),
     "max_tokens": (int,),
     "seed": (int,),
-    "logit_bias": (dict,),
     "prompt_logprobs": (int,),  # vLLM's: each prompt token's logprob and the top n there
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its legacy guided_* names
     "response_format": (dict,),
@@ -110,7 +111,6 @@ class ChatRequest(GenerationRequest):
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     fields = _checked(body, _COMPLETION_FIELDS)
-    _refuse_unsupported(fields)
     if fields.get("suffix"):
         raise APIError("suffix is not supported", param="suffix")
     for name in ("tools", "tool_choice"):
@@ -138,7 +138,6 @@ def parse_completion_request(body: Any) -> CompletionRequest:
 
 def parse_chat_request(body: Any) -> ChatRequest:
     fields = _checked(body, _CHAT_FIELDS)
-    _refuse_unsupported(fields)
     top = fields.get("top_logprobs")
     _check_range("top_logprobs", top, 0, MAX_LOGPROBS)
     if top is not None and not fields.get("logprobs"):
@@ -211,11 +210,6 @@ def _type_names(kinds: tuple) -> str:
 def _check_range(name: str, value: int | None, low: int, high: int) -> None:
     if value is not None and not low <= value <= high:
         raise APIError(f"{name} must be in [{low}, {high}], got {value}", param=name)
-
-
-def _refuse_unsupported(fields: dict[str, Any]) -> None:
-    if fields.get("logit_bias"):
-        raise APIError("logit_bias is not supported", param="logit_bias")
 
 
 def _n(fields: dict[str, Any]) -> int:
