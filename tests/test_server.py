@@ -307,7 +307,8 @@ def test_prompt_ends_in_think():
     ({}, "prompt"),
     ({"prompt": "x", "logit_bias": [1]}, "logit_bias"),
     ({"prompt": "x", "min_tokens": "2"}, "min_tokens"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
 ])
 def test_completion_request_errors_name_the_field(body, param):
     with pytest.raises(APIError) as e:
