@@ -27,6 +27,7 @@ masks), warmup.py (compiling the step shapes), memory.py (KV pool size), stats.p
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -52,7 +53,7 @@ from jtp.engine.stats import EngineStats, collect_stats
 from jtp.engine.step_timing import StepTiming
 from jtp.engine.structured_output import (
     GrammarCompiler,
-    advance_grammar,
+    advance_grammars,
     constrained_rows,
     has_masks,
     request_matcher,
@@ -117,6 +118,9 @@ class Engine(EngineSnapshots):
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else cfg.eos_token_ids)
         # Structured outputs' grammars (the tokenizer's vocabulary, the model's width).
         self.grammars = GrammarCompiler(self.model_dir / "tokenizer.json", cfg.vocab_size, self.eos_ids) if has_tokenizer else None
+        if self.grammars is not None:
+            self.grammars.load_in_background()
+        self._masks = concurrent.futures.ThreadPoolExecutor(1, "jtp-masks")  # a late step's masks, filled beside processing
         # The worker's persistent rows, updated each step from the scheduler's output.
         self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size, self.scheduler.buckets,
                                       self.speculative.verify_positions if self.speculative is not None else 0,
@@ -268,11 +272,10 @@ class Engine(EngineSnapshots):
         its tokens are processed first, so they go out a host step earlier (a cached prompt's
         first token among them) at no cost to the idle device. Penalties need the exact token
         history, so batches that use them run in lockstep. A step with a grammar's token masks
-        (structured outputs) enqueues its forward program, then processes step N (its tokens advance the
-        grammars), then fills the masks and enqueues its sampling program: the forward overlaps
-        the host's work as in any step (where the runner cannot sample late, lockstep).
-        Returns the events of the step whose results were processed.
-        """
+        (structured outputs) enqueues its forward program, feeds step N's tokens to the grammars,
+        fills the masks on the mask thread while it processes the rest of step N, then enqueues its
+        sampling program (where the runner cannot sample late: lockstep). Returns the events of the
+        step whose results were processed."""
         timing = self._timing = StepTiming()
         start = time.perf_counter()
         with self._lock:
@@ -295,15 +298,15 @@ class Engine(EngineSnapshots):
                 log.warning("evicted snapshot %s: the next request does not fit beside the snapshots", victim.id)
                 rows = self.scheduler.schedule()
             timing.schedule += time.perf_counter() - t
-            sample = None
+            start_masks = sample = None
             if rows:
-                dispatched = self._dispatch(rows)
-                if callable(dispatched):  # token masks: filled once step N's tokens advanced the grammars
-                    sample = dispatched
-                else:
-                    self._inflight = (rows, dispatched)
+                result, sample = self._dispatch(rows)
+                if sample is None:
+                    self._inflight = (rows, result)
+                else:  # token masks: filled once step N's tokens advanced the grammars
+                    start_masks = result
             if previous is not None:
-                events = self._process(*previous)
+                events = self._process(*previous, start_masks)
             if sample is not None:
                 self._inflight = (rows, sample())
         timing.total = time.perf_counter() - start
@@ -325,31 +328,30 @@ class Engine(EngineSnapshots):
         compilations = self.runner.compilations
         result = self.runner.dispatch(packed, late=True) if late else self.runner.dispatch(packed)
         self.scheduler.dispatched(rows)
-        t3 = time.perf_counter()
-        timing = self._timing
-        timing.schedule += t1 - t0
-        timing.prepare += t2 - t1
-        timing.dispatch += t3 - t2
-        layout = packed.layout
-        timing.shape = (layout.num_tokens, layout.num_rows, layout.max_blocks)
-        timing.compiled = self.runner.compilations != compilations
-        if late:
+        self._timing.dispatched(t0, t1, t2, time.perf_counter(), packed.layout, self.runner.compilations != compilations)
+        if late:  # (start the masks' fill on the mask thread, enqueue the sampling program once they are in)
+            filling = []
+
             def sample():
-                self._write_masks(packed, rows)
+                filling[0].result() if filling else self._write_masks(packed, rows)
                 return result()
 
-            return sample
-        return result
+            return lambda: filling.append(self._masks.submit(self._write_masks, packed, rows)), sample
+        return result, None
 
     def _write_masks(self, packed, rows: list[ScheduledRow]) -> None:
         masks = token_masks(self.grammars, rows, self.input_batch.mask_words)
         if masks is not None:
             packed.fields()["token_mask"][: len(rows)] = masks
 
-    def _process(self, rows: list[ScheduledRow], result) -> list[TokenEvent]:
+    def _process(self, rows: list[ScheduledRow], result, grammars_advanced=None) -> list[TokenEvent]:
+        """Hand out a step's tokens; `grammars_advanced()` is called once they are in the grammars."""
         t0 = time.perf_counter()
         result = jax.device_get(result)  # waits for the device; fields are [steps, rows]
         t1 = time.perf_counter()
+        grammar_ends = advance_grammars(rows, result.tokens[0].tolist())
+        if grammars_advanced is not None:
+            grammars_advanced()
         if result.prompt is not None:  # the prompt positions' scores, chunk after chunk
             self.outputs.add_prompt_scores(rows, result.prompt)
             result = result._replace(prompt=None)
@@ -370,7 +372,7 @@ class Engine(EngineSnapshots):
                 req.num_unseen_tokens -= 1
                 if req.status is Status.RUNNING:  # else finished or aborted meanwhile: discard
                     req.first_token_time = req.first_token_time or now
-                    events.append(self._append(req, tokens[i][b], per_step[i], b))
+                    events.append(self._append(req, tokens[i][b], per_step[i], b, grammar_ends.get(b)))
         self.outputs.publish()  # the step's events: one wake-up per request
         timing = self._timing
         if timing is not None:
@@ -396,9 +398,9 @@ class Engine(EngineSnapshots):
             events.append(self._append(req, sampled[j], per_step[j], b))
         return events
 
-    def _append(self, req: Request, token: int, result, b: int) -> TokenEvent:
+    def _append(self, req: Request, token: int, result, b: int, grammar_end: str | None = None) -> TokenEvent:
         event, reason = self.outputs.append_token(req, token, result, b)
-        reason = reason or advance_grammar(req, token)
+        reason = reason or grammar_end
         if reason:
             self._finish(self.outputs.get(req.id), reason, event)
         return event

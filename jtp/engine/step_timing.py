@@ -26,3 +26,11 @@ class StepTiming:
     @property
     def host_s(self) -> float:
         return self.total - self.wait
+
+    def dispatched(self, t0: float, t1: float, t2: float, t3: float, layout, compiled: bool) -> None:
+        """Account a dispatch: scheduling from t0, preparing from t1, the call from t2 to t3."""
+        self.schedule += t1 - t0
+        self.prepare += t2 - t1
+        self.dispatch += t3 - t2
+        self.shape = (layout.num_tokens, layout.num_rows, layout.max_blocks)
+        self.compiled = compiled

@@ -46,13 +46,25 @@ class StructuredOutputError(ValueError):
 class GrammarCompiler:
     def __init__(self, tokenizer_path: Path, vocab_size: int, eos_ids: frozenset[int]):
         """`vocab_size`: the model's (its logits' width), which may exceed the tokenizer's; tokens past
-        the tokenizer's are never allowed. Nothing is loaded before the first structured request."""
+        the tokenizer's are never allowed. Nothing is loaded before the first structured request
+        (or `load_in_background`)."""
         self.tokenizer_path, self.vocab_size, self.eos_ids = tokenizer_path, vocab_size, eos_ids
         self.words = mask_words(vocab_size)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._grammars: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()
+
+    def load_in_background(self) -> None:
+        """Build the tokenizer's llguidance copy on a daemon thread (about a second at a 152k vocabulary,
+        most of it under the GIL) while the engine starts, not at the first structured request."""
+        def load():
+            try:
+                self.tokenizer
+            except StructuredOutputError as e:  # said again, to the request that asks for a grammar
+                log.info("structured outputs unavailable: %s", e)
+
+        threading.Thread(target=load, name="jtp-llguidance-tokenizer", daemon=True).start()
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -151,6 +163,18 @@ def token_masks(grammars: GrammarCompiler | None, rows: list, words: int) -> np.
         ids = np.fromiter(stop_ids, np.int64)
         np.bitwise_and.at(bits[b], ids // 32, ~np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
     return masks
+
+
+def advance_grammars(rows: list, tokens: list[int]) -> dict[int, str]:
+    """Feed each row's sampled token (`tokens[b]`) to its request's grammar, before the rest of the
+    step's output is processed (so the next step's masks can be filled meanwhile): {row index: "stop"}
+    for the rows whose grammar ended."""
+    reasons = {}
+    for b, row in enumerate(rows):
+        if row.request.grammar is not None and row.picks_next_token and row.request.status is Status.RUNNING:
+            if reason := advance_grammar(row.request, tokens[b]):
+                reasons[b] = reason
+    return reasons
 
 
 def advance_grammar(request, token: int) -> str | None:
