@@ -81,16 +81,15 @@ _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repe
 def sampling_flags(args: argparse.Namespace) -> dict:
     """The sampling fields the command line sets, checked (RequestError naming the flag); the engine's
     generation-config defaults fill the rest (`Engine.default_params`)."""
-    from jtp.core.sampling_params import SamplingParams
+    from jtp.core.sampling_params import SamplingParamError, SamplingParams
 
     given = {name: getattr(args, name) for name in _SAMPLING_FLAGS if getattr(args, name) is not None}
     if args.stop:
         given["stop"] = args.stop
     try:
         SamplingParams(**given).validate()
-    except ValueError as e:  # "top_p must be in (0, 1], got 2.0": name the flag instead of the field
-        field, _, why = str(e).partition(" ")
-        raise RequestError(f"--{field.replace('_', '-')} {why}") from None
+    except SamplingParamError as e:  # "top_p must be in (0, 1], got 2.0": name the flag instead of the field
+        raise RequestError(f"--{e.param.replace('_', '-')} {str(e).removeprefix(e.param + ' ')}") from None
     return given
 
 
