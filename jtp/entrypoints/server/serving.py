@@ -105,11 +105,7 @@ class OpenAIServing:
     async def messages(self, raw: bytes) -> Response:
         """Anthropic's POST /v1/messages: the chat path, its output written as Anthropic content blocks."""
         req, text, ids, max_tokens = await self.intake.run(self._prepare_messages, raw)
-        choice = ChatChoice(0, self.names, None, make_reasoning_parser(self.reasoning_parser, text),
-                            self._tool_call_parser(req))
-        generation = Generation(self.engine, self.metrics, f"msg-{uuid.uuid4().hex}",
-                                [ChoiceRequest(0, ids, sampling_params(req, max_tokens, 0, self.engine.sampling_defaults))])
-        await self._submit(generation)
+        choice, generation = await self._one_chat_choice("msg", req, text, ids, max_tokens)
         builder = MessageBuilder(self.model_name, len(ids))
 
         def finish():
@@ -125,11 +121,7 @@ class OpenAIServing:
     async def responses(self, raw: bytes) -> Response:
         """OpenAI's POST /v1/responses: the chat path, its output written as response items (and stored)."""
         rreq, req, text, ids, max_tokens, messages = await self.intake.run(self._prepare_responses, raw)
-        choice = ChatChoice(0, self.names, None, make_reasoning_parser(self.reasoning_parser, text),
-                            self._tool_call_parser(req))
-        generation = Generation(self.engine, self.metrics, f"resp-{uuid.uuid4().hex}",
-                                [ChoiceRequest(0, ids, sampling_params(req, max_tokens, 0, self.engine.sampling_defaults))])
-        await self._submit(generation)
+        choice, generation = await self._one_chat_choice("resp", req, text, ids, max_tokens)
         builder = ResponseBuilder(rreq, self.model_name)
 
         def finish():
@@ -144,6 +136,16 @@ class OpenAIServing:
         await self._collect_built(generation, choice, builder)
         finish()
         return JSONResponse(builder.response())
+
+    async def _one_chat_choice(self, id_prefix: str, req: ChatRequest, text: str, ids: list[int],
+                               max_tokens: int) -> tuple[ChatChoice, Generation]:
+        """Submit the one choice of a Messages or Responses request (the chat path underneath)."""
+        choice = ChatChoice(0, self.names, None, make_reasoning_parser(self.reasoning_parser, text),
+                            self._tool_call_parser(req))
+        generation = Generation(self.engine, self.metrics, f"{id_prefix}-{uuid.uuid4().hex}",
+                                [ChoiceRequest(0, ids, sampling_params(req, max_tokens, 0, self.engine.sampling_defaults))])
+        await self._submit(generation)
+        return choice, generation
 
     async def _collect_built(self, generation: Generation, choice: ChatChoice, builder) -> None:
         async for _, event in generation.events():
@@ -227,10 +229,7 @@ class OpenAIServing:
         return self._prepare_chat_body(to_chat_body(parse_messages_request(parse_json(raw, self.max_json_values))))
 
     def _tokenize(self, raw: bytes) -> dict:
-        body = parse_json(raw, self.max_json_values)
-        if not isinstance(body, dict):
-            raise APIError("the request body must be a JSON object")
-        self._check_model(body.get("model"))
+        body = self._utility_body(raw)
         tok = self._tokenizer("prompt")
         if body.get("messages") is not None:
             req = parse_chat_request({k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if k in body})
@@ -251,15 +250,20 @@ class OpenAIServing:
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
     def _detokenize(self, raw: bytes) -> dict:
-        body = parse_json(raw, self.max_json_values)
-        if not isinstance(body, dict):
-            raise APIError("the request body must be a JSON object")
-        self._check_model(body.get("model"))
+        body = self._utility_body(raw)
         tok, ids = self._tokenizer("tokens"), body.get("tokens")
         vocab = tok.vocab_size
         if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab for i in ids):
             raise APIError(f"tokens must be an array of token ids in [0, {vocab})", param="tokens")
         return {"prompt": tok.decode(ids)}
+
+    def _utility_body(self, raw: bytes) -> dict:
+        """The JSON object of a /tokenize or /detokenize request, its model checked."""
+        body = parse_json(raw, self.max_json_values)
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object")
+        self._check_model(body.get("model"))
+        return body
 
     def _tokenizer(self, param: str):
         if self.engine.tokenizer is None:
