@@ -55,8 +55,16 @@ def assert_one_line(message: str, *parts: str) -> None:
     ({"layer_types": ["full_attention"] * 3}, "layer_types", "list of num_hidden_layers (2) entries"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": math.nan}}, "factor", "must be a number"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 1e12}}, "YaRN", "past the sane bound"),
-    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quantization_config",
-     "jtp loads bfloat16, float16 and float32 weights only"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization_config",
+     "quant_method 'awq' is not served"),
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}},
+     "quantization_config", "fmt 'e5m2' is not served"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config",
+     "weight_block_size None is not [rows, columns]"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 0]}}, "quantization_config",
+     "weight_block_size [128, 0] is not [rows, columns]"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                              "activation_scheme": "static"}}, "quantization_config", "static activation scales"),
 ])
 def test_bad_config_fields_are_refused_naming_field_and_file(tmp_path, edit, field, reason):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **edit}))  # NaN / Infinity as Python writes them

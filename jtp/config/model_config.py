@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from jtp.config.quantization import Quantization, parse_quantization
 from jtp.config.rope import Yarn, parse_rope
 from jtp.errors import (
     ConfigError,  # raised here; importable from jtp.config.model_config as before
@@ -65,6 +66,7 @@ class ModelConfig:
     # Multi-token-prediction layers the checkpoint ships (mtp.*; Qwen3.5 / Qwen3-Next), used as a
     # speculative drafter with --speculative-config '{"method": "mtp"}'.
     mtp_layers: int = 0
+    quantization: Quantization | None = None  # the checkpoint's quantization_config (None: full-precision weights)
 
     @property
     def q_size(self) -> int:
@@ -182,13 +184,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         raise ConfigError(
             f"{source}: model_type {model_type!r} is not supported; jtp runs {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    quantization = raw.get("quantization_config")
-    if quantization is not None:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-        raise ConfigError(
-            f"{source}: a quantized checkpoint (quantization_config: {method!r}); jtp loads bfloat16, float16 "
-            "and float32 weights only"
-        )
+    quantization = parse_quantization(raw.get("quantization_config"), source)
     text, source, prefix = _text_config(raw, source)
     text_type = text["model_type"]
     f = _Fields(text, source)
@@ -254,6 +250,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         bos_token_id=_token_id(_first(text, raw, key="bos_token_id"), "bos_token_id", source),
         dtype=dtype,
         checkpoint_prefix=prefix,
+        quantization=quantization,
         **layers,
         **moe,
     )

@@ -29,9 +29,11 @@ from jtp.config.model_config import ModelConfig
 from jtp.errors import CheckpointError, ConfigError
 from jtp.loading.dummy_weights import random_params
 from jtp.loading.param_tree import flatten, repeat_kv_heads, unflatten
+from jtp.loading.quantized import block_scales
 from jtp.loading.safetensors_header import FLOAT_DTYPES, TensorInfo, read_header
 from jtp.loading.sources import FirstPresent, RepeatedHeads, Source
 from jtp.models import family_of
+from jtp.models.layers import BlockFp8
 from jtp.parallel.rules import logical_sharding
 from jtp.parallel.sharding import (
     kv_head_replicas,
@@ -43,6 +45,7 @@ from jtp.parallel.sharding import (
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}  # read by memory map (safetensors' numpy has none)
 ORBAX_SUBDIR = "orbax"
 
 
@@ -97,8 +100,17 @@ class SafetensorsCheckpoint:
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
         """Only the bytes of `index` are read from disk."""
+        if self._info.get(name) is not None and self._info[name].dtype in RAW_DTYPES:
+            return np.asarray(self._mapped(name)[index])
         sl = self._slice(name)
         return np.asarray(sl[index] if index else sl[:])
+
+    def _mapped(self, name: str) -> np.ndarray:
+        """A tensor the safetensors library cannot hand to numpy (float8), mapped from its file."""
+        info, path = self._info[name], self.file_of(name)
+        with open(path, "rb") as f:
+            data_start = 8 + int.from_bytes(f.read(8), "little")
+        return np.memmap(path, RAW_DTYPES[info.dtype], "r", data_start + info.begin, info.shape)
 
     def _slice(self, name: str):
         if name not in self._file_of:
@@ -143,8 +155,10 @@ def _some(kind: str, items: list[str]) -> str:
     return f"{len(items)} {kind}, e.g. {shown}{more}"
 
 
-def check_checkpoint(ckpt: SafetensorsCheckpoint, layout: dict[str, Source], cfg: ModelConfig) -> None:
-    """Every expected tensor present with its shape and a float dtype, nothing unexplained left over."""
+def check_checkpoint(ckpt: SafetensorsCheckpoint, layout: dict[str, Source], cfg: ModelConfig,
+                     fp8: frozenset[str] = frozenset()) -> None:
+    """Every expected tensor present with its shape and a float dtype (float8 for the `fp8` names),
+    nothing unexplained left over."""
     expected: dict[str, tuple[int, ...]] = {}
     for source in layout.values():
         expected.update(source.expected())
@@ -155,8 +169,9 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, layout: dict[str, Source], cfg
         elif ckpt.shape(name) != shape:
             misshaped.append(f"{name!r} has shape {list(ckpt.shape(name))} in the checkpoint, "
                              f"but the config implies {list(shape)}")
-        elif ckpt.dtype(name) not in FLOAT_DTYPES:
-            not_float.append(f"{name!r} in {ckpt.file_of(name)} is {ckpt.dtype(name)}")
+        elif ckpt.dtype(name) not in ({"F8_E4M3"} if name in fp8 else FLOAT_DTYPES):
+            not_float.append(f"{name!r} in {ckpt.file_of(name)} is {ckpt.dtype(name)}"
+                             + (" (an FP8 checkpoint's quantized weights are F8_E4M3)" if name in fp8 else ""))
     problems = []
     if missing:
         problems.append(_some("expected tensor(s) are missing", missing))
@@ -214,13 +229,23 @@ def load_params(
         return restore_orbax(model_dir / ORBAX_SUBDIR, cfg, mesh, dtype, expert_parallel)
     ckpt = SafetensorsCheckpoint(model_dir)
     layout = resolve_layout(family_of(cfg).param_layout(cfg, tp, mtp), ckpt)
-    check_checkpoint(ckpt, layout, cfg)
+    scales = block_scales(layout, ckpt.names, cfg.quantization) if cfg.quantization else {}
+    fp8 = frozenset(name for path in scales for name in layout[path].expected())
+    check_checkpoint(ckpt, {**layout, **{f"{p}.scale": s for p, s in scales.items()}}, cfg, fp8)
     host_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
+
+    def load(name: str, source: Source, as_dtype) -> jax.Array:
+        read: Callable = lambda index: source.read(ckpt, index).astype(as_dtype, copy=False)
+        sharding = logical_sharding(mesh, name, source.shape, source.axes, expert_parallel)
+        return jax.make_array_from_callback(source.shape, sharding, read)
+
     flat = {}
     for path, source in layout.items():
-        read: Callable = lambda index, s=source: s.read(ckpt, index).astype(host_dtype, copy=False)
-        sharding = logical_sharding(mesh, path, source.shape, source.axes, expert_parallel)
-        flat[path] = jax.make_array_from_callback(source.shape, sharding, read)
+        if path in scales:  # the float8 values and their block scales, each device its own blocks
+            flat[path] = BlockFp8(load(path, source, RAW_DTYPES["F8_E4M3"]),
+                                  load(f"{path} (FP8 block scales)", scales[path], np.float32))
+        else:
+            flat[path] = load(path, source, host_dtype)
     return unflatten(flat, cfg.num_layers)
 
 
@@ -281,6 +306,9 @@ def convert_to_orbax(model_dir: str | Path, out_dir: str | Path, dtype: str | No
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     cfg = ModelConfig.from_dir(model_dir)
+    if cfg.quantization is not None:
+        raise CheckpointError(f"{model_dir}: an FP8 checkpoint; `jtp convert` writes full-precision Orbax "
+                              "checkpoints only (serve the FP8 safetensors directly)")
     mesh = make_mesh(1)
     params = load_params(model_dir, cfg, mesh, resolve_dtype(cfg, dtype))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,14 @@
 """Building blocks shared by the model families: norms, RoPE, projections, MLP and MoE.
 
 Weights keep the Hugging Face layout [out_features, in_features]; `linear` contracts the
-input dim directly, so loading never transposes.
+input dim directly, so loading never transposes. A weight of an FP8 checkpoint is a `BlockFp8`
+(its float8 values and per-block scales) wherever an array would be.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +17,31 @@ import numpy as np
 from jtp.config.rope import Yarn
 
 
-def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    y = jnp.einsum("...i,oi->...o", x, weight)
+class BlockFp8(NamedTuple):
+    """A weight stored as float8_e4m3fn values [..., R, C] with one float32 scale per block of its
+    last two dims, [..., R / br, C / bc] (Qwen's FP8 checkpoints: weight = values x scale)."""
+
+    values: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    def dequantize(self, dtype) -> jax.Array:
+        *lead, rows, cols = self.values.shape
+        br, bc = rows // self.scale.shape[-2], cols // self.scale.shape[-1]
+        blocks = self.values.astype(jnp.float32).reshape(*lead, rows // br, br, cols // bc, bc)
+        return (blocks * self.scale[..., :, None, :, None]).reshape(self.values.shape).astype(dtype)
+
+
+def dense(weight, dtype) -> jax.Array:
+    """The weight as an array of `dtype` (dequantized when stored quantized)."""
+    return weight.dequantize(dtype) if isinstance(weight, BlockFp8) else weight
+
+
+def linear(x: jax.Array, weight: jax.Array | BlockFp8, bias: jax.Array | None = None) -> jax.Array:
+    y = jnp.einsum("...i,oi->...o", x, dense(weight, x.dtype))
     return y if bias is None else y + bias
 
 

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jtp.kernels import grouped_matmul as gmm
+from jtp.models.layers import dense
 from jtp.parallel.rules import partition_spec, rules_for
 
 IMPLS = ("kernel", "ragged_dot")
@@ -59,6 +60,7 @@ class RoutedExperts:
         no group: they add no expert to the weights read (a B=1 decode step padded to 8 tokens
         would otherwise read the experts of 7 copies of a padding token too) and their output is 0.
         """
+        gate, up, down = (dense(w, x.dtype) for w in (gate, up, down))  # FP8 experts: dequantized, each its shard
         if real_tokens is not None:
             experts = jnp.where(real_tokens[:, None], experts, gate.shape[0])  # past every group
         tp = self.mesh.shape["tp"] if self.mesh is not None else 1
