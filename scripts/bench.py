@@ -41,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a plain checkout, without `pip install -e .`
-from jtp.config.engine_args import LOAD_FORMATS  # noqa: E402
+from jtp.config.engine_args import LOAD_FORMATS, QUANTIZATIONS  # noqa: E402
 
 # GPU memory grows on demand, so the peak we report is what jtp used, and a torch subprocess
 # (--hf) can share the device. Must be set before jax is imported.
@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="MoE: whole experts per device instead of a slice of each (the engine's flag)")
     ap.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                     help="dummy: random weights from config.json alone, drawn on the devices (no checkpoint on disk)")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                    help="fp8: the linear weights in FP8 blocks, quantized at load (the engine's flag)")
     ap.add_argument("--copy-gib", type=float, default=None, help="copy-bandwidth buffer (default 2 GiB GPU, 1/16 CPU)")
     ap.add_argument("--matmul-n", type=int, default=None, help="matmul size n (default 8192 GPU, 512 CPU)")
     ap.add_argument("--seed", type=int, default=0)
@@ -256,9 +258,12 @@ def model_figures(runner, dtype_bytes: int) -> dict:
     from jtp.models.attention import LayerKV
 
     cfg = runner.cfg
+    from jtp.models.layers import BlockFp8
+
     leaves = jax.tree_util.tree_leaves_with_path(runner.params)
-    param_bytes = sum(x.nbytes for _, x in leaves)
-    params = sum(x.size for _, x in leaves)
+    param_bytes = sum(x.nbytes for _, x in leaves)  # what a decode step reads: FP8 values and their scales
+    params = sum((x.values if isinstance(x, BlockFp8) else x).size
+                 for x in jax.tree.leaves(runner.params, is_leaf=lambda x: isinstance(x, BlockFp8)))
     embed = runner.params["embed"]
     tied = "lm_head" not in runner.params
     # Untied: the embedding table is only gathered (B rows) in decode; the lm_head is read whole.
@@ -267,10 +272,11 @@ def model_figures(runner, dtype_bytes: int) -> dict:
     matmul_params, expert_bytes = 0, 0
     for layer in runner.params["layers"]:
         for name, w in layer.items():
-            if w.ndim >= 2:
-                matmul_params += w.size * (active_share if name.startswith("experts_") else 1.0)
+            values = w.values if isinstance(w, BlockFp8) else w  # an FP8 weight: its scales are bytes, not params
+            if values.ndim >= 2:
+                matmul_params += values.size * (active_share if name.startswith("experts_") else 1.0)
             if name.startswith("experts_"):
-                expert_bytes += w.nbytes
+                expert_bytes += sum(x.nbytes for x in jax.tree.leaves(w))
     attention_layers = sum(isinstance(c, LayerKV) for c in runner.cache)
     state_bytes = sum(x.nbytes for c in runner.cache if not isinstance(c, LayerKV) for x in jax.tree.leaves(c))
     H, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
@@ -806,7 +812,8 @@ def main(argv=None) -> int:
         max_num_seqs=max_b, max_num_batched_tokens=chunk, block_size=bs, num_blocks=num_blocks,
         max_model_len=max_model_len, skip_tokenizer_init=True, num_processes=args.num_processes,
         num_scheduler_steps=args.num_scheduler_steps, speculative_config=args.speculative_config,
-        enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format)
+        enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format,
+        quantization=args.quantization)
     group = devices = None
     if args.num_processes > 1:  # before anything touches a device: the group joins JAX's runtime first
         from jtp.distributed.group import start_leader
@@ -874,6 +881,7 @@ def main(argv=None) -> int:
         max_model_len=engine.max_model_len,
         load_s=load_s,
         load_format=args.load_format,
+        quantization=args.quantization,
         expert_parallel=args.enable_expert_parallel,
     )
     res["model"] = model_figures(runner, jnp.dtype(runner.dtype).itemsize)

@@ -45,6 +45,7 @@ class EngineConfig:
     num_scheduler_steps: int
     enable_expert_parallel: bool
     load_format: str
+    quantization: str | None  # "fp8": quantize at load (an FP8 checkpoint's own format is in model_config)
     speculative_config: SpeculativeConfig | None
     skip_tokenizer_init: bool
     sampling_defaults: dict  # SamplingParams fields for what a request leaves unset (--generation-config)
@@ -81,6 +82,7 @@ class EngineConfig:
             num_scheduler_steps=args.num_scheduler_steps,
             enable_expert_parallel=args.enable_expert_parallel,
             load_format=args.load_format,
+            quantization=args.quantization,
             speculative_config=SpeculativeConfig.parse(args.speculative_config),
             skip_tokenizer_init=args.skip_tokenizer_init,
             sampling_defaults=sampling_defaults(model_dir, args.generation_config),

@@ -1,4 +1,7 @@
-"""Where an FP8 checkpoint's block scales come from: for each quantized linear weight, a `Source` of
+"""FP8 weights at load: where an FP8 checkpoint's block scales come from, and `quantize_params`
+(`--quantization fp8`: a full-precision model quantized on its devices).
+
+Where the block scales come from: for each quantized linear weight, a `Source` of
 its `weight_scale_inv` tensors laid out as the weight is, one entry per block.
 
 Qwen's FP8 checkpoints store a linear weight X.weight [out, in] as float8_e4m3fn and beside it
@@ -12,10 +15,15 @@ its blocks: that is an error naming the tensor, not a silent approximation.
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
 
 from jtp.config.quantization import Quantization
 from jtp.errors import CheckpointError
 from jtp.loading.sources import FusedExperts, RepeatedHeads, Source, StackedExperts, StridedRows, Tensor
+from jtp.models.layers import BlockFp8
 
 SCALE_SUFFIX = "weight_scale_inv"
 
@@ -82,3 +90,53 @@ def _scale_source(source: Source, block: tuple[int, int], names: set[str]) -> So
             offset=blocks(source.offset, br, "a segment's first row"), rows=blocks(source.rows, br, "a segment's rows"))
     raise CheckpointError(f"{weights[0]!r} has FP8 block scales, but jtp reads it in a way it cannot split "
                           f"into blocks ({type(source).__name__})")
+
+
+# ----------------------------------------------------------------------------- quantizing at load
+
+FP8_BLOCK = (128, 128)  # `--quantization fp8`: Qwen's block size
+E4M3_MAX = 448.0
+# The linear weights of a decoder layer that FP8 checkpoints quantize (never the router, the shared
+# expert's gate, convolutions, norms, embeddings or the LM head).
+QUANTIZED_WEIGHTS = frozenset({
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "experts_gate", "experts_up", "experts_down", "shared_gate", "shared_up", "shared_down",
+    "gdn_q", "gdn_k", "gdn_v", "gdn_z", "gdn_a", "gdn_b", "gdn_out",
+})
+
+
+def quantize_params(params: dict, block: tuple[int, int] = FP8_BLOCK) -> dict:
+    """The decoder layers' linear weights as FP8 blocks (`--quantization fp8`, and random weights of an
+    FP8 config), each quantized on its devices in its own sharding; a weight whose shards do not split
+    into whole blocks (a tiny projection, a narrow split) stays as it is. The full-precision copies are
+    freed as they go."""
+    layers = []
+    for layer in params["layers"]:
+        new = dict(layer)
+        for name, weight in layer.items():
+            if name in QUANTIZED_WEIGHTS and _splits_into_blocks(weight, block):
+                new[name] = _quantizer(weight.shape, weight.dtype, weight.sharding, block)(weight)
+                weight.delete()
+        layers.append(new)
+    return {**params, "layers": layers}
+
+
+def _splits_into_blocks(weight, block: tuple[int, int]) -> bool:
+    if isinstance(weight, BlockFp8) or weight.ndim < 2:
+        return False
+    shard = weight.sharding.shard_shape(weight.shape)
+    return shard[-2] % block[0] == 0 and shard[-1] % block[1] == 0
+
+
+@functools.cache
+def _quantizer(shape: tuple[int, ...], dtype, sharding, block: tuple[int, int]):
+    br, bc = block
+
+    def quantize(weight: jax.Array) -> BlockFp8:
+        *lead, rows, cols = weight.shape
+        blocks = weight.astype(jnp.float32).reshape(*lead, rows // br, br, cols // bc, bc)
+        scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(-3, -1)), 1e-12) / E4M3_MAX
+        values = jnp.clip(blocks / scale[..., :, None, :, None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+        return BlockFp8(values.reshape(weight.shape), scale)
+
+    return jax.jit(quantize, out_shardings=BlockFp8(sharding, sharding))

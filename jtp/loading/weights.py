@@ -29,7 +29,7 @@ from jtp.config.model_config import ModelConfig
 from jtp.errors import CheckpointError, ConfigError
 from jtp.loading.dummy_weights import random_params
 from jtp.loading.param_tree import flatten, repeat_kv_heads, unflatten
-from jtp.loading.quantized import block_scales
+from jtp.loading.quantized import FP8_BLOCK, block_scales, quantize_params
 from jtp.loading.safetensors_header import FLOAT_DTYPES, TensorInfo, read_header
 from jtp.loading.sources import FirstPresent, RepeatedHeads, Source
 from jtp.models import family_of
@@ -201,6 +201,18 @@ def resolve_dtype(cfg: ModelConfig, dtype: str | None):
 
 
 def load_params(
+    model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False, mtp: bool = False,
+    load_format: str = "auto", quantization: str | None = None,
+) -> dict:
+    """See `read_params`; then, with quantization "fp8" (or random weights of an FP8 checkpoint's
+    config), the linear weights quantized to FP8 blocks on the devices."""
+    params = read_params(model_dir, cfg, mesh, dtype, expert_parallel, mtp, load_format)
+    if quantization == "fp8" or (load_format == "dummy" and cfg.quantization is not None):
+        params = quantize_params(params, cfg.quantization.block if cfg.quantization else FP8_BLOCK)
+    return params
+
+
+def read_params(
     model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False, mtp: bool = False,
     load_format: str = "auto",
 ) -> dict:

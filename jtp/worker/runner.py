@@ -101,7 +101,7 @@ class ModelRunner:
         self.mtp_drafts = mtp_drafts = config.mtp_drafts
         self.params = load_params(
             config.model, self.cfg, self.mesh, self.dtype, config.enable_expert_parallel, mtp_drafts > 0,
-            config.load_format,
+            config.load_format, config.quantization,
         )
         self.load_format = config.load_format  # "dummy": no files to fingerprint (snapshots, launcher)
         self.block_size = block_size = config.block_size
