@@ -89,7 +89,7 @@ class FakeRunner:
     def dispatch(self, step):
         from jtp.worker.runner import host_buffers
 
-        ints, floats, layout = host_buffers(step)
+        ints, floats, layout, _ = host_buffers(step)
         result, self.cache, self.sampled = self._fn(self.params, self.cache, self.sampled, ints, floats, flags=layout)
         return result
 
