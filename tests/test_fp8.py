@@ -1,0 +1,160 @@
+"""FP8 weights: Qwen's FP8 checkpoints and `--quantization fp8`, against HF transformers.
+
+Checkpoints in Qwen's FP8 block format are written by scripts/quantize_checkpoint.py from tiny HF
+models (float8 values, bfloat16 block scales, as the releases store them). The reference is HF
+transformers on the weights those files stand for (decoded by the script's numpy code, saved as a
+float checkpoint): jtp's teacher-forced logprobs through the engine's real steps must equal HF's,
+at tp 1 and 2, dense, MoE and the hybrids. `--quantization fp8` is checked the same way against
+weights quantized by the script's numpy encoder.
+"""
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+from scripts_loader import load_script
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hf_hybrid import SHALLOW, build_model, save  # noqa: E402
+from hf_models import log_softmax, make_hf_checkpoint  # noqa: E402
+
+from jtp.config.engine_args import EngineArgs  # noqa: E402
+from jtp.core.sampling_params import SamplingParams  # noqa: E402
+from jtp.engine.engine import Engine  # noqa: E402
+from jtp.errors import CheckpointError, ShardingError  # noqa: E402
+from jtp.loading.weights import convert_to_orbax  # noqa: E402
+from jtp.models.layers import BlockFp8  # noqa: E402
+
+qc = load_script("quantize_checkpoint")
+PROMPT = np.random.default_rng(3).integers(0, 128, 28).tolist()
+
+
+def hf_source(kind: str, path, **overrides):
+    if kind in ("qwen3", "qwen3_moe"):
+        return make_hf_checkpoint(kind, path, **overrides)[1]
+    save(build_model(kind, **SHALLOW), path)
+    return path
+
+
+def hf_logprobs(model_dir, prompt) -> np.ndarray:
+    """HF's teacher-forced logprob of each prompt token after the first (float64)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].to(torch.float64).numpy()
+    ref = log_softmax(logits)
+    return np.array([ref[p - 1, prompt[p]] for p in range(1, len(prompt))])
+
+
+def jtp_logprobs(model_dir, prompt, tp: int = 1, **args) -> tuple[np.ndarray, Engine]:
+    engine = Engine.from_args(EngineArgs(model=str(model_dir), dtype="float32", num_blocks=32, block_size=4,
+                                         max_num_seqs=2, max_num_batched_tokens=16, tensor_parallel_size=tp,
+                                         warmup=False, **args))
+    done = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
+    return np.array(done.prompt_logprobs.logprobs[1:]), engine
+
+
+def fp8_weights(engine) -> int:
+    return sum(isinstance(w, BlockFp8) for layer in engine.runner.params["layers"] for w in layer.values())
+
+
+@pytest.mark.parametrize("kind, block, tp", [
+    ("qwen3", 16, 1), ("qwen3", 16, 2), ("qwen3_moe", 16, 1), ("qwen3_moe", 16, 2),
+    ("qwen3_5_text", 4, 1), ("qwen3_next", 4, 2),
+])
+def test_fp8_checkpoints_give_hf_logprobs_on_their_weights(tmp_path, kind, block, tp):
+    src = hf_source(kind, tmp_path / "src")
+    fp8 = tmp_path / "fp8"
+    qc.quantize_checkpoint(src, fp8, "fp8", block=block)
+    reference = qc.write_dequantized(fp8, tmp_path / "decoded")
+    ours, engine = jtp_logprobs(fp8, PROMPT, tp)
+    assert fp8_weights(engine) > 0
+    np.testing.assert_allclose(ours, hf_logprobs(reference, PROMPT), atol=1e-4, err_msg=f"{kind} tp={tp}")
+    # The FP8 model stays near the original one: the quantization's own error, stated (these random
+    # tiny models' weights are far from trained ones', so their error is larger).
+    gap = np.abs(ours - hf_logprobs(src, PROMPT))
+    assert gap.mean() < 0.2 and gap.max() < 1.0, (gap.mean(), gap.max())
+
+
+def test_quantization_fp8_at_load_gives_hf_logprobs_on_numpy_quantized_weights(tmp_path):
+    """--quantization fp8: 128 x 128 blocks, so a model whose widths are multiples of 128."""
+    src = make_hf_checkpoint("qwen3", tmp_path / "src", hidden_size=128, num_key_value_heads=4,
+                             intermediate_size=256)[1]
+
+    def numpy_quantized(modules: str):
+        """The source with the linear weights matching `modules` quantized and decoded by numpy."""
+        tensors = qc.read_tensors(src / "model.safetensors")
+        for name in qc.linear_modules(tensors):
+            if re.search(modules, name):
+                q = qc.quantize_fp8(tensors[f"{name}.weight"].astype(np.float32), 128, scale_dtype=np.float32)
+                tensors[f"{name}.weight"] = qc.dequantize_fp8(q["weight"], q["weight_scale_inv"], (128, 128))
+        reference = tmp_path / f"ref-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(src, reference)
+        qc.write_tensors(reference / "model.safetensors", tensors)
+        return reference
+
+    # tp=1: every attention and MLP projection of the 3 layers; tp=2: the 64-wide shards of the
+    # attention projections cannot hold whole 128 blocks, so they stay as they are (the MLP's are FP8).
+    for tp, modules, quantized in ((1, "proj$", 3 * 7), (2, "mlp", 3 * 3)):
+        ours, engine = jtp_logprobs(src, PROMPT, tp, quantization="fp8")
+        assert fp8_weights(engine) == quantized
+        np.testing.assert_allclose(ours, hf_logprobs(numpy_quantized(modules), PROMPT), atol=1e-4, err_msg=f"tp={tp}")
+
+
+def test_random_weights_of_an_fp8_config_are_fp8(tmp_path):
+    src = hf_source("qwen3", tmp_path / "src")
+    qc.quantize_checkpoint(src, tmp_path / "fp8", "fp8", block=16)
+    (tmp_path / "fp8" / "model.safetensors").unlink()
+    engine = Engine.from_args(EngineArgs(model=str(tmp_path / "fp8"), load_format="dummy", num_blocks=16,
+                                         warmup=False))
+    q = engine.runner.params["layers"][0]["q_proj"]
+    assert isinstance(q, BlockFp8) and q.values.dtype == np.dtype("float8_e4m3fn") and q.scale.shape == (8, 4)
+    assert len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))[0].token_ids) == 4
+
+
+def edit_tensors(model_dir, edit) -> None:
+    tensors = qc.read_tensors(model_dir / "model.safetensors")
+    edit(tensors)
+    qc.write_tensors(model_dir / "model.safetensors", tensors)
+
+
+def test_bad_fp8_checkpoints_are_refused_naming_the_tensor(tmp_path):
+    src = hf_source("qwen3_moe", tmp_path / "src", intermediate_size=128)
+    fp8 = tmp_path / "fp8"
+    qc.quantize_checkpoint(src, fp8, "fp8", block=16)
+    scale = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+
+    def refused(directory, *match, tp: int = 1, error=CheckpointError):
+        with pytest.raises(error) as e:
+            Engine.from_args(EngineArgs(model=str(directory), num_blocks=16, warmup=False, tensor_parallel_size=tp))
+        for m in match:
+            assert m in str(e.value)
+
+    wrong = tmp_path / "wrong-shape"
+    shutil.copytree(fp8, wrong)
+    edit_tensors(wrong, lambda t: t.update({scale: t[scale][:, :1]}))
+    refused(wrong, scale, "wrong shape")
+
+    missing = tmp_path / "missing-scale"
+    shutil.copytree(fp8, missing)
+    edit_tensors(missing, lambda t: t.pop("model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"))
+    refused(missing, "experts.1.up_proj.weight", "no weight_scale_inv beside it")
+
+    partial = tmp_path / "partial-blocks"
+    qc.quantize_checkpoint(src, partial, "fp8", block=24)  # 64-wide rows end in a partial block
+    refused(partial, "does not fall on the FP8 block boundaries (24)")
+
+    wide = tmp_path / "wide-blocks"
+    qc.quantize_checkpoint(src, wide, "fp8", block=64)  # each of the 2 KV heads repeated at tp=4: 32 rows
+    refused(wide, "k_proj", "a KV head's rows (32) does not fall on the FP8 block boundaries (64)", tp=4)
+    src4 = hf_source("qwen3", tmp_path / "src4", num_key_value_heads=4, intermediate_size=128)
+    qc.quantize_checkpoint(src4, wide4 := tmp_path / "wide-blocks-4", "fp8", block=64)
+    refused(wide4, "FP8 block scales", "does not divide by tp=4", tp=4, error=ShardingError)  # 2 blocks of rows
+
+    with pytest.raises(CheckpointError, match="writes full-precision Orbax checkpoints only"):
+        convert_to_orbax(fp8, tmp_path / "orbax")
+    config = json.loads((fp8 / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [16, 16]
