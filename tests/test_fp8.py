@@ -27,7 +27,7 @@ from jtp.core.sampling_params import SamplingParams  # noqa: E402
 from jtp.engine.engine import Engine  # noqa: E402
 from jtp.errors import CheckpointError, ShardingError  # noqa: E402
 from jtp.loading.weights import convert_to_orbax  # noqa: E402
-from jtp.models.layers import BlockFp8  # noqa: E402
+from jtp.models.layers import BlockFp8, Fp8KernelWeight  # noqa: E402
 
 qc = load_script("quantize_checkpoint")
 PROMPT = np.random.default_rng(3).integers(0, 128, 28).tolist()
@@ -102,6 +102,19 @@ def test_quantization_fp8_at_load_gives_hf_logprobs_on_numpy_quantized_weights(t
         ours, engine = jtp_logprobs(src, PROMPT, tp, quantization="fp8")
         assert fp8_weights(engine) == quantized
         np.testing.assert_allclose(ours, hf_logprobs(numpy_quantized(modules), PROMPT), atol=1e-4, err_msg=f"tp={tp}")
+
+
+def test_fp8_kernel_gives_the_dequantizing_paths_logprobs(tmp_path, monkeypatch):
+    """The decode kernel (jtp/kernels/fp8_matmul.py, interpreted here) through the engine's steps."""
+    src = make_hf_checkpoint("qwen3", tmp_path / "src", hidden_size=128, num_key_value_heads=4,
+                             intermediate_size=256)[1]
+    monkeypatch.setenv("JTP_FP8_KERNEL", "0")
+    xla, _ = jtp_logprobs(src, PROMPT, quantization="fp8")
+    monkeypatch.setenv("JTP_FP8_KERNEL", "1")
+    kernel, engine = jtp_logprobs(src, PROMPT, quantization="fp8")
+    assert all(isinstance(w, Fp8KernelWeight) for layer in engine.runner.params["layers"]
+               for name, w in layer.items() if name.endswith("proj"))
+    np.testing.assert_allclose(kernel, xla, atol=1e-4)
 
 
 def test_random_weights_of_an_fp8_config_are_fp8(tmp_path):

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtp.config.rope import Yarn
+from jtp.kernels import fp8_matmul
 
 
 class BlockFp8(NamedTuple):
@@ -35,13 +36,35 @@ class BlockFp8(NamedTuple):
         return (blocks * self.scale[..., :, None, :, None]).reshape(self.values.shape).astype(dtype)
 
 
+class Fp8KernelWeight(BlockFp8):
+    """A BlockFp8 of 128 x 128 blocks whose products with few rows (decode) run in the FP8 kernel
+    (jtp/kernels/fp8_matmul.py), which reads its float8 bytes once. The runner makes these on a
+    single GPU only: a pallas_call is opaque to XLA's partitioner."""
+
+
+def use_fp8_kernel(params: dict) -> dict:
+    """`params` with each decoder-layer linear weight the FP8 kernel can serve as a Fp8KernelWeight."""
+    def pick(w):
+        if type(w) is BlockFp8 and w.values.ndim == 2 and w.values.shape[0] // w.scale.shape[0] == fp8_matmul.BLOCK \
+                and w.values.shape[1] // w.scale.shape[1] == fp8_matmul.BLOCK and fp8_matmul.supported(1, *w.shape):
+            return Fp8KernelWeight(*w)
+        return w
+
+    return {**params, "layers": [{k: pick(w) for k, w in layer.items()} for layer in params["layers"]]}
+
+
 def dense(weight, dtype) -> jax.Array:
     """The weight as an array of `dtype` (dequantized when stored quantized)."""
     return weight.dequantize(dtype) if isinstance(weight, BlockFp8) else weight
 
 
 def linear(x: jax.Array, weight: jax.Array | BlockFp8, bias: jax.Array | None = None) -> jax.Array:
-    y = jnp.einsum("...i,oi->...o", x, dense(weight, x.dtype))
+    rows = math.prod(x.shape[:-1])
+    if isinstance(weight, Fp8KernelWeight) and fp8_matmul.supported(rows, *weight.shape):
+        y = fp8_matmul.fp8_matmul(x.reshape(rows, -1), weight.values, weight.scale,
+                                  interpret=jax.default_backend() != "gpu").reshape(*x.shape[:-1], -1)
+    else:
+        y = jnp.einsum("...i,oi->...o", x, dense(weight, x.dtype))
     return y if bias is None else y + bias
 
 

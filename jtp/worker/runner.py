@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from jtp.core.packed_step import PackedStep, SamplingLayout, StepLayout
 from jtp.loading.weights import load_params, resolve_dtype
 from jtp.models import family_of, mtp
 from jtp.models.attention import AttentionMetadata, choose_attention, zeroed_layer_kv
+from jtp.models.layers import use_fp8_kernel
 from jtp.models.moe import choose_experts
 from jtp.parallel.sharding import make_mesh, replicated, tp_size
 from jtp.worker import kv_cache
@@ -78,6 +80,16 @@ def _sampling_arrays(penalty_len: int, f: dict):
     return sampling, penalty, f.get("token_mask"), f["stop_ids"], f["num_steps"][0]
 
 
+def fp8_kernel_wanted(mesh) -> bool:
+    """Whether FP8 weights' decode products run in the FP8 kernel: on one GPU (the kernel is opaque to
+    XLA's partitioner); JTP_FP8_KERNEL=1 forces it (interpreted off the GPU: tests), 0 keeps XLA's
+    dequantize-then-GEMM."""
+    forced = os.environ.get("JTP_FP8_KERNEL", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return jax.default_backend() == "gpu" and mesh.devices.size == 1
+
+
 def is_ready(result) -> bool:
     """Whether a dispatched step's results are on the host's reach (the device finished it)."""
     return all(x.is_ready() for x in jax.tree.leaves(result))
@@ -104,6 +116,8 @@ class ModelRunner:
             config.load_format, config.quantization,
         )
         self.load_format = config.load_format  # "dummy": no files to fingerprint (snapshots, launcher)
+        if fp8_kernel_wanted(self.mesh):
+            self.params = use_fp8_kernel(self.params)
         self.block_size = block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.num_state_slots = config.num_state_slots  # recurrent-state slots (hybrid models)
