@@ -7,8 +7,8 @@ half of what the bf16 weight costs, instead of a dequantized copy.
 Program (n block, k split) walks its [BN, K / splits] stripe of the weight in 128-column steps (one
 block's width, so one scale per tile): x[:, k0 : k0 + 128] (its rows padded to a power of two of at
 least 16, the MMA's minimum), the float8 tile [BN, 128] converted to x's dtype, their product
-scaled by the tile's block scale and accumulated in fp32. Narrow output blocks, then (for small N)
-K split over programs writing fp32 partials that jnp sums afterwards, keep every SM busy.
+scaled by the tile's block scale and accumulated in fp32. Few output blocks (a decode step's small
+N) leave SMs idle, so K is split over programs writing fp32 partials that jnp sums afterwards.
 Meant for few rows (decode); a prefill's GEMM has other needs (its rows are the big dim).
 """
 
@@ -44,40 +44,28 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def tiles(out: int, inner: int) -> tuple[int, int]:
-    """(BN, splits): narrow output blocks first, then K splits, until about one program per SM of an
-    H200 (132) is in flight; without a split the kernel writes x's dtype directly (no partial sums)."""
-    bn = 64
-    while bn > 16 and out // bn < 128:
-        bn //= 2
-    splits = 1
-    while (out // bn) * splits < 128 and (inner // BLOCK) % (splits * 2) == 0 and splits < 16:
-        splits *= 2
-    return bn, splits
-
-
-def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, interpret: bool = False) -> jax.Array:
+def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, bn: int = 64, splits: int | None = None,
+               interpret: bool = False) -> jax.Array:
     """x [T, K] (T <= 64), values float8 [N, K], scale f32 [N / 128, K / 128] -> [T, N] in x.dtype."""
     T, K = x.shape
     N = values.shape[0]
-    bn, splits = tiles(N, K)
-    rows = max(16, 1 << (T - 1).bit_length())  # a decode step's token bucket already is one
+    kb = K // BLOCK
+    if splits is None:  # about two programs per SM of an H200
+        splits = 1
+        while (N // bn) * splits < 264 and kb % (splits * 2) == 0 and splits < 16:
+            splits *= 2
+    rows = max(16, 1 << (T - 1).bit_length())
     x = jnp.pad(x, ((0, rows - T), (0, 0)))
-    if splits == 1:
-        out_spec, out_shape = pl.BlockSpec((rows, bn), lambda n, s: (0, n)), jax.ShapeDtypeStruct((rows, N), x.dtype)
-    else:
-        out_spec = pl.BlockSpec((None, rows, bn), lambda n, s: (s, 0, n))
-        out_shape = jax.ShapeDtypeStruct((splits, rows, N), jnp.float32)
-    out = pl.pallas_call(
-        functools.partial(_kernel, k_steps=K // BLOCK // splits),
+    partials = pl.pallas_call(
+        functools.partial(_kernel, k_steps=kb // splits),
         grid=(N // bn, splits),
         in_specs=[pl.BlockSpec((rows, K), lambda n, s: (0, 0)),
                   pl.BlockSpec((bn, K), lambda n, s: (n, 0)),
-                  pl.BlockSpec((1, K // BLOCK), lambda n, s: (n * bn // BLOCK, 0))],
-        out_specs=out_spec,
-        out_shape=out_shape,
+                  pl.BlockSpec((1, kb), lambda n, s: (n * bn // BLOCK, 0))],
+        out_specs=pl.BlockSpec((None, rows, bn), lambda n, s: (s, 0, n)),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, N), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
         name=f"jtp_fp8_matmul_n{bn}_s{splits}",
     )(x, values, scale.astype(jnp.float32))
-    return (out if splits == 1 else out.sum(axis=0).astype(x.dtype))[:T]
+    return partials.sum(axis=0)[:T].astype(x.dtype)
