@@ -258,12 +258,13 @@ def model_figures(runner, dtype_bytes: int) -> dict:
     from jtp.models.attention import LayerKV
 
     cfg = runner.cfg
-    from jtp.models.layers import BlockFp8
+    from jtp.models.layers import BlockFp8, Int4Groups
+
+    QUANTIZED = (BlockFp8, Int4Groups)
 
     leaves = jax.tree_util.tree_leaves_with_path(runner.params)
     param_bytes = sum(x.nbytes for _, x in leaves)  # what a decode step reads: FP8 values and their scales
-    params = sum((x.values if isinstance(x, BlockFp8) else x).size
-                 for x in jax.tree.leaves(runner.params, is_leaf=lambda x: isinstance(x, BlockFp8)))
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(runner.params, is_leaf=lambda x: isinstance(x, QUANTIZED)))
     embed = runner.params["embed"]
     tied = "lm_head" not in runner.params
     # Untied: the embedding table is only gathered (B rows) in decode; the lm_head is read whole.
@@ -272,9 +273,8 @@ def model_figures(runner, dtype_bytes: int) -> dict:
     matmul_params, expert_bytes = 0, 0
     for layer in runner.params["layers"]:
         for name, w in layer.items():
-            values = w.values if isinstance(w, BlockFp8) else w  # an FP8 weight: its scales are bytes, not params
-            if values.ndim >= 2:
-                matmul_params += values.size * (active_share if name.startswith("experts_") else 1.0)
+            if len(w.shape) >= 2:  # a quantized weight's shape is its logical one: scales are bytes, not params
+                matmul_params += math.prod(w.shape) * (active_share if name.startswith("experts_") else 1.0)
             if name.startswith("experts_"):
                 expert_bytes += sum(x.nbytes for x in jax.tree.leaves(w))
     attention_layers = sum(isinstance(c, LayerKV) for c in runner.cache)

@@ -57,7 +57,8 @@ MODULE_TIERS = {
         "test_attention", "test_input_batch", "test_layout", "test_page_pool", "test_sampling", "test_state_pool",
         "test_tokenizer", "test_load_integrity",
     ),
-    "parity": ("test_hf_parity", "test_qwen3_5", "test_prompt_logprobs", "test_fp8", "test_quantize_checkpoint"),
+    "parity": ("test_hf_parity", "test_qwen3_5", "test_prompt_logprobs", "test_fp8", "test_quantize_checkpoint",
+               "test_int4"),
     "distributed": ("test_launcher",),
 }
 _TIER_OF = {module: tier for tier, modules in MODULE_TIERS.items() for module in modules}

@@ -53,31 +53,39 @@ def _scale_source(source: Source, block: tuple[int, int], names: set[str]) -> So
         missing = next(w for w, p in zip(weights, present) if not p)
         raise CheckpointError(f"{missing!r} has no {SCALE_SUFFIX} beside it, but the other tensors it is read "
                               f"with do: an FP8 checkpoint quantizes all of them or none")
+    return block_source(source, block, scale_name, "FP8 block")
+
+
+def block_source(source: Source, block: tuple[int, int], name_of, label: str) -> Source:
+    """`source` read in units of `block` (rows, columns of the HF [out, in] weight) from the tensors
+    `name_of(weight name)`: one entry per block, split and repeated as the weight is. `label` names
+    the blocks in the error for a weight that does not fall on their boundaries."""
     br, bc = block
+    first = next(iter(source.expected()))
 
     def blocks(n: int, b: int, what: str) -> int:
         if n % b:
-            raise CheckpointError(f"{weights[0]!r}: {what} ({n}) does not fall on the FP8 block boundaries "
+            raise CheckpointError(f"{first!r}: {what} ({n}) does not fall on the {label} boundaries "
                                   f"({b}); jtp serves weights whose rows and columns split into whole blocks")
         return n // b
 
     if isinstance(source, Tensor) and len(source.shape) == 2:
         rows, cols = source.shape
-        return Tensor(scale_name(source.name), (blocks(rows, br, "its rows"), blocks(cols, bc, "its columns")),
+        return Tensor(name_of(source.name), (blocks(rows, br, "its rows"), blocks(cols, bc, "its columns")),
                       source.axes)
     if isinstance(source, RepeatedHeads):
         rows, cols = source.source_shape
         return dataclasses.replace(
-            source, name=scale_name(source.name), head_dim=blocks(source.head_dim, br, "a KV head's rows"),
+            source, name=name_of(source.name), head_dim=blocks(source.head_dim, br, "a KV head's rows"),
             source_shape=(blocks(rows, br, "its rows"), blocks(cols, bc, "its columns")))
     if isinstance(source, StackedExperts):
         rows, cols = source.source_shape
-        return StackedExperts(tuple(scale_name(n) for n in source.names),
+        return StackedExperts(tuple(name_of(n) for n in source.names),
                               (blocks(rows, br, "its rows"), blocks(cols, bc, "its columns")), source.axes)
     if isinstance(source, StridedRows) and len(source.source_shape) == 2 and not source.squeeze:
         rows, cols = source.source_shape
         return dataclasses.replace(
-            source, name=scale_name(source.name),
+            source, name=name_of(source.name),
             source_shape=(blocks(rows, br, "its rows"), blocks(cols, bc, "its columns")),
             rows=blocks(source.rows, br, "a segment's rows"), run=blocks(source.run, br, "a head group's rows"),
             stride=blocks(source.stride, br, "a head group's stride") if source.stride else 0,
@@ -85,10 +93,10 @@ def _scale_source(source: Source, block: tuple[int, int], names: set[str]) -> So
     if isinstance(source, FusedExperts):
         experts, rows, cols = source.source_shape
         return dataclasses.replace(
-            source, name=scale_name(source.name),
+            source, name=name_of(source.name),
             source_shape=(experts, blocks(rows, br, "its rows"), blocks(cols, bc, "its columns")),
             offset=blocks(source.offset, br, "a segment's first row"), rows=blocks(source.rows, br, "a segment's rows"))
-    raise CheckpointError(f"{weights[0]!r} has FP8 block scales, but jtp reads it in a way it cannot split "
+    raise CheckpointError(f"{first!r} is stored in {label}s, but jtp reads it in a way it cannot split "
                           f"into blocks ({type(source).__name__})")
 
 
@@ -122,7 +130,7 @@ def quantize_params(params: dict, block: tuple[int, int] = FP8_BLOCK) -> dict:
 
 
 def _splits_into_blocks(weight, block: tuple[int, int]) -> bool:
-    if isinstance(weight, BlockFp8) or weight.ndim < 2:
+    if not isinstance(weight, jax.Array) or weight.ndim < 2:  # already quantized (FP8, int4), or a vector
         return False
     shard = weight.sharding.shard_shape(weight.shape)
     return shard[-2] % block[0] == 0 and shard[-1] % block[1] == 0

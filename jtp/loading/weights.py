@@ -16,7 +16,7 @@ import logging
 import re
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -26,14 +26,16 @@ from safetensors import safe_open
 
 from jtp.config.engine_args import LOAD_FORMATS
 from jtp.config.model_config import ModelConfig
+from jtp.config.quantization import INT4_METHODS
 from jtp.errors import CheckpointError, ConfigError
 from jtp.loading.dummy_weights import random_params
+from jtp.loading.int4 import Int4Reader, check_g_idx, check_split, int4_weights, weight_names
 from jtp.loading.param_tree import flatten, repeat_kv_heads, unflatten
 from jtp.loading.quantized import FP8_BLOCK, block_scales, quantize_params
 from jtp.loading.safetensors_header import FLOAT_DTYPES, TensorInfo, read_header
 from jtp.loading.sources import FirstPresent, RepeatedHeads, Source
 from jtp.models import family_of
-from jtp.models.layers import BlockFp8
+from jtp.models.layers import BlockFp8, Int4Groups
 from jtp.parallel.rules import logical_sharding
 from jtp.parallel.sharding import (
     kv_head_replicas,
@@ -141,7 +143,7 @@ SKIPPED_TENSORS = [r"^mtp\.", r"^model\.visual\."]
 
 
 def resolve_layout(layout: dict[str, Source], ckpt: SafetensorsCheckpoint) -> dict[str, Source]:
-    names = ckpt.names
+    names = weight_names(ckpt.names)  # an int4 module X (X.qweight, ...) stands for its X.weight
     return {k: (s.resolve(names) if isinstance(s, FirstPresent) else s) for k, s in layout.items()}
 
 
@@ -156,22 +158,25 @@ def _some(kind: str, items: list[str]) -> str:
 
 
 def check_checkpoint(ckpt: SafetensorsCheckpoint, layout: dict[str, Source], cfg: ModelConfig,
-                     fp8: frozenset[str] = frozenset()) -> None:
-    """Every expected tensor present with its shape and a float dtype (float8 for the `fp8` names),
-    nothing unexplained left over."""
+                     quantized: Mapping[str, tuple[tuple[int, ...], frozenset[str], str]] = {}) -> None:
+    """Every expected tensor present with its shape and a float dtype, nothing unexplained left over.
+    `quantized`: the tensors of quantized weights, name -> (shape, the dtypes they may have, what
+    they must be), e.g. an FP8 weight's float8 values, an int4 weight's int32 words."""
     expected: dict[str, tuple[int, ...]] = {}
     for source in layout.values():
         expected.update(source.expected())
-    missing, misshaped, not_float = [], [], []
+    expected.update({name: shape for name, (shape, _, _) in quantized.items()})
+    missing, misshaped, not_float, wrong_dtype = [], [], [], []
     for name, shape in expected.items():
         if name not in ckpt.names:
             missing.append(f"{name!r} (shape {list(shape)})")
         elif ckpt.shape(name) != shape:
             misshaped.append(f"{name!r} has shape {list(ckpt.shape(name))} in the checkpoint, "
                              f"but the config implies {list(shape)}")
-        elif ckpt.dtype(name) not in ({"F8_E4M3"} if name in fp8 else FLOAT_DTYPES):
-            not_float.append(f"{name!r} in {ckpt.file_of(name)} is {ckpt.dtype(name)}"
-                             + (" (an FP8 checkpoint's quantized weights are F8_E4M3)" if name in fp8 else ""))
+        elif name in quantized and ckpt.dtype(name) not in quantized[name][1]:
+            wrong_dtype.append(f"{name!r} in {ckpt.file_of(name)} is {ckpt.dtype(name)} ({quantized[name][2]})")
+        elif name not in quantized and ckpt.dtype(name) not in FLOAT_DTYPES:
+            not_float.append(f"{name!r} in {ckpt.file_of(name)} is {ckpt.dtype(name)}")
     problems = []
     if missing:
         problems.append(_some("expected tensor(s) are missing", missing))
@@ -179,6 +184,8 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, layout: dict[str, Source], cfg
         problems.append(_some("tensor(s) have the wrong shape", misshaped))
     if not_float:
         problems.append(_some("weight(s) are not floating point", not_float))
+    if wrong_dtype:
+        problems.append(_some("quantized tensor(s) have the wrong dtype", wrong_dtype))
     ignored = list(IGNORED_TENSORS)
     if cfg.tie_word_embeddings:
         ignored.append(r"^lm_head\.weight$")  # tied: HF ignores a stored copy too
@@ -205,7 +212,11 @@ def load_params(
     load_format: str = "auto", quantization: str | None = None,
 ) -> dict:
     """See `read_params`; then, with quantization "fp8" (or random weights of an FP8 checkpoint's
-    config), the linear weights quantized to FP8 blocks on the devices."""
+    config), the linear weights quantized to FP8 blocks on the devices. (An AWQ / GPTQ checkpoint's
+    int4 weights are read as they are stored: jtp/loading/int4.py.)"""
+    if load_format == "dummy" and cfg.quantization is not None and cfg.quantization.method != "fp8":
+        raise CheckpointError(f"random weights (--load-format dummy) of a {cfg.quantization.method} config are "
+                              "not served; jtp draws them for full-precision and FP8 configs")
     params = read_params(model_dir, cfg, mesh, dtype, expert_parallel, mtp, load_format)
     if quantization == "fp8" or (load_format == "dummy" and cfg.quantization is not None):
         params = quantize_params(params, cfg.quantization.block if cfg.quantization else FP8_BLOCK)
@@ -241,13 +252,25 @@ def read_params(
         return restore_orbax(model_dir / ORBAX_SUBDIR, cfg, mesh, dtype, expert_parallel)
     ckpt = SafetensorsCheckpoint(model_dir)
     layout = resolve_layout(family_of(cfg).param_layout(cfg, tp, mtp), ckpt)
-    scales = block_scales(layout, ckpt.names, cfg.quantization) if cfg.quantization else {}
-    fp8 = frozenset(name for path in scales for name in layout[path].expected())
-    check_checkpoint(ckpt, {**layout, **{f"{p}.scale": s for p, s in scales.items()}}, cfg, fp8)
+    q = cfg.quantization
+    scales = block_scales(layout, ckpt.names, q) if q and q.method == "fp8" else {}
+    int4 = int4_weights(layout, ckpt.names, q) if q and q.method in INT4_METHODS else {}
+    quantized = {name: (shape, frozenset({"F8_E4M3"}), "an FP8 checkpoint's quantized weights are F8_E4M3")
+                 for path in scales for name, shape in layout[path].expected().items()}
+    for weight in int4.values():
+        quantized.update(weight.tensors)
+    check_checkpoint(ckpt, {**{p: s for p, s in layout.items() if p not in int4},
+                            **{f"{p}.scale": s for p, s in scales.items()}}, cfg, quantized)
+    if q and q.method == "gptq":
+        check_g_idx(ckpt, int4, q.group_size)
+    for path, weight in int4.items():  # each device must get whole groups and words: checked before any read
+        check_split(weight, logical_sharding(mesh, path, weight.shape, weight.values.axes,
+                                             expert_parallel).shard_shape(weight.shape))
+    int4_reader = Int4Reader(ckpt, q.method) if int4 else None
     host_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
 
-    def load(name: str, source: Source, as_dtype) -> jax.Array:
-        read: Callable = lambda index: source.read(ckpt, index).astype(as_dtype, copy=False)
+    def load(name: str, source: Source, as_dtype, reader=ckpt) -> jax.Array:
+        read: Callable = lambda index: source.read(reader, index).astype(as_dtype, copy=False)
         sharding = logical_sharding(mesh, name, source.shape, source.axes, expert_parallel)
         return jax.make_array_from_callback(source.shape, sharding, read)
 
@@ -256,6 +279,11 @@ def read_params(
         if path in scales:  # the float8 values and their block scales, each device its own blocks
             flat[path] = BlockFp8(load(path, source, RAW_DTYPES["F8_E4M3"]),
                                   load(f"{path} (FP8 block scales)", scales[path], np.float32))
+        elif path in int4:  # packed words, zeros and scales, each device its own groups
+            weight = int4[path]
+            flat[path] = Int4Groups(load(f"{path} (int4 words)", weight.words, np.int32, int4_reader),
+                                    load(f"{path} (int4 zeros)", weight.zeros, np.int8, int4_reader),
+                                    load(f"{path} (int4 scales)", weight.scales, np.float16, int4_reader))
         else:
             flat[path] = load(path, source, host_dtype)
     return unflatten(flat, cfg.num_layers)
@@ -319,8 +347,8 @@ def convert_to_orbax(model_dir: str | Path, out_dir: str | Path, dtype: str | No
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     cfg = ModelConfig.from_dir(model_dir)
     if cfg.quantization is not None:
-        raise CheckpointError(f"{model_dir}: an FP8 checkpoint; `jtp convert` writes full-precision Orbax "
-                              "checkpoints only (serve the FP8 safetensors directly)")
+        raise CheckpointError(f"{model_dir}: a {cfg.quantization.method} checkpoint; `jtp convert` writes "
+                              "full-precision Orbax checkpoints only (serve the quantized safetensors directly)")
     mesh = make_mesh(1)
     params = load_params(model_dir, cfg, mesh, resolve_dtype(cfg, dtype))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 
 Weights keep the Hugging Face layout [out_features, in_features]; `linear` contracts the
 input dim directly, so loading never transposes. A weight of an FP8 checkpoint is a `BlockFp8`
-(its float8 values and per-block scales) wherever an array would be.
+(its float8 values and per-block scales) wherever an array would be, one of an AWQ / GPTQ checkpoint
+an `Int4Groups`.
 """
 
 from __future__ import annotations
@@ -53,12 +54,41 @@ def use_fp8_kernel(params: dict) -> dict:
     return {**params, "layers": [{k: pick(w) for k, w in layer.items()} for layer in params["layers"]]}
 
 
+class Int4Groups(NamedTuple):
+    """A weight stored as 4-bit integers with one zero and one scale per group (AWQ / GPTQ checkpoints):
+    weight = (q - zero) x scale, in the layout the model reads (linear [out, in], experts [E, in, out]).
+
+    words: int32 [..., n / 8], value 8j + k of the last dim in bits 4k..4k+3 of word j;
+    zeros: int8 and scales: float16, the weight's shape with the grouped dim (its input dim)
+    divided by the group size. The loader (jtp/loading/int4.py) repacks both checkpoint layouts
+    into this one."""
+
+    words: jax.Array
+    zeros: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.words.shape[:-1], self.words.shape[-1] * 8)
+
+    def dequantize(self, dtype) -> jax.Array:
+        # >> on int32 copies the sign bit down; the mask keeps the 4 bits of each value.
+        q = (self.words[..., None] >> jnp.arange(0, 32, 4, dtype=jnp.int32)) & 15
+        # Each dim split into (groups, rows per group), zeros and scales broadcast over the rows.
+        grouped = q.reshape(sum(((g, n // g) for g, n in zip(self.scales.shape, self.shape)), ()))
+        per_group = tuple(x for _ in self.shape for x in (slice(None), None))
+        # (q - zero) is exact in int32 and its product with a float16 scale exact in float32.
+        w = (grouped - self.zeros.astype(jnp.int32)[per_group]).astype(jnp.float32) * \
+            self.scales.astype(jnp.float32)[per_group]
+        return w.reshape(self.shape).astype(dtype)
+
+
 def dense(weight, dtype) -> jax.Array:
     """The weight as an array of `dtype` (dequantized when stored quantized)."""
-    return weight.dequantize(dtype) if isinstance(weight, BlockFp8) else weight
+    return weight.dequantize(dtype) if isinstance(weight, (BlockFp8, Int4Groups)) else weight
 
 
-def linear(x: jax.Array, weight: jax.Array | BlockFp8, bias: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, weight: jax.Array | BlockFp8 | Int4Groups, bias: jax.Array | None = None) -> jax.Array:
     rows = math.prod(x.shape[:-1])
     if isinstance(weight, Fp8KernelWeight) and fp8_matmul.supported(rows, *weight.shape):
         y = fp8_matmul.fp8_matmul(x.reshape(rows, -1), weight.values, weight.scale,
