@@ -485,6 +485,17 @@ def test_echoed_prompt_logprobs_are_the_engines(served):
     np.testing.assert_allclose(lp["token_logprobs"][1:len(ids)], ref.prompt_logprobs.logprobs[1:], atol=1e-4)
 
 
+def test_completions_default_max_tokens_is_16_capped_by_the_room_left(served):
+    """vLLM's rule when max_tokens is unset: 16, or what the context (128 here) has left."""
+    r = served.post("/v1/completions", {"model": served.model, "prompt": PROMPTS[1], "temperature": 0,
+                                        "ignore_eos": True}).json()
+    assert r["usage"]["completion_tokens"] == 16
+    long_prompt = [5] * 120  # 8 tokens of room
+    r = served.post("/v1/completions", {"model": served.model, "prompt": long_prompt, "temperature": 0,
+                                        "ignore_eos": True}).json()
+    assert r["usage"]["completion_tokens"] == 8 and r["choices"][0]["finish_reason"] == "length", r
+
+
 def test_stop_strings_batched_prompts_and_ignore_eos(served):
     client = served.client()
     tok = served.engine.tokenizer

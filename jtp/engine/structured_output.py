@@ -161,7 +161,10 @@ def token_masks(grammars: GrammarCompiler | None, rows: list, words: int) -> np.
     bits = masks.view(np.uint32)  # clearing a bit here clears it in `masks`
     for b, stop_ids in short:
         ids = np.fromiter(stop_ids, np.int64)
+        row = bits[b].copy()
         np.bitwise_and.at(bits[b], ids // 32, ~np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+        if not bits[b].any():  # the grammar can only end: it wins over min_tokens (an empty mask samples noise)
+            bits[b] = row
     return masks
 
 

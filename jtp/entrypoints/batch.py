@@ -316,7 +316,7 @@ def run(
     input_path, output_path = Path(input_path), Path(output_path)
     max_pending = max_pending or PENDING_PER_SEQ * engine.scheduler.max_num_seqs
     vocab_size = engine.cfg.vocab_size
-    defaults = {"max_tokens": default_max_tokens, **engine.sampling_defaults}
+    defaults = {**engine.sampling_defaults, "max_tokens": default_max_tokens}
 
     total = scan_input(input_path)  # before the output is touched: a repeated id runs nothing
     stats = Stats()

@@ -194,10 +194,11 @@ class OpenAIServing:
         self._check_model(req.model)
         self._check_structure(req)
         self._check_choices(len(req.prompts) * req.n)
-        max_tokens = req.max_tokens
-        if max_tokens is None:
-            max_tokens = self.engine.sampling_defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
-        prompts = [(self._prompt_ids(p), max_tokens) for p in req.prompts]
+        ids = [self._prompt_ids(p) for p in req.prompts]
+        # Unset: vLLM's 16, capped by the generation config's max_new_tokens and the room left.
+        cap = self.engine.sampling_defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+        prompts = [(p, req.max_tokens if req.max_tokens is not None
+                    else min(DEFAULT_COMPLETION_MAX_TOKENS, cap, self._rest_of_context(p))) for p in ids]
         # echo: each prompt's text opens its choices' text (token ids decoded)
         echoes = [(p if isinstance(p, str) else self.names.decode(p)) if req.echo else None for p in req.prompts]
         return req, prompts, echoes
