@@ -19,7 +19,8 @@ from jtp.config.hub import looks_like_repo_id, resolve_model
 from jtp.config.speculative import SpeculativeConfig
 from jtp.errors import ConfigError
 
-QUANTIZATIONS = ("fp8",)  # vLLM's --quantization: fp8 quantizes a full-precision model's linear weights at load
+QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names: the model's dtype, or float8 e4m3 pages (scale 1)  # vLLM's --quantization: fp8 quantizes a full-precision model's linear weights at load
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: read the checkpoint, or random weights (jtp/loading/dummy_weights.py)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -54,6 +55,7 @@ class EngineArgs:
     num_scheduler_steps: int = 1  # decode steps one dispatch may run on the device (multi-step decode)
     enable_expert_parallel: bool = False  # MoE: whole experts per device instead of a slice of each
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
+    kv_cache_dtype: str = "auto"  # "fp8": K/V pages stored as float8 e4m3 (twice the tokens in the pool)
     quantization: str | None = None  # "fp8": linear weights quantized to FP8 blocks at load (jtp/loading/quantized.py)
     speculative_config: str | dict | None = None  # JSON, as vLLM spells it: '{"method": "ngram", "num_speculative_tokens": 4}'
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in and out, no text or stop strings
@@ -103,6 +105,7 @@ class EngineArgs:
              "must be at least 0")
         need(1 <= self.num_scheduler_steps <= 64, "num_scheduler_steps", "must be in 1..64")
         SpeculativeConfig.parse(self.speculative_config)  # raises ConfigError naming the bad key or value
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         need(self.quantization in (None, *QUANTIZATIONS), "quantization", f"must be one of {', '.join(QUANTIZATIONS)}")
         need(self.generation_config in GENERATION_CONFIG_MODES or Path(self.generation_config).is_dir(),
              "generation_config", "must be auto, vllm or a directory holding a generation_config.json")
@@ -204,6 +207,9 @@ class EngineArgs:
                             "checkpoint's generation_config.json (temperature, top_p, top_k, min_p, "
                             "repetition_penalty, max_new_tokens), as vLLM; vllm: none (temperature 1); DIR: "
                             "that directory's generation_config.json")
+        p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                       help="auto: K/V pages in the model's dtype; fp8 (fp8_e4m3): float8 e4m3 pages with scale 1, "
+                            "as vLLM without calibrated scales: twice the tokens in the pool, values past +-448 clipped")
         p.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=d.quantization,
                        help="fp8: quantize the linear weights of a full-precision checkpoint to FP8 (e4m3, one scale "
                             "per 128 x 128 block, as Qwen's FP8 releases) at load; FP8 checkpoints need no flag")

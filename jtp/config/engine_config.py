@@ -45,6 +45,7 @@ class EngineConfig:
     num_scheduler_steps: int
     enable_expert_parallel: bool
     load_format: str
+    kv_cache_dtype: str  # "auto" or "fp8" / "fp8_e4m3"
     quantization: str | None  # "fp8": quantize at load (an FP8 checkpoint's own format is in model_config)
     speculative_config: SpeculativeConfig | None
     skip_tokenizer_init: bool
@@ -82,6 +83,7 @@ class EngineConfig:
             num_scheduler_steps=args.num_scheduler_steps,
             enable_expert_parallel=args.enable_expert_parallel,
             load_format=args.load_format,
+            kv_cache_dtype=args.kv_cache_dtype,
             quantization=args.quantization,
             speculative_config=SpeculativeConfig.parse(args.speculative_config),
             skip_tokenizer_init=args.skip_tokenizer_init,

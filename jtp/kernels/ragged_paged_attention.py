@@ -57,8 +57,8 @@ def _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, limit, scale_log2
     def body(it, carry):
         acc, m_prev, l_prev = carry
         pages = bt_ref[row, pl.ds(it * ppi, ppi)]  # [ppi]
-        k = k_ref[pages].reshape(n_keys, head_dim)
-        v = v_ref[pages].reshape(n_keys, head_dim)
+        k = k_ref[pages].reshape(n_keys, head_dim).astype(q.dtype)  # float8 pages: converted in registers
+        v = v_ref[pages].reshape(n_keys, head_dim).astype(q.dtype)
         scores = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
         ) * scale_log2  # [M, N], in log2 units

@@ -29,6 +29,7 @@ from jtp.parallel.sharding import kv_head_replicas
 # then yields a harmless uniform softmax instead of NaN.
 _MASKED = -1e30
 CHUNK_KEYS = 256  # keys the reference attention reads per loop iteration
+FP8_MAX = 448.0  # float8 e4m3's largest value (--kv-cache-dtype fp8)
 
 
 class AttentionMetadata(NamedTuple):
@@ -79,6 +80,8 @@ def write_kv(cache: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 
     def scatter(pages, new):
         flat = pages.reshape(num_slots, *pages.shape[2:])
+        if pages.dtype == jnp.float8_e4m3fn:  # e4m3 has no inf: saturate, as vLLM's fp8 pages do
+            new = jnp.clip(new, -FP8_MAX, FP8_MAX)
         flat = flat.at[slots].set(new.astype(pages.dtype), mode="drop")
         return flat.reshape(pages.shape)
 
@@ -112,7 +115,7 @@ def paged_attention_reference(q: jax.Array, cache: LayerKV, meta: AttentionMetad
         i, running_max, denominator, out = carry
         page_ids = jax.lax.dynamic_slice_in_dim(tables, i * pages, pages, axis=1)[meta.token_rows]  # [T, pages]
         slots = (page_ids[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, keys_per_chunk)
-        keys, values = flat_k[slots], flat_v[slots]  # [T, S, kv_heads, D]
+        keys, values = flat_k[slots].astype(q.dtype), flat_v[slots].astype(q.dtype)  # [T, S, kv_heads, D]
         scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, preferred_element_type=jnp.float32) * scale
         key_pos = i * keys_per_chunk + jnp.arange(keys_per_chunk)
         scores = jnp.where((key_pos[None, :] < visible_len[:, None])[:, None, None, :], scores, _MASKED)

@@ -37,9 +37,11 @@ class ModelFamily(Protocol):
         ...
 
     def init_cache(
-        self, cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype
+        self, cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype,
+        kv_dtype=None,
     ) -> list:
-        """One zeroed cache entry per layer (paged K/V, or a recurrent layer's state slots), sharded."""
+        """One zeroed cache entry per layer (paged K/V in `kv_dtype`, default `dtype`, or a recurrent
+        layer's state slots), sharded."""
         ...
 
     def forward(

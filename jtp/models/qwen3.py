@@ -93,10 +93,11 @@ def compute_logits(params: dict, hidden) -> jax.Array:
     return linear(hidden, head).astype(jnp.float32)
 
 
-def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype) -> list[LayerKV]:
+def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype,
+               kv_dtype=None) -> list[LayerKV]:
     """Zeroed paged K/V for every layer."""
     del num_state_slots  # no per-sequence state beyond the pages
-    return [zeroed_layer_kv(cfg, mesh, num_blocks, block_size, dtype) for _ in range(cfg.num_layers)]
+    return [zeroed_layer_kv(cfg, mesh, num_blocks, block_size, kv_dtype or dtype) for _ in range(cfg.num_layers)]
 
 
 mtp_forward = None  # these checkpoints have no multi-token-prediction head

@@ -424,7 +424,8 @@ compute_logits = qwen3.compute_logits  # the same LM head (tied or not)
 uses_row_len_bound = True  # the DeltaNet layers chunk each row by it
 
 
-def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype) -> list:
+def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype,
+               kv_dtype=None) -> list:
     """Paged K/V for full-attention layers; zeroed slot states for DeltaNet layers."""
     K = cfg.linear_conv_kernel_dim
     shapes = DeltaNetState(
@@ -442,7 +443,7 @@ def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_sta
                 for name, shape, axes, dt in zip(DeltaNetState._fields, shapes, STATE_AXES, dtypes)
             )))
         else:
-            cache.append(zeroed_layer_kv(cfg, mesh, num_blocks, block_size, dtype))
+            cache.append(zeroed_layer_kv(cfg, mesh, num_blocks, block_size, kv_dtype or dtype))
     return cache
 
 

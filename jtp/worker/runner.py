@@ -109,6 +109,8 @@ class ModelRunner:
         self.cfg = config.model_config
         self.mesh = make_mesh(config.tensor_parallel_size, devices)
         self.dtype = resolve_dtype(self.cfg, config.dtype)
+        # K/V pages: the model's dtype, or float8 e4m3 (--kv-cache-dtype fp8: written clipped, read as the model's dtype)
+        self.kv_dtype = jnp.float8_e4m3fn if config.kv_cache_dtype.startswith("fp8") else self.dtype
         # mtp_drafts > 0: load the checkpoint's MTP head; every step then also drafts that many tokens per row.
         self.mtp_drafts = mtp_drafts = config.mtp_drafts
         self.params = load_params(
@@ -195,9 +197,10 @@ class ModelRunner:
 
     def _init_cache(self, num_blocks: int, num_state_slots: int) -> list:
         """The family's cache; with the MTP head, its attention layer's K/V last (same pages and slots)."""
-        cache = self.family.init_cache(self.cfg, self.mesh, num_blocks, self.block_size, num_state_slots, self.dtype)
+        cache = self.family.init_cache(self.cfg, self.mesh, num_blocks, self.block_size, num_state_slots, self.dtype,
+                                       self.kv_dtype)
         if self.mtp_drafts:
-            cache.append(zeroed_layer_kv(self.cfg, self.mesh, num_blocks, self.block_size, self.dtype))
+            cache.append(zeroed_layer_kv(self.cfg, self.mesh, num_blocks, self.block_size, self.kv_dtype))
         return cache
 
     def _cache_bytes(self, num_blocks: int, num_state_slots: int) -> int:
