@@ -56,15 +56,17 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def load_in_background(self) -> None:
-        """Build the tokenizer's llguidance copy on a daemon thread (about a second at a 152k vocabulary,
-        most of it under the GIL) while the engine starts, not at the first structured request."""
+        """Build the tokenizer's llguidance copy on a thread (about a second at a 152k vocabulary, most
+        of it under the GIL) while the engine starts, not at the first structured request. Not a
+        daemon: a process that exits meanwhile waits for it (Rust code cut short by the interpreter's
+        exit can crash the process)."""
         def load():
             try:
                 self.tokenizer
             except StructuredOutputError as e:  # said again, to the request that asks for a grammar
                 log.info("structured outputs unavailable: %s", e)
 
-        threading.Thread(target=load, name="jtp-llguidance-tokenizer", daemon=True).start()
+        threading.Thread(target=load, name="jtp-llguidance-tokenizer").start()
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
