@@ -325,6 +325,8 @@ def test_completion_request_errors_name_the_field(body, param):
     ({"messages": CHAT, "logprobs": 1}, "logprobs"),
     ({"messages": CHAT, "chat_template_kwargs": []}, "chat_template_kwargs"),
     ({"messages": CHAT, "response_format": {"type": "yaml"}}, "response_format"),
+    ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": CHAT, "max_tokens": -3}, "max_tokens"),
 ])
 def test_chat_request_errors_name_the_field(body, param):
     with pytest.raises(APIError) as e:

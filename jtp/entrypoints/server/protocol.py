@@ -143,6 +143,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if top is not None and not fields.get("logprobs"):
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
+    for name in ("max_completion_tokens", "max_tokens"):  # named as sent (the engine knows only max_tokens)
+        if fields.get(name) is not None and fields[name] < 1:
+            raise APIError(f"{name} must be >= 1, got {fields[name]}", param=name)
     for legacy, name in (("functions", "tools"), ("function_call", "tool_choice")):
         if legacy in fields:
             raise APIError(f"the legacy {legacy} field is not supported; send {name}", param=legacy)
