@@ -145,7 +145,7 @@ def forward(params: dict, tokens, config: dict):
         attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, heads * d)
         x = x + linear(attn, p("self_attn.o_proj"))
         h = rms_norm(x, p("post_attention_layernorm"), eps)
-        x = x + swiglu_mlp(h, p("mlp.gate_proj"), p("mlp.up_proj"), p("mlp.down_proj"))
+        x = x + swiglu_mlp(h, {name: p(f"mlp.{name}") for name in ("gate_proj", "up_proj", "down_proj")})
     x = rms_norm(x, params["model.norm.weight"], eps)
     return linear(x, embed)  # tied lm_head
 

@@ -7,14 +7,17 @@ half of what the bf16 weight costs, instead of a dequantized copy.
 Program (n block, k split) walks its [BN, K / splits] stripe of the weight in 128-column steps (one
 block's width, so one scale per tile): x[:, k0 : k0 + 128] (its rows padded to a power of two of at
 least 16, the MMA's minimum), the float8 tile [BN, 128] converted to x's dtype, their product
-scaled by the tile's block scale and accumulated in fp32. Few output blocks (a decode step's small
-N) leave SMs idle, so K is split over programs writing fp32 partials that jnp sums afterwards.
-Meant for few rows (decode); a prefill's GEMM has other needs (its rows are the big dim).
+scaled by the tile's block scale and accumulated in fp32. With one split the program writes x's
+dtype directly; with several (few output blocks would leave SMs idle) it writes fp32 partials that
+jnp sums afterwards, one more kernel. Meant for few rows (decode): jtp/kernels/fp8_gemm.py serves
+a prefill's rows.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,49 +26,74 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 BLOCK = 128  # the checkpoint's block: the kernel's K step and the granularity of its scales
+MAX_ROWS = 64
+
+
+class Fp8MatmulConfig(NamedTuple):
+    bn: int  # output columns per program (divides 128: one block row of scales per tile)
+    splits: int  # programs along K, summed afterwards when > 1
+    unroll: int = 1  # 128-column tiles loaded per loop step (more bytes in flight per program)
+    warps: int = 4
+    stages: int = 3
 
 
 def supported(rows: int, out: int, inner: int) -> bool:
-    return out % 64 == 0 and inner % BLOCK == 0 and rows <= 64
+    return out % 64 == 0 and inner % BLOCK == 0 and rows <= MAX_ROWS
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int):
+def choose_config(rows: int, out: int, inner: int) -> Fp8MatmulConfig:
+    """Narrow column blocks and no K split: enough programs to fill an H200's 132 SMs without the
+    partial sums' extra kernel. JTP_FP8_DECODE="bn,splits[,unroll,warps,stages]" overrides (benchmarks)."""
+    forced = os.environ.get("JTP_FP8_DECODE", "").strip()
+    if forced:
+        return Fp8MatmulConfig(*(int(v) for v in forced.split(",")))
+    bn = 64
+    while bn > 16 and out // bn < 264:
+        bn //= 2
+    unroll = 4 if (inner // BLOCK) % 4 == 0 else 1
+    return Fp8MatmulConfig(bn, 1, unroll)
+
+
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: int):
     split = pl.program_id(1)
+    block_row = pl.program_id(0) * bn // BLOCK
 
     def body(i, acc):
-        kb = split * k_steps + i
-        k0 = pl.multiple_of(kb * BLOCK, BLOCK)
-        x = x_ref[:, pl.ds(k0, BLOCK)]  # [T, 128]
-        w = w_ref[:, pl.ds(k0, BLOCK)].astype(x.dtype)  # [BN, 128]: float8 -> x's dtype, exact
-        part = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return acc + part * s_ref[0, kb]
+        for j in range(unroll):
+            kb = (split * k_steps + i) * unroll + j
+            k0 = pl.multiple_of(kb * BLOCK, BLOCK)
+            x = x_ref[:, pl.ds(k0, BLOCK)]  # [T, 128]
+            w = w_ref[:, pl.ds(k0, BLOCK)].astype(x.dtype)  # [BN, 128]: float8 -> x's dtype, exact
+            part = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            acc = acc + part * s_ref[block_row, kb]
+        return acc
 
     acc = lax.fori_loop(0, k_steps, body, jnp.zeros((x_ref.shape[0], w_ref.shape[0]), jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, bn: int = 64, splits: int | None = None,
+def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, config: Fp8MatmulConfig | None = None, *,
                interpret: bool = False) -> jax.Array:
     """x [T, K] (T <= 64), values float8 [N, K], scale f32 [N / 128, K / 128] -> [T, N] in x.dtype."""
     T, K = x.shape
     N = values.shape[0]
+    bn, splits, unroll, warps, stages = config or choose_config(T, N, K)
     kb = K // BLOCK
-    if splits is None:  # about two programs per SM of an H200
-        splits = 1
-        while (N // bn) * splits < 264 and kb % (splits * 2) == 0 and splits < 16:
-            splits *= 2
+    if BLOCK % bn or kb % (splits * unroll):
+        raise ValueError(f"fp8_matmul: {bn=} must divide {BLOCK} and {splits=} x {unroll=} the {kb} K blocks")
     rows = max(16, 1 << (T - 1).bit_length())
     x = jnp.pad(x, ((0, rows - T), (0, 0)))
-    partials = pl.pallas_call(
-        functools.partial(_kernel, k_steps=kb // splits),
+    out_dtype = x.dtype if splits == 1 else jnp.float32
+    out = pl.pallas_call(
+        functools.partial(_kernel, k_steps=kb // splits // unroll, unroll=unroll, bn=bn),
         grid=(N // bn, splits),
         in_specs=[pl.BlockSpec((rows, K), lambda n, s: (0, 0)),
                   pl.BlockSpec((bn, K), lambda n, s: (n, 0)),
-                  pl.BlockSpec((1, kb), lambda n, s: (n * bn // BLOCK, 0))],
+                  pl.BlockSpec(scale.shape, lambda n, s: (0, 0))],
         out_specs=pl.BlockSpec((None, rows, bn), lambda n, s: (s, 0, n)),
-        out_shape=jax.ShapeDtypeStruct((splits, rows, N), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, N), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name=f"jtp_fp8_matmul_n{bn}_s{splits}",
+        name=f"jtp_fp8_matmul_n{bn}_s{splits}_u{unroll}",
     )(x, values, scale.astype(jnp.float32))
-    return partials.sum(axis=0)[:T].astype(x.dtype)
+    return (out[0] if splits == 1 else out.sum(axis=0))[:T].astype(x.dtype)

@@ -8,6 +8,9 @@ an `Int4Groups`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
 import math
 from typing import NamedTuple
 
@@ -16,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtp.config.rope import Yarn
-from jtp.kernels import fp8_matmul
+from jtp.kernels import fp8_gemm, fp8_matmul
 
 
 class BlockFp8(NamedTuple):
@@ -38,20 +41,53 @@ class BlockFp8(NamedTuple):
 
 
 class Fp8KernelWeight(BlockFp8):
-    """A BlockFp8 of 128 x 128 blocks whose products with few rows (decode) run in the FP8 kernel
-    (jtp/kernels/fp8_matmul.py), which reads its float8 bytes once. The runner makes these on a
-    single GPU only: a pallas_call is opaque to XLA's partitioner."""
+    """A BlockFp8 of 128 x 128 blocks whose products run in the FP8 kernels: few rows (decode) in
+    jtp/kernels/fp8_matmul.py, which reads its float8 bytes once, more (prefill) in the W8A8 GEMM
+    of jtp/kernels/fp8_gemm.py. The runner makes these on a single GPU only: a pallas_call is opaque
+    to XLA's partitioner."""
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scale"], meta_fields=["sizes"])
+@dataclasses.dataclass(frozen=True)
+class FusedFp8KernelWeight:
+    """Several Fp8KernelWeights that multiply the same input, concatenated along their outputs
+    (`sizes` each): one kernel launch instead of one per projection."""
+
+    values: jax.Array
+    scale: jax.Array
+    sizes: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+
+# Projections of one input that the FP8 kernel path fuses: each group's name in a layer is "+".join(group).
+FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("shared_gate", "shared_up"),
+                     ("gdn_q", "gdn_k", "gdn_v", "gdn_z"))
 
 
 def use_fp8_kernel(params: dict) -> dict:
-    """`params` with each decoder-layer linear weight the FP8 kernel can serve as a Fp8KernelWeight."""
+    """`params` with each decoder-layer linear weight the FP8 kernels can serve as a Fp8KernelWeight,
+    and the FUSED_PROJECTIONS groups of them concatenated. Layers are replaced one at a time, so the
+    unfused copies are freed as it goes."""
     def pick(w):
         if type(w) is BlockFp8 and w.values.ndim == 2 and w.values.shape[0] // w.scale.shape[0] == fp8_matmul.BLOCK \
                 and w.values.shape[1] // w.scale.shape[1] == fp8_matmul.BLOCK and fp8_matmul.supported(1, *w.shape):
             return Fp8KernelWeight(*w)
         return w
 
-    return {**params, "layers": [{k: pick(w) for k, w in layer.items()} for layer in params["layers"]]}
+    layers = params["layers"]
+    for i, layer in enumerate(layers):
+        layer = {k: pick(w) for k, w in layer.items()}
+        for group in FUSED_PROJECTIONS:
+            if all(type(layer.get(name)) is Fp8KernelWeight for name in group):
+                parts = [layer.pop(name) for name in group]
+                layer["+".join(group)] = FusedFp8KernelWeight(
+                    jnp.concatenate([w.values for w in parts]), jnp.concatenate([w.scale for w in parts]),
+                    tuple(w.shape[0] for w in parts))
+        layers[i] = layer
+    return params
 
 
 class Int4Groups(NamedTuple):
@@ -88,14 +124,29 @@ def dense(weight, dtype) -> jax.Array:
     return weight.dequantize(dtype) if isinstance(weight, (BlockFp8, Int4Groups)) else weight
 
 
-def linear(x: jax.Array, weight: jax.Array | BlockFp8 | Int4Groups, bias: jax.Array | None = None) -> jax.Array:
-    rows = math.prod(x.shape[:-1])
-    if isinstance(weight, Fp8KernelWeight) and fp8_matmul.supported(rows, *weight.shape):
-        y = fp8_matmul.fp8_matmul(x.reshape(rows, -1), weight.values, weight.scale,
-                                  interpret=jax.default_backend() != "gpu").reshape(*x.shape[:-1], -1)
+def linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
+    if isinstance(weight, (Fp8KernelWeight, FusedFp8KernelWeight)):
+        rows, interpret = math.prod(x.shape[:-1]), jax.default_backend() != "gpu"
+        flat = x.reshape(rows, -1)
+        if fp8_matmul.supported(rows, *weight.shape):
+            y = fp8_matmul.fp8_matmul(flat, weight.values, weight.scale, interpret=interpret)
+        else:
+            y = fp8_gemm.fp8_gemm(flat, weight.values, weight.scale, interpret=interpret)
+        y = y.reshape(*x.shape[:-1], -1)
     else:
         y = jnp.einsum("...i,oi->...o", x, dense(weight, x.dtype))
     return y if bias is None else y + bias
+
+
+def project(x: jax.Array, p: dict, *names: str) -> tuple[jax.Array, ...]:
+    """linear(x, p[name], p[name's bias]) for each name: one product when the layer holds them fused
+    (FUSED_PROJECTIONS), split afterwards. A name "q_proj"'s bias is "q_bias"."""
+    fused = p.get("+".join(names))
+    if fused is None:
+        return tuple(linear(x, p[name], p.get(name.removesuffix("_proj") + "_bias")) for name in names)
+    ys = jnp.split(linear(x, fused), list(itertools.accumulate(fused.sizes))[:-1], axis=-1)
+    return tuple(y if p.get(name.removesuffix("_proj") + "_bias") is None else y + p[name.removesuffix("_proj") + "_bias"]
+                 for y, name in zip(ys, names))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -154,8 +205,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([rot, rest], axis=-1) if rest.shape[-1] else rot
 
 
-def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
+def swiglu_mlp(x: jax.Array, p: dict, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> jax.Array:
+    g, u = project(x, p, gate, up)
+    return linear(jax.nn.silu(g) * u, p[down])
 
 
 def route_top_k(x: jax.Array, router: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:

@@ -33,6 +33,7 @@ from jtp.models.attention import (
 from jtp.models.layers import (
     apply_rope,
     linear,
+    project,
     rms_norm,
     rope_cos_sin,
     route_top_k,
@@ -44,9 +45,7 @@ from jtp.parallel.sharding import kv_head_replicas
 
 def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, attend: PagedAttention):
     T, D = x.shape[0], cfg.head_dim
-    q = linear(x, p["q_proj"], p.get("q_bias")).reshape(T, -1, D)
-    k = linear(x, p["k_proj"], p.get("k_bias")).reshape(T, -1, D)
-    v = linear(x, p["v_proj"], p.get("v_bias")).reshape(T, -1, D)
+    q, k, v = (y.reshape(T, -1, D) for y in project(x, p, "q_proj", "k_proj", "v_proj"))
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -58,7 +57,7 @@ def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: Attenti
 
 def feed_forward(p: dict, cfg: ModelConfig, x, routed: RoutedExperts, real_tokens):
     if "router" not in p:  # a dense layer
-        return swiglu_mlp(x, p["gate_proj"], p["up_proj"], p["down_proj"])
+        return swiglu_mlp(x, p)
     weights, experts = route_top_k(x, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     return routed(x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"], real_tokens)
 

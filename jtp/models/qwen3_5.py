@@ -58,6 +58,7 @@ from jtp.models.layers import (
     apply_rope,
     gated_rms_norm,
     linear,
+    project,
     rms_norm_zero_centered,
     rope_cos_sin,
     swiglu_mlp,
@@ -272,9 +273,10 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: Row
     B, L = rows.valid.shape
     conv = conv_step if L == 1 else causal_conv
 
-    q, conv_q = conv(linear(x, p["gdn_q"]), p["gdn_conv_q"], state.conv_q, rows)
-    k, conv_k = conv(linear(x, p["gdn_k"]), p["gdn_conv_k"], state.conv_k, rows)
-    v, conv_v = conv(linear(x, p["gdn_v"]), p["gdn_conv_v"], state.conv_v, rows)
+    q, k, v, z = project(x, p, "gdn_q", "gdn_k", "gdn_v", "gdn_z")
+    q, conv_q = conv(q, p["gdn_conv_q"], state.conv_q, rows)
+    k, conv_k = conv(k, p["gdn_conv_k"], state.conv_k, rows)
+    v, conv_v = conv(v, p["gdn_conv_v"], state.conv_v, rows)
     # Activation-dtype conv outputs, as in HF, then fp32 for the recurrence.
     q, k, v = (u.astype(x.dtype).astype(jnp.float32) for u in (q, k, v))
 
@@ -303,8 +305,7 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: Row
         recurrent = recurrent.at[rows.keep_slots].set(kept, mode="drop")
 
     o = o[rows.token_row, rows.token_t].astype(x.dtype)  # back to the flat order [T, Hv, dv]
-    z = linear(x, p["gdn_z"]).reshape(T, Hv, dv)
-    o = gated_rms_norm(o, z, p["gdn_norm"], cfg.rms_norm_eps).reshape(T, Hv * dv)
+    o = gated_rms_norm(o, z.reshape(T, Hv, dv), p["gdn_norm"], cfg.rms_norm_eps).reshape(T, Hv * dv)
     return linear(o, p["gdn_out"]), DeltaNetState(conv_q, conv_k, conv_v, recurrent)
 
 
@@ -315,10 +316,9 @@ def gated_attention(
     p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, attend: PagedAttention
 ):
     T, D = x.shape[0], cfg.head_dim
-    qg = linear(x, p["q_proj"]).reshape(T, -1, 2 * D)  # per head [q_h | gate_h]
+    qg, k, v = project(x, p, "q_proj", "k_proj", "v_proj")
+    qg, k, v = qg.reshape(T, -1, 2 * D), k.reshape(T, -1, D), v.reshape(T, -1, D)  # qg per head: [q_h | gate_h]
     q, gate = qg[..., :D], qg[..., D:]
-    k = linear(x, p["k_proj"]).reshape(T, -1, D)
-    v = linear(x, p["v_proj"]).reshape(T, -1, D)
     q = apply_rope(rms_norm_zero_centered(q, p["q_norm"], cfg.rms_norm_eps), cos, sin)
     k = apply_rope(rms_norm_zero_centered(k, p["k_norm"], cfg.rms_norm_eps), cos, sin)
     kv = write_kv(kv, k, v, meta.slot_mapping)
@@ -329,7 +329,7 @@ def gated_attention(
 def feed_forward(p: dict, cfg: ModelConfig, x, routed: RoutedExperts, real_tokens):
     y = qwen3.feed_forward(p, cfg, x, routed, real_tokens)  # SwiGLU MLP or routed experts
     if "shared_gate" in p:  # MoE layers' sigmoid-gated shared expert
-        shared = swiglu_mlp(x, p["shared_gate"], p["shared_up"], p["shared_down"])
+        shared = swiglu_mlp(x, p, "shared_gate", "shared_up", "shared_down")
         y = y + jax.nn.sigmoid(linear(x, p["shared_expert_gate"])) * shared
     return y
 

@@ -1,0 +1,154 @@
+"""The FP8 kernels alone on a GPU, at one model's linear shapes: device time per projection for the
+decode kernel (jtp/kernels/fp8_matmul.py) and the W8A8 GEMM (jtp/kernels/fp8_gemm.py) against
+XLA's bf16 dot and XLA's FP8 dot (one per-tensor scale: cuBLASLt's FP8 GEMM, the peer), with the
+weight bytes each reads and the FLOPs, against the copy and matmul ceilings measured in the same run.
+
+    python scripts/fp8_kernel_bench.py [--preset qwen3-8b] [--decode-rows 1,8,64] [--gemm-rows 64,512,4096]
+                                       [--sweep] [--json FILE]
+
+Each figure is one projection's share of `LAYERS` distinct layers' weights multiplied in turn inside
+one jit, chained `REPS` times (each product feeds the next input), so no host dispatch is counted and
+the weights do not sit in L2. `--sweep` times a grid of tile configs per shape; every config's
+output is also checked against the dequantized weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import measure_ceilings  # noqa: E402
+
+from jtp.kernels import fp8_gemm, fp8_matmul  # noqa: E402
+from jtp.models.layers import BlockFp8  # noqa: E402
+
+INTERPRET = jax.default_backend() != "gpu"
+SHAPES = {  # projection: (out, in), fused as the FP8 kernel path runs them
+    "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)},
+    "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},
+    "tiny": {"a": (256, 256)},  # a CPU smoke test (Pallas' interpreter)
+}
+LAYERS, REPS = (8, 8) if not INTERPRET else (1, 1)
+DECODE_SWEEP = [fp8_matmul.Fp8MatmulConfig(*c) for c in (
+    (16, 1, 1), (16, 1, 4, 4, 4), (16, 2, 4), (32, 1, 4), (32, 1, 2, 4, 4), (64, 1, 4), (64, 2, 2), (64, 4, 1),
+    (128, 1, 4), (32, 1, 8, 4, 3))]
+GEMM_SWEEP = [fp8_gemm.Fp8GemmConfig(*c) for c in ((64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 5))]
+_empty_loop: dict = {}
+
+
+def timed(fn, *args, iters: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def per_layer_seconds(product, x, weights) -> float:
+    """Device seconds of one `product(x, layer_weight)`, over LAYERS layers chained REPS times."""
+    def chained(x, weights):
+        def body(_, x):
+            for w in weights:
+                y = product(x, w)
+                x = x + (jnp.sum(y.astype(jnp.float32)) * 1e-30).astype(x.dtype)
+            return x
+        return jax.lax.fori_loop(0, REPS, body, x)
+
+    if x.shape not in _empty_loop:
+        _empty_loop[x.shape] = timed(jax.jit(lambda x: jax.lax.fori_loop(0, REPS, lambda _, x: x + 1e-30, x)), x)
+    empty = _empty_loop[x.shape]
+    return max(1e-9, (timed(jax.jit(chained), x, weights) - empty) / (REPS * LAYERS))
+
+
+def random_fp8(key, n: int, k: int) -> BlockFp8:
+    values = (jax.random.normal(key, (n, k), jnp.float32) * 0.5).astype(jnp.float8_e4m3fn)
+    scale = jax.random.uniform(jax.random.fold_in(key, 1), (n // 128, k // 128), jnp.float32, 0.01, 0.02)
+    return BlockFp8(values, scale)
+
+
+def rel_error(y, ref) -> float:
+    y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
+    return float(np.max(np.abs(y - ref)) / max(1e-30, np.max(np.abs(ref))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=SHAPES, default="qwen3-8b")
+    ap.add_argument("--decode-rows", default="1,8,64")
+    ap.add_argument("--gemm-rows", default="64,512,4096")
+    ap.add_argument("--sweep", action="store_true", help="time a grid of tile configs per shape")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dtype = jnp.bfloat16
+    ceilings = measure_ceilings(jax.devices()[0], dtype, copy_bytes=1 << 30 if not INTERPRET else 1 << 20,
+                                matmul_n=8192 if not INTERPRET else 64)
+    bw, peak = ceilings["copy_bandwidth_Bps"], ceilings["matmul_flops_per_s"]
+    print(f"# {args.preset} linear shapes on {jax.devices()[0].device_kind}: copy {bw / 1e12:.2f} TB/s "
+          f"({ceilings['copy_method']}), bf16 matmul {peak / 1e12:.0f} TFLOP/s; device us per projection")
+    print("| rows | proj | N x K | op | config | us | weight GB/s | % of copy | TFLOP/s | rel. error |")
+    print("|---:|---|---|---|---|---:|---:|---:|---:|---:|")
+    rows_out = []
+    key = jax.random.key(0)
+
+    def report(rows, name, shape, op, config, seconds, weight_bytes, err):
+        N, K = shape
+        rate = weight_bytes / seconds
+        flops = 2 * rows * N * K / seconds
+        rows_out.append(dict(rows=rows, proj=name, n=N, k=K, op=op, config=str(config), us=seconds * 1e6,
+                             weight_GBps=rate / 1e9, copy_fraction=rate / bw, tflops=flops / 1e12, rel_error=err))
+        print(f"| {rows} | {name} | {N} x {K} | {op} | {config} | {seconds * 1e6:.1f} | {rate / 1e9:.0f} | "
+              f"{100 * rate / bw:.0f}% | {flops / 1e12:.1f} | {err:.1e} |", flush=True)
+
+    for name, (N, K) in SHAPES[args.preset].items():
+        fp8 = [random_fp8(jax.random.fold_in(key, i), N, K) for i in range(LAYERS)]
+        bf16 = [w.dequantize(dtype) for w in fp8]
+        per_tensor = [(w.values, jnp.max(w.scale)) for w in fp8]  # cuBLASLt's FP8 GEMM: one scale per tensor
+        for rows in sorted({*map(int, args.decode_rows.split(",")), *map(int, args.gemm_rows.split(","))}):
+            x = (jax.random.normal(jax.random.fold_in(key, rows), (rows, K), jnp.float32)).astype(dtype)
+            ref = jnp.einsum("tk,nk->tn", x.astype(jnp.float32), bf16[0].astype(jnp.float32))
+            dot = lambda x, w: jnp.einsum("tk,nk->tn", x, w)  # noqa: E731
+            report(rows, name, (N, K), "xla bf16", "-", per_layer_seconds(dot, x, bf16), N * K * 2,
+                   rel_error(dot(x, bf16[0]), ref))
+
+            def xla_fp8(x, w):
+                values, scale = w
+                xs = jnp.max(jnp.abs(x)).astype(jnp.float32) / fp8_gemm.FP8_MAX
+                xq = (x.astype(jnp.float32) / xs).astype(jnp.float8_e4m3fn)
+                y = jax.lax.dot_general(xq, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                return (y * (xs * scale)).astype(x.dtype)
+            report(rows, name, (N, K), "xla fp8 per-tensor", "-", per_layer_seconds(xla_fp8, x, per_tensor), N * K,
+                   float("nan"))
+            if rows in map(int, args.decode_rows.split(",")) and fp8_matmul.supported(rows, N, K):
+                configs = [None, *(DECODE_SWEEP if args.sweep and rows == 1 else [])]
+                for config in configs:
+                    if config is not None and ((K // 128) % (config.splits * config.unroll) or N % config.bn):
+                        continue
+                    op = lambda x, w, c=config: fp8_matmul.fp8_matmul(x, w.values, w.scale, c, interpret=INTERPRET)  # noqa: E731
+                    report(rows, name, (N, K), "fp8 decode kernel",
+                           config or fp8_matmul.choose_config(rows, N, K), per_layer_seconds(op, x, fp8), N * K,
+                           rel_error(op(x, fp8[0]), ref))
+            if rows in map(int, args.gemm_rows.split(",")):
+                configs = [None, *(GEMM_SWEEP if args.sweep and rows == max(map(int, args.gemm_rows.split(","))) else [])]
+                for config in configs:
+                    op = lambda x, w, c=config: fp8_gemm.fp8_gemm(x, w.values, w.scale, c, interpret=INTERPRET)  # noqa: E731
+                    report(rows, name, (N, K), "fp8 w8a8 gemm", config or fp8_gemm.choose_config(rows),
+                           per_layer_seconds(op, x, fp8), N * K, rel_error(op(x, fp8[0]), ref))
+        del fp8, bf16, per_tensor
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(preset=args.preset, device=jax.devices()[0].device_kind,
+                                                   ceilings=ceilings, rows=rows_out), indent=1))
+
+
+if __name__ == "__main__":
+    main()
