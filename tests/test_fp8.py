@@ -27,6 +27,7 @@ from jtp.config.engine_args import EngineArgs  # noqa: E402
 from jtp.core.sampling_params import SamplingParams  # noqa: E402
 from jtp.engine.engine import Engine  # noqa: E402
 from jtp.errors import CheckpointError, ShardingError  # noqa: E402
+from jtp.kernels import grouped_matmul  # noqa: E402
 from jtp.loading.weights import convert_to_orbax  # noqa: E402
 from jtp.kernels import fp8_gemm, fp8_matmul  # noqa: E402
 from jtp.models.layers import BlockFp8, Fp8KernelWeight, FusedFp8KernelWeight  # noqa: E402
@@ -162,6 +163,37 @@ def test_fp8_kernels_give_the_dequantizing_paths_logprobs(tmp_path, monkeypatch)
     w8a8, _ = jtp_logprobs(src, long_prompt, quantization="fp8", max_num_batched_tokens=128)
     gap = np.abs(w8a8 - xla_long)
     assert 0 < gap.max() < 1.0 and gap.mean() < 0.2, (gap.mean(), gap.max())
+
+
+def test_fp8_moe_kernel_reads_float8_experts_and_gives_ragged_dots_outputs(tmp_path, monkeypatch):
+    """JTP_MOE=kernel (the grouped-matmul kernel, interpreted here) on an FP8 MoE checkpoint: the
+    experts go to it as float8 values and block scales, not dequantized, at tp 1, 2 and with expert
+    parallelism, and prefill and decode give JTP_MOE=ragged_dot's logprobs and greedy tokens."""
+    src = hf_source("qwen3_moe", tmp_path / "src")
+    qc.quantize_checkpoint(src, fp8 := tmp_path / "fp8", "fp8", block=16)  # I = 32: tp=2 holds whole blocks
+
+    def run(tp: int = 1, ep: bool = False):
+        engine = Engine.from_args(EngineArgs(model=str(fp8), dtype="float32", num_blocks=32, block_size=4,
+                                             max_num_seqs=2, max_num_batched_tokens=16, tensor_parallel_size=tp,
+                                             enable_expert_parallel=ep, warmup=False))
+        done = engine.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, logprobs=0,
+                                                        prompt_logprobs=0))[0]
+        return done.prompt_logprobs.logprobs[1:], done.logprobs, done.token_ids
+
+    monkeypatch.setenv("JTP_MOE", "ragged_dot")
+    prompt_base, decode_base, tokens_base = run()
+    monkeypatch.setenv("JTP_MOE", "kernel")
+    kernel = grouped_matmul.grouped_matmul
+    scaled = []  # whether each traced kernel call was given block scales
+    monkeypatch.setattr(grouped_matmul, "grouped_matmul",
+                        lambda *a, **kw: scaled.append(kw.get("scales") is not None) or kernel(*a, **kw))
+    for tp, ep in ((1, False), (2, False), (2, True)):
+        scaled.clear()
+        prompt, decode, tokens = run(tp, ep)
+        assert scaled and all(scaled), (tp, ep)
+        np.testing.assert_allclose(prompt, prompt_base, atol=1e-4, err_msg=f"prefill tp={tp} ep={ep}")
+        np.testing.assert_allclose(decode, decode_base, atol=1e-4, err_msg=f"decode tp={tp} ep={ep}")
+        assert tokens == tokens_base, (tp, ep)
 
 
 def test_random_weights_of_an_fp8_config_are_fp8(tmp_path):

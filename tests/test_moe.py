@@ -9,13 +9,17 @@ import pytest
 
 from jtp.config.engine_args import EngineArgs
 from jtp.errors import ShardingError
+from jtp.kernels import grouped_matmul as gmm
 from jtp.kernels.grouped_matmul import (
     GroupedMatmulConfig,
+    choose_config,
     grouped_matmul,
     num_tiles,
     tile_map,
 )
+from jtp.models.layers import BlockFp8
 from jtp.models.moe import RoutedExperts
+from jtp.parallel.sharding import make_mesh
 from jtp.worker.runner import ModelRunner
 
 pytest.importorskip("torch")
@@ -72,6 +76,65 @@ def test_kernel_matches_ragged_dot(rows, k, n, groups, used, config, dtype):
     )
 
 
+def fp8_experts(rng, groups: int, k: int, n: int, block: tuple[int, int]) -> BlockFp8:
+    """Random float8 values with a distinct scale per block (a scale read from the wrong block shows)."""
+    values = jnp.asarray(rng.standard_normal((groups, k, n)) * 8, jnp.float32).astype(jnp.float8_e4m3fn)
+    return BlockFp8(values, jnp.asarray(rng.uniform(0.25, 4, (groups, k // block[0], n // block[1])), jnp.float32))
+
+
+@pytest.mark.parametrize(
+    "rows,k,n,groups,used,block,config",
+    [
+        (1, 256, 256, 16, 1, (128, 128), None),  # B=1 decode, top-1: split K, 16-row tiles
+        (8, 256, 384, 32, 8, (128, 128), None),  # a decode step's pairs, most groups empty
+        (40, 256, 256, 8, 3, (128, 128), GroupedMatmulConfig(16, 64, 32, 2)),  # 4 K steps and 2 n blocks a block
+        (200, 64, 32, 8, 5, (16, 16), None),  # prefill-sized tiles spanning groups' ends, small blocks
+    ],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp8_kernel_matches_ragged_dot_on_dequantized_weights(rows, k, n, groups, used, block, config, dtype):
+    """float8 experts and their block scales, dequantized in the kernel: the same products as
+    ragged_dot on the dequantized weights, plain, gated (gate, up) and a range of groups (EP)."""
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    w, up = fp8_experts(rng, groups, k, n, block), fp8_experts(rng, groups, k, n, block)
+    sizes = sorted_rows(rng, rows, groups, used)
+    if config is None and rows <= 8:
+        assert choose_config(rows, k, n, groups, 1, block).splits > 1  # fp32 partials summed after
+    ref, ref_up = (jax.lax.ragged_dot(x, a.dequantize(dtype), sizes, precision=HIGHEST,
+                                      preferred_element_type=jnp.float32) for a in (w, up))
+    ref_fused = jax.nn.silu(ref) * ref_up
+    # float32: ~1e-6 of the largest output (fp32 sums in another order); bfloat16: the rounding of x @ w.
+    tol = (lambda r: (1e-5 if dtype == jnp.float32 else 0.02) * float(jnp.abs(r).max()))
+
+    out = grouped_matmul(x, w.values, sizes, config=config, scales=w.scale, interpret=True)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=tol(ref), rtol=0)
+    fused = grouped_matmul(x, (w.values, up.values), sizes, config=config, scales=(w.scale, up.scale),
+                           interpret=True)
+    np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(ref_fused), atol=tol(ref_fused), rtol=0)
+
+    lo, hi = groups // 4, groups // 4 + groups // 2
+    offset, count = int(sizes[:lo].sum()), int(sizes[lo:hi].sum())
+    local = grouped_matmul(x, w.values[lo:hi], sizes[lo:hi], offset, config=config, scales=w.scale[lo:hi],
+                           interpret=True)
+    np.testing.assert_allclose(np.asarray(local[offset : offset + count], np.float32),
+                               np.asarray(ref[offset : offset + count]), atol=tol(ref), rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64, 512, 4096])
+@pytest.mark.parametrize("bn, bk", [(None, None), ("256", "256")])
+def test_fp8_configs_keep_each_tile_in_one_block(rows, bn, bk, monkeypatch):
+    """Qwen3-30B-A3B's expert shapes in 128 x 128 blocks: BK and BN divide the block, also when
+    JTP_MOE_BN / JTP_MOE_BK ask for more."""
+    for name, value in (("JTP_MOE_BN", bn), ("JTP_MOE_BK", bk)):
+        if value:
+            monkeypatch.setenv(name, value)
+    for k, n, weights in ((2048, 768, 2), (768, 2048, 1), (2048, 384, 2), (384, 2048, 1)):
+        cfg = choose_config(rows, k, n, 128, weights, (128, 128))
+        assert 128 % cfg.bk == 0 and 128 % cfg.bn == 0 and k % (cfg.bk * cfg.splits) == 0, (k, n, cfg)
+
+
 def test_tile_map_touches_only_chosen_experts():
     """B=1 decode of a top-8-of-128 model: 8 pairs, one 16-row tile per chosen expert, and every
     other program of the grid idle, so the kernel reads 8 experts' weights, not 128."""
@@ -114,6 +177,28 @@ def test_padding_tokens_route_to_no_expert(impl):
     out = routed(x, weights, experts, gate, up, down, real)
     np.testing.assert_allclose(np.asarray(out[:2]), np.asarray(expected), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(out[2:]), 0)
+
+
+def test_fp8_experts_whose_shards_split_a_block_are_dequantized(monkeypatch):
+    """tp=2 over I = 32 in blocks 32 wide: a device's 16 columns would hold half a block's scale, so
+    the kernel is given the dequantized experts (and still computes what ragged_dot does)."""
+    rng = np.random.default_rng(4)
+    E, H, I, k = 4, 32, 32, 2
+    x = jnp.asarray(rng.standard_normal((5, H)), jnp.float32)
+    experts = jnp.asarray(rng.choice(E, (5, k)), jnp.int32)
+    weights = jnp.asarray(rng.random((5, k)), jnp.float32)
+    gate, up = fp8_experts(rng, E, H, I, (16, 32)), fp8_experts(rng, E, H, I, (16, 32))
+    down = fp8_experts(rng, E, I, H, (32, 16))
+    expected = RoutedExperts("ragged_dot")(x, weights, experts, gate, up, down)
+    kernel = gmm.grouped_matmul
+    scaled = []
+    monkeypatch.setattr(gmm, "grouped_matmul", lambda *a, **kw: scaled.append(kw.get("scales") is not None)
+                        or kernel(*a, **kw))
+    for tp, fp8 in ((1, True), (2, False)):
+        scaled.clear()
+        out = RoutedExperts("kernel", make_mesh(tp) if tp > 1 else None)(x, weights, experts, gate, up, down)
+        assert scaled == [fp8, fp8], tp
+        np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5 * float(jnp.abs(expected).max()))
 
 
 EP_MODEL = dict(

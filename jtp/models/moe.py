@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jtp.kernels import grouped_matmul as gmm
-from jtp.models.layers import dense
+from jtp.models.layers import BlockFp8, dense
 from jtp.parallel.rules import partition_spec, rules_for
 
 IMPLS = ("kernel", "ragged_dot")
@@ -60,13 +60,17 @@ class RoutedExperts:
         no group: they add no expert to the weights read (a B=1 decode step padded to 8 tokens
         would otherwise read the experts of 7 copies of a padding token too) and their output is 0.
         """
-        gate, up, down = (dense(w, x.dtype) for w in (gate, up, down))  # FP8 experts: dequantized, each its shard
         if real_tokens is not None:
             experts = jnp.where(real_tokens[:, None], experts, gate.shape[0])  # past every group
         tp = self.mesh.shape["tp"] if self.mesh is not None else 1
         H, I = gate.shape[1:]
         I_local = I if self.expert_parallel else I // tp  # EP keeps experts whole
         use_kernel = self.impl == "kernel" and gmm.supported(H, I_local) and gmm.supported(I_local, H)
+        # FP8 experts go to the kernel as float8 values and block scales (it reads the chosen experts'
+        # bytes only). A device's I slice must hold whole scale blocks, or its scales would not split
+        # with its values; then, and for ragged_dot, they are dequantized (each device its shard).
+        if not (use_kernel and _kernel_reads_fp8(gate, up, down, I_local)):
+            gate, up, down = (dense(w, x.dtype) for w in (gate, up, down))
         local = _pairs_to_tokens(use_kernel, self.expert_parallel, num_experts=gate.shape[0])
         if tp == 1:
             return local(x, weights, experts, gate, up, down)
@@ -88,6 +92,16 @@ def choose_experts(mesh: Mesh | None = None, expert_parallel: bool = False, impl
     if impl == "auto":
         impl = "kernel" if jax.default_backend() == "gpu" else "ragged_dot"
     return RoutedExperts(impl, mesh, expert_parallel)
+
+
+def _kernel_reads_fp8(gate, up, down, I_local: int) -> bool:
+    if not all(isinstance(w, BlockFp8) for w in (gate, up, down)):
+        return False
+    (H, I), (I_down, H_down) = gate.shape[1:], down.shape[1:]
+    block_in = (H // gate.scale.shape[1], I // gate.scale.shape[2])  # (H, I) dims of a block
+    block_out = (I_down // down.scale.shape[1], H_down // down.scale.shape[2])
+    return up.scale.shape == gate.scale.shape and gmm.supported(H, I_local, block_in) \
+        and gmm.supported(I_local, H, block_out)
 
 
 def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int):
@@ -119,8 +133,12 @@ def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int):
             # The kernel loads BM rows from a tile's start: gather BM spare rows (token 0's, never stored).
             xs = x[jnp.pad(order // k, (0, bm))]
             kw = dict(num_rows=P, tiles=tiles, interpret=interpret)
-            h = gmm.grouped_matmul(xs, (gate, up), sizes, offset, **kw)  # silu(xs @ gate) * (xs @ up)
-            ys = gmm.grouped_matmul(h, down, sizes, offset, **kw)[:P]
+            if isinstance(gate, BlockFp8):  # float8 values and their block scales, dequantized in the kernel
+                h = gmm.grouped_matmul(xs, (gate.values, up.values), sizes, offset, scales=(gate.scale, up.scale), **kw)
+                ys = gmm.grouped_matmul(h, down.values, sizes, offset, scales=down.scale, **kw)[:P]
+            else:
+                h = gmm.grouped_matmul(xs, (gate, up), sizes, offset, **kw)  # silu(xs @ gate) * (xs @ up)
+                ys = gmm.grouped_matmul(h, down, sizes, offset, **kw)[:P]
         else:
             xs = x[order // k]  # [T*k, H]: each pair's token
             h = jax.nn.silu(ragged(xs, gate, sizes, offset)) * ragged(xs, up, sizes, offset)
