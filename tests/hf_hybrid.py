@@ -48,10 +48,13 @@ KINDS = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_m
 SHALLOW = dict(num_hidden_layers=2, full_attention_interval=2)
 
 
-def build_model(kind: str, seed: int = 0, **overrides):
+def build_model(kind: str, seed: int = 0, vision: dict | None = None, **overrides):
     """A float32 HF model of the given tiny kind, all parameters perturbed, in eval mode.
-    `overrides` replace (text) config fields, e.g. the layer pattern or SHALLOW."""
+    `overrides` replace (text) config fields, e.g. the layer pattern or SHALLOW; `vision` replaces
+    vision_config fields of the multimodal kinds."""
     import transformers as tf
+
+    vision_cfg = {**VISION, **(vision or {})}
 
     torch.manual_seed(seed)
     if kind == "qwen3_next":
@@ -67,19 +70,23 @@ def build_model(kind: str, seed: int = 0, **overrides):
     elif kind == "qwen3_5":
         text = dict(**COMMON, intermediate_size=96, rope_parameters=ROPE)
         model = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config={**text, **overrides},
-                                                                     vision_config=VISION))
+                                                                     vision_config=vision_cfg))
     elif kind == "qwen3_5_moe_text":
         model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**{**COMMON, "rope_parameters": ROPE, **MOE,
                                                                     **overrides}))
     elif kind == "qwen3_5_moe":
         text = dict(**COMMON, rope_parameters=ROPE, **MOE)
         model = tf.Qwen3_5MoeForConditionalGeneration(tf.Qwen3_5MoeConfig(text_config={**text, **overrides},
-                                                                           vision_config=VISION))
+                                                                           vision_config=vision_cfg))
     else:
         raise ValueError(kind)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("A_log") or name.endswith("dt_bias"):
+            if ".visual." in name:
+                # Vision weights far from their 0.02-std init: at that scale the attention is
+                # nearly uniform, and a 2-D RoPE or masking mistake would move outputs by < 1e-4.
+                p.add_((0.1 if "norm" in name else 0.3) * torch.randn_like(p))
+            elif name.endswith("norm.weight") or name.endswith("A_log") or name.endswith("dt_bias"):
                 p.add_(0.1 * torch.randn_like(p))
             else:
                 p.add_(0.01 * torch.randn_like(p))
@@ -103,6 +110,26 @@ def save(model, path: Path, fuse_experts: bool = False, extra: dict[str, np.ndar
             tensors = _fuse_experts(tensors)
         tensors.update(extra or {})
         save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+# preprocessor_config.json in the layout of Qwen3-VL / Qwen3.5 checkpoints (their image processor,
+# Qwen2VLImageProcessorFast), with the tiny vision tower's patch size. Non-trivial mean and std
+# (per channel) and a small min_pixels so that small test images are not all upscaled alike.
+PREPROCESSOR = {
+    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+    "image_mean": [0.5, 0.45, 0.4], "image_std": [0.25, 0.3, 0.35],
+    "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+    "merge_size": 2, "patch_size": 16, "temporal_patch_size": 2, "resample": 3,
+    "rescale_factor": 0.00392156862745098, "size": {"longest_edge": 96 * 96, "shortest_edge": 32 * 32},
+}
+
+
+def save_multimodal(model, path: Path, preprocessor: dict | None = None) -> Path:
+    """A composite Qwen3.5 checkpoint with its vision tower (HF's save_pretrained: the official
+    model.visual.* layout) plus preprocessor_config.json."""
+    save(model, path)
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor or PREPROCESSOR, indent=2))
     return path
 
 

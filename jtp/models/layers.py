@@ -173,6 +173,27 @@ def rope_cos_sin(
     return cos.astype(dtype), sin.astype(dtype)
 
 
+def mrope_axes(num_freqs: int, mrope_section: tuple[int, int, int]) -> np.ndarray:
+    """Which position row (0 T, 1 H, 2 W) drives each rotary frequency under Qwen3.5's interleaved
+    M-RoPE: frequency f follows H if f % 3 == 1 and f < 3 s_H, W if f % 3 == 2 and f < 3 s_W, else T
+    (transformers' Qwen3_5TextRotaryEmbedding, which interleaves whatever `mrope_interleaved` says)."""
+    f = np.arange(num_freqs)
+    return np.where((f % 3 == 1) & (f < 3 * mrope_section[1]), 1,
+                    np.where((f % 3 == 2) & (f < 3 * mrope_section[2]), 2, 0))
+
+
+def mrope_cos_sin(
+    positions: jax.Array, rotary_dim: int, theta: float, mrope_section: tuple[int, int, int], dtype
+) -> tuple[jax.Array, jax.Array]:
+    """`rope_cos_sin` for three position rows [3, T] (T, H, W; jtp.core.mrope): each frequency's
+    angle uses its row (`mrope_axes`). Three equal rows give exactly `rope_cos_sin` of one."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    rows = jnp.asarray(positions).astype(jnp.float32)[mrope_axes(rotary_dim // 2, mrope_section)]  # [R/2, T]
+    angles = rows.T * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
 def yarn_inv_freq(rotary_dim: int, theta: float, yarn: Yarn) -> np.ndarray:
     """YaRN's per-pair frequencies (float32, as transformers' _compute_yarn_parameters): high
     frequencies (many rotations within the original context) are kept, low ones divided by the

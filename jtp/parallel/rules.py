@@ -70,6 +70,16 @@ TENSOR_PARALLEL: Rules = {
     "state_slots": None,  # per-sequence DeltaNet states [slots, ...]: split like their channels
     # The MTP head's fc [embed, embed_concat] over [norm(embedding); norm(hidden)]: whole.
     "embed_concat": None,
+    # Qwen3.5's vision tower (jtp/models/vision.py): replicated for now, every device encodes every
+    # image (it is ~0.4B parameters at most; heads could split like the text attention's later).
+    "vision_embed": None,
+    "vision_qkv": None,
+    "vision_mlp": None,
+    "vision_merged": None,
+    "vision_positions": None,
+    "patch_channels": None,
+    "patch_frames": None,
+    "patch_pixels": None,
 }
 
 # --enable-expert-parallel: device d holds experts [d*E/tp, (d+1)*E/tp) whole.
