@@ -38,10 +38,14 @@ SHAPES = {  # projection: (out, in), fused as the FP8 kernel path runs them
     "tiny": {"a": (256, 256)},  # a CPU smoke test (Pallas' interpreter)
 }
 LAYERS, REPS = (8, 8) if not INTERPRET else (1, 1)
-DECODE_SWEEP = [fp8_matmul.Fp8MatmulConfig(*c) for c in (
-    (16, 1, 1), (16, 1, 4, 4, 4), (16, 2, 4), (32, 1, 4), (32, 1, 2, 4, 4), (64, 1, 4), (64, 2, 2), (64, 4, 1),
-    (128, 1, 4), (32, 1, 8, 4, 3))]
-GEMM_SWEEP = [fp8_gemm.Fp8GemmConfig(*c) for c in ((64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 5))]
+DECODE_SWEEP = {  # rows: configs (bn, splits, unroll, warps, stages, gemv)
+    1: [fp8_matmul.Fp8MatmulConfig(*c) for c in (
+        (64, 2, 1), (64, 8, 1), (32, 4, 1), (16, 1, 1, 4, 3, True), (16, 2, 2, 4, 3, True), (32, 2, 1, 4, 3, True),
+        (32, 4, 1, 4, 4, True), (64, 2, 1, 8, 3, True), (64, 4, 1, 4, 3, True), (8, 1, 2, 4, 3, True),
+        (16, 4, 1, 2, 4, True), (128, 4, 1, 8, 3, True))],
+    64: [fp8_matmul.Fp8MatmulConfig(*c) for c in ((64, 1, 1), (128, 1, 1), (64, 2, 1, 4, 4), (128, 2, 1, 8, 3))],
+}
+GEMM_SWEEP = [fp8_gemm.Fp8GemmConfig(*c) for c in ((64, 4, 4), (128, 8, 3))]
 _empty_loop: dict = {}
 
 
@@ -85,8 +89,8 @@ def rel_error(y, ref) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=SHAPES, default="qwen3-8b")
-    ap.add_argument("--decode-rows", default="1,8,64")
-    ap.add_argument("--gemm-rows", default="64,512,4096")
+    ap.add_argument("--decode-rows", default="1,64")
+    ap.add_argument("--gemm-rows", default="4096")
     ap.add_argument("--sweep", action="store_true", help="time a grid of tile configs per shape")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -129,8 +133,11 @@ def main() -> None:
                 return (y * (xs * scale)).astype(x.dtype)
             report(rows, name, (N, K), "xla fp8 per-tensor", "-", per_layer_seconds(xla_fp8, x, per_tensor), N * K,
                    float("nan"))
+            dequantized = lambda x, w: jnp.einsum("tk,nk->tn", x, w.dequantize(x.dtype))  # noqa: E731
+            report(rows, name, (N, K), "xla dequantize + bf16", "-", per_layer_seconds(dequantized, x, fp8), N * K,
+                   rel_error(dequantized(x, fp8[0]), ref))
             if rows in map(int, args.decode_rows.split(",")) and fp8_matmul.supported(rows, N, K):
-                configs = [None, *(DECODE_SWEEP if args.sweep and rows == 1 else [])]
+                configs = [None, *(DECODE_SWEEP.get(rows, []) if args.sweep else [])]
                 for config in configs:
                     if config is not None and ((K // 128) % (config.splits * config.unroll) or N % config.bn):
                         continue

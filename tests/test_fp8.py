@@ -143,26 +143,23 @@ def test_fp8_gemm_equals_numpy_on_quantized_activations():
 
 
 def test_fp8_kernels_give_the_dequantizing_paths_logprobs(tmp_path, monkeypatch):
-    """The FP8 kernels (interpreted here) through the engine's steps, projections fused: the decode
-    kernel equals XLA's dequantize-then-GEMM; the W8A8 GEMM (prefill chunks of more than 64 tokens)
-    adds the activations' rounding to FP8, held to the bound the weights' own rounding meets above
-    (on these tiny random models: mean 0.10, max 0.39 nats)."""
+    """The FP8 decode kernel (interpreted here) through the engine's steps, projections fused, equals
+    XLA's dequantize-then-GEMM; prefill chunks of more than 64 tokens dequantize the fused weights."""
     src = make_hf_checkpoint("qwen3", tmp_path / "src", hidden_size=128, num_key_value_heads=4,
                              intermediate_size=256)[1]
-    monkeypatch.setenv("JTP_FP8_KERNEL", "0")
-    xla, _ = jtp_logprobs(src, PROMPT, quantization="fp8")
     long_prompt = np.random.default_rng(4).integers(0, 128, 90).tolist()
-    xla_long, _ = jtp_logprobs(src, long_prompt, quantization="fp8", max_num_batched_tokens=128)
-    monkeypatch.setenv("JTP_FP8_KERNEL", "1")
-    kernel, engine = jtp_logprobs(src, PROMPT, quantization="fp8")
+    results = {}
+    for kernel in ("0", "1"):
+        monkeypatch.setenv("JTP_FP8_KERNEL", kernel)
+        results[kernel] = [jtp_logprobs(src, PROMPT, quantization="fp8"),
+                           jtp_logprobs(src, long_prompt, quantization="fp8", max_num_batched_tokens=128)]
+    engine = results["1"][0][1]
     for layer in engine.runner.params["layers"]:
         assert {name for name, w in layer.items() if isinstance(w, FusedFp8KernelWeight)} == \
             {"q_proj+k_proj+v_proj", "gate_proj+up_proj"}
         assert all(isinstance(w, Fp8KernelWeight) for name, w in layer.items() if name in ("o_proj", "down_proj"))
-    np.testing.assert_allclose(kernel, xla, atol=1e-4)
-    w8a8, _ = jtp_logprobs(src, long_prompt, quantization="fp8", max_num_batched_tokens=128)
-    gap = np.abs(w8a8 - xla_long)
-    assert 0 < gap.max() < 1.0 and gap.mean() < 0.2, (gap.mean(), gap.max())
+    for (xla, _), (kernel, _) in zip(results["0"], results["1"]):
+        np.testing.assert_allclose(kernel, xla, atol=1e-4)
 
 
 def test_fp8_moe_kernel_reads_float8_experts_and_gives_ragged_dots_outputs(tmp_path, monkeypatch):

@@ -35,6 +35,7 @@ class Fp8MatmulConfig(NamedTuple):
     unroll: int = 1  # 128-column tiles loaded per loop step (more bytes in flight per program)
     warps: int = 4
     stages: int = 3
+    gemv: bool = False  # multiply-and-sum on the CUDA cores instead of an MMA (rows not padded to 16)
 
 
 def supported(rows: int, out: int, inner: int) -> bool:
@@ -43,15 +44,14 @@ def supported(rows: int, out: int, inner: int) -> bool:
 
 def choose_config(rows: int, out: int, inner: int) -> Fp8MatmulConfig:
     """Narrow column blocks and no K split: enough programs to fill an H200's 132 SMs without the
-    partial sums' extra kernel. JTP_FP8_DECODE="bn,splits[,unroll,warps,stages]" overrides (benchmarks)."""
+    partial sums' extra kernel. JTP_FP8_DECODE="bn,splits[,unroll,warps,stages,gemv]" overrides (benchmarks)."""
     forced = os.environ.get("JTP_FP8_DECODE", "").strip()
     if forced:
         return Fp8MatmulConfig(*(int(v) for v in forced.split(",")))
-    bn = 64
-    while bn > 16 and out // bn < 264:
-        bn //= 2
-    unroll = 4 if (inner // BLOCK) % 4 == 0 else 1
-    return Fp8MatmulConfig(bn, 1, unroll)
+    bn, kb, splits = 64, inner // BLOCK, 1  # about two programs per SM of an H200
+    while (out // bn) * splits < 264 and kb % (splits * 2) == 0 and splits < 16:
+        splits *= 2
+    return Fp8MatmulConfig(bn, splits)
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: int):
@@ -72,20 +72,42 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: int):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
+def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: int):
+    """The same product for very few rows without the MMA: each row's dot products are sums of
+    elementwise products, so x is neither padded nor moved through shared memory."""
+    split = pl.program_id(1)
+    block_row = pl.program_id(0) * bn // BLOCK
+    rows = x_ref.shape[0]
+
+    def body(i, accs):
+        accs = list(accs)
+        for j in range(unroll):
+            kb = (split * k_steps + i) * unroll + j
+            k0 = pl.multiple_of(kb * BLOCK, BLOCK)
+            w = w_ref[:, pl.ds(k0, BLOCK)].astype(jnp.float32) * s_ref[block_row, kb]  # [BN, 128]
+            for t in range(rows):
+                accs[t] = accs[t] + jnp.sum(w * x_ref[t, pl.ds(k0, BLOCK)].astype(jnp.float32)[None, :], axis=1)
+        return tuple(accs)
+
+    accs = lax.fori_loop(0, k_steps, body, tuple(jnp.zeros((bn,), jnp.float32) for _ in range(rows)))
+    for t in range(rows):
+        o_ref[t, :] = accs[t].astype(o_ref.dtype)
+
+
 def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, config: Fp8MatmulConfig | None = None, *,
                interpret: bool = False) -> jax.Array:
     """x [T, K] (T <= 64), values float8 [N, K], scale f32 [N / 128, K / 128] -> [T, N] in x.dtype."""
     T, K = x.shape
     N = values.shape[0]
-    bn, splits, unroll, warps, stages = config or choose_config(T, N, K)
+    bn, splits, unroll, warps, stages, gemv = config or choose_config(T, N, K)
     kb = K // BLOCK
     if BLOCK % bn or kb % (splits * unroll):
         raise ValueError(f"fp8_matmul: {bn=} must divide {BLOCK} and {splits=} x {unroll=} the {kb} K blocks")
-    rows = max(16, 1 << (T - 1).bit_length())
+    rows = 1 << (T - 1).bit_length() if gemv else max(16, 1 << (T - 1).bit_length())
     x = jnp.pad(x, ((0, rows - T), (0, 0)))
     out_dtype = x.dtype if splits == 1 else jnp.float32
     out = pl.pallas_call(
-        functools.partial(_kernel, k_steps=kb // splits // unroll, unroll=unroll, bn=bn),
+        functools.partial(_gemv_kernel if gemv else _kernel, k_steps=kb // splits // unroll, unroll=unroll, bn=bn),
         grid=(N // bn, splits),
         in_specs=[pl.BlockSpec((rows, K), lambda n, s: (0, 0)),
                   pl.BlockSpec((bn, K), lambda n, s: (n, 0)),
@@ -94,6 +116,6 @@ def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, config: Fp8Mat
         out_shape=jax.ShapeDtypeStruct((splits, rows, N), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name=f"jtp_fp8_matmul_n{bn}_s{splits}_u{unroll}",
+        name=f"jtp_fp8_{'gemv' if gemv else 'matmul'}_n{bn}_s{splits}_u{unroll}",
     )(x, values, scale.astype(jnp.float32))
     return (out[0] if splits == 1 else out.sum(axis=0))[:T].astype(x.dtype)

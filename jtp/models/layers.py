@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtp.config.rope import Yarn
-from jtp.kernels import fp8_gemm, fp8_matmul
+from jtp.kernels import fp8_matmul
 
 
 class BlockFp8(NamedTuple):
@@ -60,6 +60,9 @@ class FusedFp8KernelWeight:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.values.shape
+
+    def dequantize(self, dtype) -> jax.Array:
+        return BlockFp8(self.values, self.scale).dequantize(dtype)
 
 
 # Projections of one input that the FP8 kernel path fuses: each group's name in a layer is "+".join(group).
@@ -121,18 +124,14 @@ class Int4Groups(NamedTuple):
 
 def dense(weight, dtype) -> jax.Array:
     """The weight as an array of `dtype` (dequantized when stored quantized)."""
-    return weight.dequantize(dtype) if isinstance(weight, (BlockFp8, Int4Groups)) else weight
+    return weight.dequantize(dtype) if isinstance(weight, (BlockFp8, FusedFp8KernelWeight, Int4Groups)) else weight
 
 
 def linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
-    if isinstance(weight, (Fp8KernelWeight, FusedFp8KernelWeight)):
-        rows, interpret = math.prod(x.shape[:-1]), jax.default_backend() != "gpu"
-        flat = x.reshape(rows, -1)
-        if fp8_matmul.supported(rows, *weight.shape):
-            y = fp8_matmul.fp8_matmul(flat, weight.values, weight.scale, interpret=interpret)
-        else:
-            y = fp8_gemm.fp8_gemm(flat, weight.values, weight.scale, interpret=interpret)
-        y = y.reshape(*x.shape[:-1], -1)
+    rows = math.prod(x.shape[:-1])
+    if isinstance(weight, (Fp8KernelWeight, FusedFp8KernelWeight)) and fp8_matmul.supported(rows, *weight.shape):
+        y = fp8_matmul.fp8_matmul(x.reshape(rows, -1), weight.values, weight.scale,
+                                  interpret=jax.default_backend() != "gpu").reshape(*x.shape[:-1], -1)
     else:
         y = jnp.einsum("...i,oi->...o", x, dense(weight, x.dtype))
     return y if bias is None else y + bias
