@@ -41,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a plain checkout, without `pip install -e .`
-from jtp.config.engine_args import LOAD_FORMATS, QUANTIZATIONS  # noqa: E402
+from jtp.config.engine_args import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS  # noqa: E402
 
 # GPU memory grows on demand, so the peak we report is what jtp used, and a torch subprocess
 # (--hf) can share the device. Must be set before jax is imported.
@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dummy: random weights from config.json alone, drawn on the devices (no checkpoint on disk)")
     ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                     help="fp8: the linear weights in FP8 blocks, quantized at load (the engine's flag)")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                    help="fp8: K/V stored in FP8 in the paged cache (the engine's flag)")
     ap.add_argument("--copy-gib", type=float, default=None, help="copy-bandwidth buffer (default 2 GiB GPU, 1/16 CPU)")
     ap.add_argument("--matmul-n", type=int, default=None, help="matmul size n (default 8192 GPU, 512 CPU)")
     ap.add_argument("--seed", type=int, default=0)
@@ -813,7 +815,7 @@ def main(argv=None) -> int:
         max_model_len=max_model_len, skip_tokenizer_init=True, num_processes=args.num_processes,
         num_scheduler_steps=args.num_scheduler_steps, speculative_config=args.speculative_config,
         enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format,
-        quantization=args.quantization)
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     group = devices = None
     if args.num_processes > 1:  # before anything touches a device: the group joins JAX's runtime first
         from jtp.distributed.group import start_leader
@@ -882,6 +884,7 @@ def main(argv=None) -> int:
         load_s=load_s,
         load_format=args.load_format,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         expert_parallel=args.enable_expert_parallel,
     )
     res["model"] = model_figures(runner, jnp.dtype(runner.dtype).itemsize)

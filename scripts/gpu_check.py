@@ -11,8 +11,11 @@ downloaded), through the engine's real step (continuous batching, multi-step dec
      where the two bf16 runs part by more (MoE routers: bf16 rounding flips experts in the top-k),
      jtp's bf16 no further from float32 transformers than transformers' own bf16 (mean |diff|,
      within 25%).
+  4. with --fp8: FP8 weights (`--quantization fp8`) and, apart, the FP8 KV cache, each in bfloat16
+     against transformers' bfloat16 on the unquantized weights: mean |difference| <= --fp8-tol
+     (the quantization's own error: this bounds it), with how often the argmaxes agree.
 
-    python3 scripts/gpu_check.py --out DIR [--presets qwen3-0.6b,qwen3-30b-a3b-4l,qwen3.5-0.8b,qwen3.5-35b-a3b-4l,qwen3-next-80b-a3b-4l] [--tp 2 | --tp 4,8]
+    python3 scripts/gpu_check.py --out DIR [--fp8] [--presets qwen3-0.6b,qwen3-30b-a3b-4l,qwen3.5-0.8b,qwen3.5-35b-a3b-4l,qwen3-next-80b-a3b-4l] [--tp 2 | --tp 4,8]
 
 Float32 runs with full-precision dots and without GEMM autotuning (set here before jax loads), so
 tp=1 and tp=N differ only in the order of their reductions. Prints one line per check and writes
@@ -42,7 +45,7 @@ def prompts_for(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]
 
 
 def run_engine(model_dir: Path, tp: int, dtype: str, prompts, max_tokens: int, block_size: int,
-               collectives: list | None = None) -> list[dict]:
+               collectives: list | None = None, **engine_args) -> list[dict]:
     """Greedy completions with top-20 logprobs, all prompts batched through one engine. With a
     `collectives` list, also count the collectives of the engine's compiled decode step into it."""
     from jtp.config.engine_args import EngineArgs
@@ -54,7 +57,7 @@ def run_engine(model_dir: Path, tp: int, dtype: str, prompts, max_tokens: int, b
     engine = Engine.from_args(EngineArgs(
         model=str(model_dir), tensor_parallel_size=tp, dtype=dtype or "auto", max_num_seqs=8, max_num_batched_tokens=256,
         block_size=block_size, num_blocks=len(prompts) * (-(-longest // block_size)) + 8,
-        max_model_len=longest + block_size, skip_tokenizer_init=True))
+        max_model_len=longest + block_size, skip_tokenizer_init=True, **engine_args))
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=20)
         outs = [dict(tokens=c.token_ids, top=c.top_logprobs) for c in engine.generate(prompts, params)]
@@ -147,6 +150,14 @@ def check_preset(preset: str, args, root: Path) -> list[dict]:
     record("bfloat16 top-20 logprobs vs transformers", stats["max_abs_diff"] <= args.bf16_tol or peer_ok,
            tolerance=args.bf16_tol, **stats, jtp_bf16_vs_f32=ours, hf_bf16_vs_f32=theirs,
            seconds=round(time.perf_counter() - t, 1))
+    for name, engine_args in (("FP8 weights", dict(quantization="fp8")), ("FP8 KV cache", dict(kv_cache_dtype="fp8"))):
+        if not args.fp8:
+            break
+        t = time.perf_counter()
+        outs = run_engine(model_dir, 1, "bfloat16", prompts, args.tokens, args.block_size, **engine_args)
+        stats = compare_logprobs(outs, hf_logprobs(model_dir, "bfloat16", prompts, outs))
+        record(f"{name}: bfloat16 top-20 logprobs vs transformers' bfloat16", stats["mean_abs_diff"] <= args.fp8_tol,
+               tolerance=args.fp8_tol, **stats, seconds=round(time.perf_counter() - t, 1))
     return checks
 
 
@@ -172,6 +183,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--f32-tol", type=float, default=2e-3)
     ap.add_argument("--bf16-tol", type=float, default=0.1)
+    ap.add_argument("--fp8", action="store_true", help="also check FP8 weights and the FP8 KV cache")
+    ap.add_argument("--fp8-tol", type=float, default=0.1, help="FP8 checks: mean |logprob difference|")
     ap.add_argument("--checkpoints", type=Path, default=Path("/tmp/gpu_check"), help="where the checkpoints go")
     args = ap.parse_args(argv)
 

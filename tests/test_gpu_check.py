@@ -20,7 +20,7 @@ def test_gpu_check_passes_on_tiny_presets(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts/gpu_check.py"), "--out", str(tmp_path / "out"), "--presets",
          "qwen3-tiny,qwen3-moe-tiny,qwen3.5-tiny", "--checkpoints", str(tmp_path / "ckpt"), "--tokens", "8",
-         "--prompt-lengths", "5,37"], env=env, capture_output=True, text=True, timeout=900)
+         "--prompt-lengths", "5,37", "--fp8"], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "out/gpu_check.json").read_text())
     assert report["passed"] and report["devices"] == ["cpu", "cpu"]
@@ -32,6 +32,9 @@ def test_gpu_check_passes_on_tiny_presets(tmp_path):
         (coll,) = [c for c in report["checks"] if c["preset"] == preset and c["check"].startswith("decode step coll")]
         layers = json.loads((tmp_path / "ckpt" / preset / "config.json").read_text())["num_hidden_layers"]
         assert coll["ok"] and coll["activation_all_reduces"] == coll["expected"] == 2 * layers + 1
+        for name in ("FP8 weights", "FP8 KV cache"):
+            (fp8,) = [c for c in report["checks"] if c["preset"] == preset and c["check"].startswith(name)]
+            assert fp8["ok"] and 0 < fp8["mean_abs_diff"], fp8  # quantized: near HF's bf16, not equal
     f32 = [c for c in report["checks"] if c["check"].startswith("float32 top-20")]
     assert all(c["max_abs_diff"] <= 2e-3 and c["argmax_agreement"] == 1.0 for c in f32)
     # bf16 is also measured against float32 transformers, for jtp and for transformers' own bf16.

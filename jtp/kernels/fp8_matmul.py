@@ -9,8 +9,8 @@ block's width, so one scale per tile): x[:, k0 : k0 + 128] (its rows padded to a
 least 16, the MMA's minimum), the float8 tile [BN, 128] converted to x's dtype, their product
 scaled by the tile's block scale and accumulated in fp32. With one split the program writes x's
 dtype directly; with several (few output blocks would leave SMs idle) it writes fp32 partials that
-jnp sums afterwards, one more kernel. Meant for few rows (decode): jtp/kernels/fp8_gemm.py serves
-a prefill's rows.
+jnp sums afterwards, one more kernel. For up to 4 rows a GEMV variant multiplies and sums on the CUDA
+cores instead of the MMA (x is not padded to 16 rows). Meant for few rows (decode).
 """
 
 from __future__ import annotations
@@ -43,15 +43,20 @@ def supported(rows: int, out: int, inner: int) -> bool:
 
 
 def choose_config(rows: int, out: int, inner: int) -> Fp8MatmulConfig:
-    """Narrow column blocks and no K split: enough programs to fill an H200's 132 SMs without the
-    partial sums' extra kernel. JTP_FP8_DECODE="bn,splits[,unroll,warps,stages,gemv]" overrides (benchmarks)."""
+    """The best of scripts/fp8_kernel_bench.py's sweep on an H200 at Qwen3-8B's shapes
+    (docs/bench/h200-fp8.md): up to 4 rows the CUDA-core GEMV, 32 columns and 4 K splits a program;
+    more rows the MMA, 64 columns a program and K split until there are about two programs per SM.
+    JTP_FP8_DECODE="bn,splits[,unroll,warps,stages,gemv]" overrides (benchmarks)."""
     forced = os.environ.get("JTP_FP8_DECODE", "").strip()
     if forced:
         return Fp8MatmulConfig(*(int(v) for v in forced.split(",")))
-    bn, kb, splits = 64, inner // BLOCK, 1  # about two programs per SM of an H200
-    while (out // bn) * splits < 264 and kb % (splits * 2) == 0 and splits < 16:
+    kb = inner // BLOCK
+    if rows <= 4 and kb % 4 == 0 and out % 32 == 0:
+        return Fp8MatmulConfig(32, 4, 1, 4, 4, True)
+    splits = 1
+    while ((out // 64) * splits < 264 or splits < 2) and kb % (splits * 2) == 0 and splits < 16:
         splits *= 2
-    return Fp8MatmulConfig(bn, splits)
+    return Fp8MatmulConfig(64, splits, 1, 4, 4)
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: int):
