@@ -41,10 +41,10 @@ class BlockFp8(NamedTuple):
 
 
 class Fp8KernelWeight(BlockFp8):
-    """A BlockFp8 of 128 x 128 blocks whose products run in the FP8 kernels: few rows (decode) in
-    jtp/kernels/fp8_matmul.py, which reads its float8 bytes once, more (prefill) in the W8A8 GEMM
-    of jtp/kernels/fp8_gemm.py. The runner makes these on a single GPU only: a pallas_call is opaque
-    to XLA's partitioner."""
+    """A BlockFp8 of 128 x 128 blocks whose products with few rows (decode) run in the FP8 kernel
+    (jtp/kernels/fp8_matmul.py), which reads its float8 bytes once; more rows (prefill) dequantize
+    for cuBLAS. The runner makes these on a single GPU only: a pallas_call is opaque to XLA's
+    partitioner."""
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scale"], meta_fields=["sizes"])
