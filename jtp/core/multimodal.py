@@ -1,0 +1,74 @@
+"""A prompt's images as the scheduler and the worker see them (numpy only): where each image's
+placeholder tokens sit in the prompt, its preprocessed patches, its content digest, and the prompt's
+multimodal RoPE positions.
+
+The digest keys the encoder's output cache (a resent image is not encoded again) and goes into the
+prefix cache's block keys (two prompts with the same text and different images never share K/V).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from jtp.core.mrope import mrope_positions
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImagePrompt:
+    """One image of a prompt, preprocessed: `num_tokens` placeholder tokens from `offset`."""
+
+    pixel_values: np.ndarray  # f32 [patches, channels x temporal x patch x patch]
+    grid_thw: tuple[int, int, int]  # patches along time, height, width
+    offset: int  # index of its first placeholder token in the prompt
+    num_tokens: int  # t * h * w / merge^2
+    digest: bytes  # sha256 of the patches and the grid
+
+    @classmethod
+    def of(cls, pixel_values: np.ndarray, grid_thw: Sequence[int], offset: int, merge_size: int) -> "ImagePrompt":
+        grid = tuple(int(g) for g in grid_thw)
+        pixels = np.ascontiguousarray(pixel_values, np.float32)
+        digest = hashlib.sha256(np.asarray(grid, np.int64).tobytes() + pixels.tobytes()).digest()
+        return cls(pixels, grid, int(offset), grid[0] * grid[1] * grid[2] // merge_size**2, digest)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MultiModalPrompt:
+    """A prompt's images (in prompt order) and its RoPE positions: `positions` i32 [3, prompt length]
+    (time, height, width rows: equal for text tokens), and `delta`, what a generated token at
+    sequence position p adds to p (its three rows are all p + delta)."""
+
+    images: tuple[ImagePrompt, ...]
+    positions: np.ndarray
+    delta: int
+
+    @classmethod
+    def of(cls, prompt_ids: Sequence[int], images: Sequence[ImagePrompt], image_token_id: int,
+           merge_size: int) -> "MultiModalPrompt":
+        """Checks that each image's placeholders are where it says, in order and apart."""
+        ids = np.asarray(prompt_ids)
+        end = 0
+        for i, image in enumerate(images):
+            span = ids[image.offset : image.offset + image.num_tokens]
+            if image.offset < end or len(span) != image.num_tokens or np.any(span != image_token_id):
+                raise ValueError(f"image {i}: its {image.num_tokens} placeholder tokens are not at prompt "
+                                 f"positions {image.offset}..{image.offset + image.num_tokens - 1}")
+            end = image.offset + image.num_tokens
+        if int(np.sum(ids == image_token_id)) != sum(image.num_tokens for image in images):
+            raise ValueError("the prompt has image placeholder tokens that belong to no image")
+        grids = np.array([image.grid_thw for image in images], np.int64).reshape(-1, 3)
+        positions, delta = mrope_positions(ids.tolist(), grids, image_token_id, merge_size)
+        return cls(tuple(images), np.asarray(positions, np.int32), int(delta))
+
+    def block_extras(self, block_size: int, num_blocks: int) -> list[bytes]:
+        """What each full block's prefix-cache key adds to its tokens: the digests (and placements) of
+        the images whose placeholders it holds (b"" for a block of text alone)."""
+        extras = [b""] * num_blocks
+        for image in self.images:
+            first, last = image.offset // block_size, (image.offset + image.num_tokens - 1) // block_size
+            for b in range(first, min(last, num_blocks - 1) + 1):
+                extras[b] += image.digest + image.offset.to_bytes(8, "little")
+        return extras
