@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 from jtp.config.generation_config import GENERATION_CONFIG_MODES
@@ -62,6 +63,8 @@ class EngineArgs:
     # Sampling defaults for fields a request leaves unset: "auto" (the checkpoint's generation_config.json),
     # "vllm" (SamplingParams' own) or a directory holding a generation_config.json.
     generation_config: str = "auto"
+    # vLLM's JSON '{"image": 4}': most images one prompt may hold (None: no limit); jtp takes no videos.
+    limit_mm_per_prompt: str | dict | None = None
     # Multi-process groups (jtp/distributed/launcher.py): one JAX process per host or device group.
     num_processes: int = 1
     process_id: int | None = None  # None: spawn the followers on this host (or ask the cluster)
@@ -109,6 +112,7 @@ class EngineArgs:
         need(self.quantization in (None, *QUANTIZATIONS), "quantization", f"must be one of {', '.join(QUANTIZATIONS)}")
         need(self.generation_config in GENERATION_CONFIG_MODES or Path(self.generation_config).is_dir(),
              "generation_config", "must be auto, vllm or a directory holding a generation_config.json")
+        self.max_images_per_prompt()  # raises ConfigError naming the flag
         need(self.num_processes >= 1, "num_processes", "must be at least 1")
         need(
             self.tensor_parallel_size % self.num_processes == 0,
@@ -126,6 +130,25 @@ class EngineArgs:
             need(self.revision is None, "revision", "applies to --model ORG/NAME (a Hugging Face repo id)")
         elif not Path(self.model).is_dir() and not looks_like_repo_id(self.model):
             raise ConfigError(f"--model {self.model}: no such directory")
+
+    def max_images_per_prompt(self) -> int | None:
+        """--limit-mm-per-prompt's image count (None: no limit)."""
+        value = self.limit_mm_per_prompt
+        if value is None:
+            return None
+        flag = f"--limit-mm-per-prompt {value!r}"
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"{flag}: not JSON ({e}); e.g. '{{\"image\": 4}}'") from None
+        if not isinstance(value, dict) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value.values()):
+            raise ConfigError(f"{flag}: must be a JSON object of counts, e.g. '{{\"image\": 4}}'")
+        other = [k for k, n in value.items() if k != "image" and n]
+        if other:
+            raise ConfigError(f"{flag}: jtp takes images only, not {', '.join(other)}")
+        return value.get("image")
 
     def model_dir(self) -> str:
         """The model directory: `model` itself, a repo id's snapshot in the HF cache (fetched on first
@@ -213,6 +236,9 @@ class EngineArgs:
         p.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=d.quantization,
                        help="fp8: quantize the linear weights of a full-precision checkpoint to FP8 (e4m3, one scale "
                             "per 128 x 128 block, as Qwen's FP8 releases) at load; FP8 checkpoints need no flag")
+        p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                       help='most images one prompt may hold, as vLLM spells it: \'{"image": 4}\' (default: no limit; '
+                            'models with a vision tower only)')
         p.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format,
                        help="auto: read the checkpoint's weights; dummy: random weights at the model's shapes from "
                             "config.json alone, drawn on the devices (benchmarks of models not on disk)")

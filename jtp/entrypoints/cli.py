@@ -102,18 +102,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return run_follower(engine_args)
     text = read_prompt(args)
     given = sampling_flags(args)
+    images = [read_image(path) for path in args.image or ()]  # before loading: a missing file fails fast
     with open_engine(engine_args) as engine:  # closed on every way out, Ctrl-C included
-        return _generate(engine, engine_args, args, text, engine.default_params(**given))
+        return _generate(engine, engine_args, args, text, engine.default_params(**given), images)
 
 
-def _generate(engine, engine_args: EngineArgs, args: argparse.Namespace, text: str, params) -> int:
+def read_image(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"--image {path}: cannot read it ({e.strerror or e})") from None
+
+
+def _generate(engine, engine_args: EngineArgs, args: argparse.Namespace, text: str, params,
+              images: list[bytes] = ()) -> int:
     tok = engine.tokenizer
     if tok is None:
         raise ConfigError(f"{engine_args.model_dir()}: no tokenizer.json, so text prompts cannot be encoded")
-    if args.chat:
-        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    prompt_ids = tok.encode(text)
-    rid = engine.submit(prompt_ids, params)
+    extra = {}
+    if images:  # one user turn: the images, then the text (through the chat template, as the server does)
+        from jtp.engine.multimodal_input import image_chat_prompt
+
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        prompt_ids, extra["images"] = image_chat_prompt(tok, getattr(engine, "vision", None),
+                                                        [{"role": "user", "content": content}], images)
+    else:
+        if args.chat:
+            text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        prompt_ids = tok.encode(text)
+    rid = engine.submit(prompt_ids, params, **extra)
     if args.json:
         print(json.dumps(_json_record(engine_args, engine.result(rid), prompt_ids), ensure_ascii=False))
         return 0
@@ -149,6 +166,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", help="the prompt text; '-' reads it from stdin (exactly, final newline included)")
     p.add_argument("--prompt-file", help="read the prompt from this file (exactly, final newline included)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template as a user turn")
+    p.add_argument("--image", action="append", metavar="PATH",
+                   help="an image file (PNG, JPEG, ... anything Pillow reads) before the prompt in its user turn; "
+                        "repeat for several; implies --chat; models with a vision tower only")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids, prompt_token_ids, finish_reason, usage) "
                         "instead of streaming text")

@@ -39,6 +39,27 @@ class TextBlock(Shape):
     text: str
 
 
+class Base64Source(Shape):
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class URLSource(Shape):
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(Shape):
+    type: Literal["image"]
+    source: Union[Base64Source, URLSource] = Field(discriminator="type")
+
+    def url(self) -> str:
+        """As a chat image_url: the base64 data as a data: URI."""
+        s = self.source
+        return s.url if isinstance(s, URLSource) else f"data:{s.media_type};base64,{s.data}"
+
+
 class ToolUseBlock(Shape):
     type: Literal["tool_use"]
     id: str
@@ -57,7 +78,7 @@ class ThinkingBlock(Shape):
     type: Literal["thinking", "redacted_thinking"]
 
 
-Block = Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock]
+Block = Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock]
 
 
 class Message(Shape):
@@ -113,7 +134,12 @@ def to_chat_body(req: MessagesRequest) -> dict:
             if isinstance(b, ToolResultBlock):
                 content = b.content if isinstance(b.content, str) else "".join(t.text for t in b.content)
                 messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
-        if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+        if any(isinstance(b, ImageBlock) for b in blocks):  # text and images in order, as chat content parts
+            parts = [{"type": "text", "text": b.text} if isinstance(b, TextBlock)
+                     else {"type": "image_url", "image_url": {"url": b.url()}}
+                     for b in blocks if isinstance(b, (TextBlock, ImageBlock))]
+            messages.append({"role": "user", "content": parts})
+        elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
             messages.append({"role": "user", "content": text})
     body: dict[str, Any] = {"messages": messages, "max_tokens": req.max_tokens, "stream": req.stream}
     if req.model is not None:

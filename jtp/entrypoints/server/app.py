@@ -48,12 +48,13 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def build_app(engine, model_name: str, api_key: str | None = None, reasoning_parser: str | None = None,
               limits: ServerLimits = ServerLimits(), tool_parser: str | None = None,
-              sse_keepalive_interval: float = KEEPALIVE_INTERVAL) -> Starlette:
-    """The OpenAI-compatible app over a started engine (the caller warms it up and closes it)."""
+              sse_keepalive_interval: float = KEEPALIVE_INTERVAL, allowed_media_domains: tuple[str, ...] = ()) -> Starlette:
+    """The OpenAI-compatible app over a started engine (the caller warms it up and closes it).
+    `allowed_media_domains`: hosts whose image URLs the server fetches (none: images as data: URIs only)."""
     metrics = ServerMetrics(engine, model_name)
     intake = Intake(limits)
     serving = OpenAIServing(engine, model_name, metrics, intake, reasoning_parser, limits.chat_template_timeout,
-                            tool_parser, sse_keepalive_interval)
+                            tool_parser, sse_keepalive_interval, allowed_media_domains)
     created = int(time.time())
     draining = threading.Event()  # set by `jtp serve` on SIGTERM
 

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from jtp.core.sampling_params import SamplingParams
 from jtp.entrypoints.server.metrics import ServerMetrics
@@ -24,6 +24,7 @@ class ChoiceRequest:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    images: Sequence = ()  # ImagePrompts whose placeholders prompt_ids hold
 
 
 @dataclasses.dataclass
@@ -50,8 +51,10 @@ class Generation:
         try:
             for i, t in enumerate(self.tracked):
                 t.submitted_at = time.monotonic()
+                # images= only when there are some: engines of text models take no such argument
+                extra = {"images": t.choice.images} if t.choice.images else {}
                 t.request_id = self.engine.submit(t.choice.prompt_ids, t.choice.params,
-                                                  request_id=f"{self.request_id}-{i}")
+                                                  request_id=f"{self.request_id}-{i}", **extra)
         except BaseException:
             for t in self.tracked:
                 if t.request_id is not None:

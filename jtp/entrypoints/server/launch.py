@@ -65,6 +65,7 @@ class ServerArgs:
     keep_alive_timeout: float = ServerLimits.keep_alive_timeout
     limit_concurrency: int = ServerLimits.limit_concurrency
     chat_template_timeout: float = ServerLimits.chat_template_timeout
+    allowed_media_domains: list[str] | None = None  # hosts whose image URLs are fetched (vLLM's flag)
 
     def limits(self) -> ServerLimits:
         return ServerLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ServerLimits)
@@ -127,6 +128,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=tuple(TOOL_PARSERS), default=None,
                    help="the format of the model's tool calls: hermes (Qwen3's <tool_call>{json}</tool_call>) or "
                         "qwen3_coder (Qwen3-Coder's and Qwen3.5's <function=...><parameter=...>)")
+    p.add_argument("--allowed-media-domains", nargs="+", metavar="HOST", default=None,
+                   help="fetch http(s) image URLs from these hosts (exact names; redirects are not followed); "
+                        "default: none, images come as data: URIs only")
     g = p.add_argument_group("limits per client (see docs/security.md)")
     g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                    help=f"largest request body accepted; larger is a 413 (default: {d.max_request_bytes})")
@@ -166,7 +170,8 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
         engine.start()
         limits = server_args.limits()
         app = build_app(engine, engine_args.model_name(), server_args.api_key, server_args.reasoning_parser, limits,
-                        server_args.tool_parser, server_args.sse_keepalive_interval)
+                        server_args.tool_parser, server_args.sse_keepalive_interval,
+                        tuple(server_args.allowed_media_domains or ()))
         _probe_template(app, engine_args.model_name())
         config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10,
                                 http=header_timeout_protocol(limits.header_timeout),

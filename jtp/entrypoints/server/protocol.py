@@ -107,6 +107,8 @@ class ChatRequest(GenerationRequest):
     # "none", "auto", "required" or a function's name; None when the request has no tools
     tool_choice: str | None = None
     parallel_tool_calls: bool = True
+    # The image parts' URLs (data: URIs) in conversation order; in `messages` each is {"type": "image"}.
+    images: list[str] = dataclasses.field(default_factory=list)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -162,10 +164,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
         common["sampling"]["structured_outputs"] = {
             "json": forced_calls_schema(tools, tool_choice, fields.get("parallel_tool_calls", True))}
         common["structure_param"] = "tool_choice"
+    images: list[str] = []
     return ChatRequest(
         **common,
         num_logprobs=(top or 0) if fields.get("logprobs") else None,
-        messages=_messages(fields.get("messages")),
+        messages=_messages(fields.get("messages"), images),
+        images=images,
         tools=tools,
         template_kwargs=fields.get("chat_template_kwargs") or {},
         tool_choice=tool_choice,
@@ -368,29 +372,45 @@ def _tool_choice(choice: str | dict | None, tools: list[dict] | None) -> str | N
     return choice or "auto"
 
 
-def _messages(messages: Any) -> list[dict]:
+def _messages(messages: Any, images: list[str]) -> list[dict]:
+    """The messages, each image part's URL appended to `images`."""
     if not messages:
         raise APIError("messages must be a non-empty array", param="messages")
-    return [_message(m, i) for i, m in enumerate(messages)]
+    return [_message(m, i, images) for i, m in enumerate(messages)]
 
 
-def _message(message: Any, i: int) -> dict:
+def _message(message: Any, i: int, images: list[str]) -> dict:
     where = f"messages[{i}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise APIError(f"{where} must be an object with a string role", param="messages")
     content = message.get("content")
-    if isinstance(content, list):  # content parts: only text can reach a text model
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise APIError(f"{where}: only text content parts are supported", param="messages")
-            texts.append(part["text"])
-        message = {**message, "content": "\n".join(texts)}
+    if isinstance(content, list):
+        parts = [_content_part(part, f"{where}.content[{j}]", images) for j, part in enumerate(content)]
+        if all(part["type"] == "text" for part in parts):  # text alone: one string, as a text model's template takes
+            message = {**message, "content": "\n".join(part["text"] for part in parts)}
+        else:  # the parts as the multimodal chat templates take them (Qwen3.5's: text items joined as they are)
+            message = {**message, "content": parts}
     elif content is not None and not isinstance(content, str):
-        raise APIError(f"{where}.content must be a string, an array of text parts or null", param="messages")
+        raise APIError(f"{where}.content must be a string, an array of content parts or null", param="messages")
     if message.get("tool_calls") is not None:
         message = {**message, "tool_calls": _message_tool_calls(message["tool_calls"], where)}
     return message
+
+
+def _content_part(part: Any, where: str, images: list[str]) -> dict:
+    """A text part as it is; an image_url part ({"url": ..., "detail": ...} or the URL alone) as
+    {"type": "image"}, its URL appended to `images`."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if kind == "image_url":
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str):
+            raise APIError(f"{where}.image_url must be an object with a string url", param="messages")
+        images.append(url)
+        return {"type": "image"}  # `detail` has no meaning here: the image processor sizes every image alike
+    raise APIError(f"{where}: only text and image_url content parts are supported", param="messages")
 
 
 def _message_tool_calls(calls: Any, where: str) -> list[dict]:

@@ -40,10 +40,17 @@ class TextPart(Shape):
     text: str
 
 
+class ImagePart(Shape):
+    type: Literal["input_image"]
+    image_url: str | None = None  # a data: URI (or a URL on an --allowed-media-domains host)
+    file_id: str | None = None
+    detail: str | None = None  # accepted, no meaning here: the image processor sizes every image alike
+
+
 class MessageItem(Shape):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, list[TextPart]]
+    content: Union[str, list[Union[TextPart, ImagePart]]]
 
 
 class FunctionCallItem(Shape):
@@ -115,8 +122,12 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     messages: list[dict] = []
     for item in req.input:
         if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            if isinstance(item.content, list) and any(isinstance(p, ImagePart) for p in item.content):
+                messages.append({"role": role, "content": [_chat_part(p) for p in item.content]})
+                continue
             text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
-            messages.append({"role": "system" if item.role == "developer" else item.role, "content": text})
+            messages.append({"role": role, "content": text})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             if messages and messages[-1]["role"] == "assistant":  # calls after the assistant's text: one turn
@@ -126,6 +137,15 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     return messages
+
+
+def _chat_part(part: Union[TextPart, ImagePart]) -> dict:
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text}
+    if part.image_url is None:
+        raise APIError("input_image needs image_url (a data: URI); file_id is not supported (this server keeps "
+                       "no files)", param="input")
+    return {"type": "image_url", "image_url": {"url": part.image_url}}
 
 
 def to_chat_body(req: ResponsesRequest, history: list[dict]) -> dict:

@@ -19,6 +19,7 @@ from typing import AsyncIterator
 import jinja2
 from starlette.responses import JSONResponse, Response
 
+from jtp.engine.multimodal_input import check_image_count, expand_images, load_images
 from jtp.engine.structured_output import StructuredOutputError
 from jtp.engine.template_sandbox import TemplateLimitError, TemplateLimits, TemplateOutputError
 
@@ -72,13 +73,17 @@ class OpenAIServing:
 
     def __init__(self, engine, model_name: str, metrics: ServerMetrics, intake: Intake,
                  reasoning_parser: str | None = None, template_timeout: float = TemplateLimits.time_limit,
-                 tool_parser: str | None = None, keepalive_interval: float = KEEPALIVE_INTERVAL):
-        """`tool_parser`: the format of the model's tool calls (`TOOL_PARSERS`), set by
+                 tool_parser: str | None = None, keepalive_interval: float = KEEPALIVE_INTERVAL,
+                 allowed_media_domains: tuple[str, ...] = ()):
+        """`allowed_media_domains`: hosts whose http(s) image URLs are fetched (none: data: URIs only).
+        `tool_parser`: the format of the model's tool calls (`TOOL_PARSERS`), set by
         --enable-auto-tool-choice --tool-call-parser; None: requests with tool_choice "auto" are refused.
         `keepalive_interval`: seconds a stream may stay silent before a keep-alive comment (0: never)."""
         self.engine, self.model_name, self.metrics, self.intake = engine, model_name, metrics, intake
         self.reasoning_parser, self.tool_parser = reasoning_parser, tool_parser
         self.keepalive_interval = keepalive_interval
+        self.allowed_media_domains = tuple(allowed_media_domains)
+        self.vision = getattr(engine, "vision", None)  # None: the model takes no images
         self.stored_responses = ResponseStore()  # /v1/responses' conversations, for previous_response_id
         self.names = TokenNames(engine.tokenizer)
         tok = engine.tokenizer
@@ -96,16 +101,16 @@ class OpenAIServing:
         return await self._respond(COMPLETIONS, req, prompts, choices)
 
     async def chat(self, raw: bytes) -> Response:
-        req, text, ids, max_tokens = await self.intake.run(self._prepare_chat, raw)
+        req, text, ids, max_tokens, images = await self.intake.run(self._prepare_chat, raw)
         choices = [ChatChoice(i, self.names, req.num_logprobs, make_reasoning_parser(self.reasoning_parser, text),
                               self._tool_call_parser(req))
                    for i in range(req.n)]
-        return await self._respond(CHAT, req, [(ids, max_tokens)], choices)
+        return await self._respond(CHAT, req, [(ids, max_tokens)], choices, images)
 
     async def messages(self, raw: bytes) -> Response:
         """Anthropic's POST /v1/messages: the chat path, its output written as Anthropic content blocks."""
-        req, text, ids, max_tokens = await self.intake.run(self._prepare_messages, raw)
-        choice, generation = await self._one_chat_choice("msg", req, text, ids, max_tokens)
+        req, text, ids, max_tokens, images = await self.intake.run(self._prepare_messages, raw)
+        choice, generation = await self._one_chat_choice("msg", req, text, ids, max_tokens, images)
         builder = MessageBuilder(self.model_name, len(ids))
 
         def finish():
@@ -120,8 +125,8 @@ class OpenAIServing:
 
     async def responses(self, raw: bytes) -> Response:
         """OpenAI's POST /v1/responses: the chat path, its output written as response items (and stored)."""
-        rreq, req, text, ids, max_tokens, messages = await self.intake.run(self._prepare_responses, raw)
-        choice, generation = await self._one_chat_choice("resp", req, text, ids, max_tokens)
+        rreq, req, text, ids, max_tokens, images, messages = await self.intake.run(self._prepare_responses, raw)
+        choice, generation = await self._one_chat_choice("resp", req, text, ids, max_tokens, images)
         builder = ResponseBuilder(rreq, self.model_name)
 
         def finish():
@@ -138,12 +143,13 @@ class OpenAIServing:
         return JSONResponse(builder.response())
 
     async def _one_chat_choice(self, id_prefix: str, req: ChatRequest, text: str, ids: list[int],
-                               max_tokens: int) -> tuple[ChatChoice, Generation]:
+                               max_tokens: int, images: list) -> tuple[ChatChoice, Generation]:
         """Submit the one choice of a Messages or Responses request (the chat path underneath)."""
         choice = ChatChoice(0, self.names, None, make_reasoning_parser(self.reasoning_parser, text),
                             self._tool_call_parser(req))
         generation = Generation(self.engine, self.metrics, f"{id_prefix}-{uuid.uuid4().hex}",
-                                [ChoiceRequest(0, ids, sampling_params(req, max_tokens, 0, self.engine.sampling_defaults))])
+                                [ChoiceRequest(0, ids, sampling_params(req, max_tokens, 0, self.engine.sampling_defaults),
+                                               images)])
         await self._submit(generation)
         return choice, generation
 
@@ -206,25 +212,31 @@ class OpenAIServing:
     def _prepare_chat(self, raw: bytes) -> tuple:
         return self._prepare_chat_body(parse_json(raw, self.max_json_values))
 
-    def _prepare_chat_body(self, body) -> tuple:
+    def _prepare_chat_body(self, body, image_param: str = "messages") -> tuple:
+        """(request, rendered text, prompt ids, max_tokens, images): the ids hold each image's placeholders."""
         req = parse_chat_request(body)
         self._check_model(req.model)
         self._check_tool_choice(req.tool_choice)
         self._check_structure(req)
         self._check_choices(req.n)
-        self._check_chars(sum(len(m.get("content") or "") for m in req.messages), "the messages' content")
+        self._check_chars(sum(_text_chars(m.get("content")) for m in req.messages), "the messages' content")
+        check_image_count(len(req.images), self.vision, f"model {self.model_name!r}", image_param)
+        images = load_images(req.images, self.vision.processor, self.allowed_media_domains, image_param) if req.images else []
         text = self._render_chat(req)
         ids = self._prompt_ids(text)
+        prompts = []
+        if self.vision is not None:  # a text that spells the placeholder token is refused here too
+            ids, prompts = expand_images(ids, images, self.vision.image_token_id, self.vision.merge_size, image_param)
         max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = min(self._rest_of_context(ids), self.engine.sampling_defaults.get("max_tokens", self.engine.max_model_len))
-        return req, text, ids, max_tokens
+        return req, text, ids, max_tokens, prompts
 
     def _prepare_responses(self, raw: bytes) -> tuple:
         rreq = parse_responses_request(parse_json(raw, self.max_json_values))
         history = self.stored_responses.get(rreq.previous_response_id) if rreq.previous_response_id else []
         body = responses_chat_body(rreq, history)
-        return (rreq, *self._prepare_chat_body(body), body["messages"])
+        return (rreq, *self._prepare_chat_body(body, "input"), body["messages"])
 
     def _prepare_messages(self, raw: bytes) -> tuple:
         return self._prepare_chat_body(to_chat_body(parse_messages_request(parse_json(raw, self.max_json_values))))
@@ -239,6 +251,7 @@ class OpenAIServing:
                 raise APIError(f"add_generation_prompt must be a boolean, got {generation_prompt!r}",
                                param="add_generation_prompt")
             text, special = self._render_chat(req, generation_prompt), body.get("add_special_tokens", False)
+            check_image_count(len(req.images), self.vision, f"model {self.model_name!r}", "messages")
         elif isinstance(body.get("prompt"), str):
             text, special = body["prompt"], body.get("add_special_tokens", True)
         else:
@@ -247,6 +260,9 @@ class OpenAIServing:
             raise APIError(f"add_special_tokens must be a boolean, got {special!r}", param="add_special_tokens")
         self._check_chars(len(text), "the text")
         ids = tok.encode(text, add_special_tokens=special)
+        if body.get("messages") is not None and req.images:  # each image's placeholders, as a request's prompt
+            images = load_images(req.images, self.vision.processor, self.allowed_media_domains, "messages")
+            ids, _ = expand_images(ids, images, self.vision.image_token_id, self.vision.merge_size, "messages")
         strs = [tok.id_to_token(i) for i in ids] if body.get("return_token_strs") else None
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -274,11 +290,12 @@ class OpenAIServing:
     # ------------------------------------------------------------------ shared flow
 
     async def _respond(self, endpoint: _Endpoint, req: GenerationRequest, prompts: list[tuple[list[int], int]],
-                       choices: list) -> Response:
-        """Submit n choices per (prompt ids, max_tokens), then answer whole or as a stream."""
+                       choices: list, images: list = ()) -> Response:
+        """Submit n choices per (prompt ids, max_tokens), then answer whole or as a stream (`images`:
+        the one chat prompt's)."""
         response_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         requests = [
-            ChoiceRequest(p, ids, sampling_params(req, max_tokens, j, self.engine.sampling_defaults))
+            ChoiceRequest(p, ids, sampling_params(req, max_tokens, j, self.engine.sampling_defaults), images)
             for p, (ids, max_tokens) in enumerate(prompts)
             for j in range(req.n)
         ]
@@ -418,6 +435,13 @@ class OpenAIServing:
             raise ContextLengthError(f"the prompt ({len(prompt_ids)} tokens) leaves no room in the model's "
                                      f"context length ({self.engine.max_model_len})")
         return left
+
+
+def _text_chars(content) -> int:
+    """Characters of a message's text (a string, or the text parts of a content list)."""
+    if isinstance(content, list):
+        return sum(len(part.get("text", "")) for part in content)
+    return len(content or "")
 
 
 def _refuse_surrogates(text: str) -> None:

@@ -1,0 +1,379 @@
+"""Images through the APIs: chat `image_url` parts, Responses `input_image` items, Anthropic `image`
+blocks -> the chat template's placeholders -> each expanded to its image's token count -> the
+engine's `submit(..., images=...)`.
+
+A tiny composite Qwen3.5 checkpoint with a vision tower (transformers' layout, one vision block)
+and a real byte-level BPE tokenizer whose special tokens have the config's ids (vocab 300, the
+vision tokens 290-293), with a chat template that writes images as Qwen3.5's does. Checked: the
+placeholder expansion and ImagePrompt offsets against an independent count from `image_grid`;
+every refusal as a 400 in each API's own shape naming its field (and the server answering after);
+and, where the engine takes images, an image chat through the server (the openai client, whole and
+streamed) equal to the engine's own greedy tokens for the same ids and images.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from hf_hybrid import PREPROCESSOR
+from loopback import serving
+
+from jtp.config.vision_config import ImageProcessorConfig
+from jtp.core.multimodal import MultiModalPrompt
+from jtp.engine.image_processor import ImageError, image_grid, preprocess_images
+from jtp.engine.multimodal_input import check_image_count, expand_images, image_bytes, image_chat_prompt, load_images
+from jtp.entrypoints.server.anthropic import parse_messages_request, to_chat_body
+from jtp.entrypoints.server.protocol import parse_chat_request
+from jtp.entrypoints.server.responses import input_messages, parse_responses_request
+
+VOCAB = 300
+SPECIAL = {"<|endoftext|>": 286, "<|im_start|>": 287, "<|im_end|>": 288, "<|box_start|>": 289,
+           "<|vision_start|>": 290, "<|vision_end|>": 291, "<|image_pad|>": 292, "<|video_pad|>": 293}
+IMAGE_ID, MERGE = SPECIAL["<|image_pad|>"], 2
+# Qwen3.5's way with content lists: an item that is an image (`type` "image", or an "image" /
+# "image_url" key) becomes <|vision_start|><|image_pad|><|vision_end|>, text items are written as
+# they are, and each turn's content is trimmed.
+TEMPLATE = (
+    "{%- macro render_content(content) %}"
+    "{%- if content is string %}{{- content }}"
+    "{%- elif content is iterable and content is not mapping %}{%- for item in content %}"
+    "{%- if 'image' in item or 'image_url' in item or item.type == 'image' %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in item %}{{- item.text }}"
+    "{%- else %}{{- raise_exception('Unexpected item type in content.') }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{%- endmacro %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + render_content(message.content)|trim + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+PAIRS = ["th", "he", "in", "er", "an", "re", "on", "en", "at", "ou", "nd", "or", "es", "ed", "is", "it", "ar",
+         "al", "te", "st", "Ġt", "Ġa", "Ġs", "Ġw", "Ġo", "Ġc", "Ġb", "Ġf", "Ġm", "Ġp"]  # ids 256..285
+
+
+def write_tokenizer(path) -> None:
+    """Byte-level BPE: the 256 byte symbols, 30 merges, then the special tokens at their config ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    for pair in PAIRS:
+        vocab[pair] = len(vocab)
+    assert len(vocab) == min(SPECIAL.values())
+    tok = Tokenizer(models.BPE(vocab, [tuple(p) if len(p) == 2 else (p[0], p[1:]) for p in PAIRS]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL))
+    assert all(tok.token_to_id(t) == i for t, i in SPECIAL.items())
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": TEMPLATE}))
+
+
+@pytest.fixture(scope="module")
+def vision_dir(tmp_path_factory):
+    import hf_hybrid
+
+    model = hf_hybrid.build_model("qwen3_5", vision=dict(depth=1), vocab_size=VOCAB, eos_token_id=SPECIAL["<|im_end|>"],
+                                  **hf_hybrid.SHALLOW)
+    for key, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                       ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")):
+        setattr(model.config, key, SPECIAL[token])
+    path = hf_hybrid.save_multimodal(model, tmp_path_factory.mktemp("qwen3_5_vision"))
+    write_tokenizer(path)
+    return path
+
+
+def png(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, fmt)
+    return out.getvalue()
+
+
+def data_uri(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+PROCESSOR = ImageProcessorConfig.from_hf(PREPROCESSOR)
+SIZES = [(40, 30), (200, 64), (17, 170), (96, 96), (300, 20)]  # (width, height): upscaled, downscaled, both
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def test_each_placeholder_becomes_its_images_tokens_at_the_final_offsets():
+    rng = np.random.default_rng(0)
+    for trial in range(6):
+        sizes = [SIZES[i] for i in rng.choice(len(SIZES), size=1 + trial % 3)]
+        images = load_images([png(w, h, k) for k, (w, h) in enumerate(sizes)], PROCESSOR)
+        counts = [t * gh * gw // MERGE**2 for t, gh, gw in (image_grid(h, w, PROCESSOR) for w, h in sizes)]
+        # text pieces (never the image token) around one placeholder per image
+        pieces = [rng.integers(0, 280, rng.integers(0, 5)).tolist() for _ in range(len(sizes) + 1)]
+        prompt = pieces[0] + sum(([IMAGE_ID] + p for p in pieces[1:]), [])
+        ids, prompts = expand_images(prompt, images, IMAGE_ID, MERGE)
+
+        expected, offsets = list(pieces[0]), []
+        for count, piece in zip(counts, pieces[1:]):
+            offsets.append(len(expected))
+            expected += [IMAGE_ID] * count + piece
+        assert ids == expected
+        assert [p.offset for p in prompts] == offsets and [p.num_tokens for p in prompts] == counts
+        for p, image in zip(prompts, images):
+            assert p.grid_thw == tuple(image.grid_thw[0]) and np.array_equal(p.pixel_values, image.pixel_values)
+        MultiModalPrompt.of(ids, prompts, IMAGE_ID, MERGE)  # the engine's own placement check agrees
+
+
+def test_a_placeholder_without_an_image_is_refused():
+    images = load_images([png(40, 30)], PROCESSOR)
+    with pytest.raises(ImageError, match="2 image placeholder tokens for 1 images"):
+        expand_images([1, IMAGE_ID, 2, IMAGE_ID], images, IMAGE_ID, MERGE)
+    assert expand_images([1, 2], [], IMAGE_ID, MERGE) == ([1, 2], [])
+
+
+def test_image_sources_and_their_refusals():
+    data = png(40, 30)
+    assert image_bytes(data_uri(data), 1) == data == image_bytes(data, 1)
+    assert image_bytes(data_uri(data, "image/jpeg;charset=x"), 1) == data  # Pillow reads the bytes, not the type
+    for source, message in [
+        ("https://example.com/cat.png", "image 1: this server fetches no URLs; send the image as a data: URI"),
+        ("data:text/plain;base64,aGk=", "image 1: not a base64 data: URI of an image"),
+        ("data:image/png,rawbytes", "image 1: not a base64 data: URI of an image"),
+        ("data:image/png;base64,@@@", "image 1: its data: URI is not valid base64"),
+        ("file:///etc/passwd", "image 1: expected a data: URI"),
+    ]:
+        with pytest.raises(ImageError, match=message.replace("(", r"\(")):
+            image_bytes(source, 1)
+    with pytest.raises(ImageError, match="not among this server's --allowed-media-domains"):
+        image_bytes("https://example.com/cat.png", 1, ["images.example.org"])
+    with pytest.raises(ImageError, match="image 2: cannot be decoded: "):
+        load_images([data, b"not an image"], PROCESSOR)
+    with pytest.raises(ImageError, match="image 1: .*aspect ratio"):
+        load_images([png(1000, 4)], PROCESSOR)
+    vision = SimpleNamespace(max_images_per_prompt=2)
+    check_image_count(2, vision)
+    with pytest.raises(ImageError, match="3 images; this server takes at most 2 per prompt"):
+        check_image_count(3, vision)
+    with pytest.raises(ImageError, match="'m' does not take images"):
+        check_image_count(1, None, "model 'm'")
+    check_image_count(0, None)
+
+
+def test_big_and_small_images_are_resized_not_refused():
+    for w, h in [(2000, 1500), (5, 7)]:
+        (image,) = load_images([png(w, h)], PROCESSOR)
+        _, gh, gw = image.grid_thw[0]
+        assert PROCESSOR.min_pixels <= gh * gw * 16 * 16 <= PROCESSOR.max_pixels
+
+
+def test_the_three_apis_turn_images_into_chat_image_parts():
+    url1, url2 = data_uri(png(40, 30, 1)), data_uri(png(30, 40, 2))
+    req = parse_chat_request({"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "A "}, {"type": "image_url", "image_url": {"url": url1, "detail": "high"}},
+                                     {"type": "text", "text": " and "}, {"type": "image_url", "image_url": url2}]},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert req.images == [url1, url2]
+    assert req.messages[1]["content"] == [{"type": "text", "text": "A "}, {"type": "image"}, {"type": "text", "text": " and "},
+                                          {"type": "image"}]
+    assert req.messages[2]["content"] == "a\nb"  # text alone stays one string, as before
+
+    anthropic = to_chat_body(parse_messages_request({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url1.split(",")[1]}},
+        {"type": "text", "text": "What is it?"}]}]}))
+    assert anthropic["messages"][0]["content"] == [{"type": "image_url", "image_url": {"url": url1}},
+                                                   {"type": "text", "text": "What is it?"}]
+    responses = input_messages(parse_responses_request({"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "See "}, {"type": "input_image", "image_url": url2, "detail": "auto"}]}]}))
+    assert responses == [{"role": "user", "content": [{"type": "text", "text": "See "},
+                                                      {"type": "image_url", "image_url": {"url": url2}}]}]
+
+
+# ----------------------------------------------------------------------------- through the server
+
+ARGS = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, block_size=16, num_blocks=128,
+            warmup=False, enable_prefix_caching=False, limit_mm_per_prompt='{"image": 3}')
+
+
+@pytest.fixture(scope="module")
+def served(vision_dir):
+    from jtp.config.engine_args import EngineArgs
+    from jtp.engine.engine import Engine
+    from jtp.entrypoints.server import build_app
+
+    with Engine.from_args(EngineArgs(model=str(vision_dir), **ARGS)) as engine:
+        engine.start()
+        engine.ready.set()
+        with serving(build_app(engine, "tiny-vl", allowed_media_domains=("127.0.0.1",))) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+            yield SimpleNamespace(engine=engine, url=url, client=client)
+
+
+def takes_images(engine) -> bool:
+    return getattr(engine, "vision", None) is not None
+
+
+def user(*parts) -> list[dict]:
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image_url", "image_url": {"url": data_uri(p)}}
+               for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+def test_refusals_are_400s_naming_the_field_and_the_server_goes_on(served):
+    if not takes_images(served.engine):
+        pytest.skip("the engine does not take images yet (engine.vision)")
+    client, good = served.client, png(40, 30)
+    bad = [
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}],
+         "this server fetches no URLs"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}]}],
+         "image 1: not a base64 data: URI of an image"),
+        (user(good, b"\x89PNG\r\n\x1a\nbroken"), "image 2: cannot be decoded: "),
+        (user(good, good, good, good), "4 images; this server takes at most 3 per prompt"),
+        (user("Spelled: <|image_pad|>"), "1 image placeholder tokens for 0 images"),
+    ]
+    for messages, message in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny-vl", messages=messages, max_tokens=2)
+        assert message in e.value.body["message"] and e.value.body["param"] == "messages", e.value.body
+    # the Responses API names "input"; Anthropic's shape names the field in its message
+    r = httpx.post(served.url + "/v1/responses", timeout=60, json={"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "https://example.com/a.png"}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input" and "fetches no URLs" in r.json()["error"]["message"]
+    r = httpx.post(served.url + "/v1/messages", timeout=60, json={"max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["message"].startswith("messages: image 1: cannot be decoded")
+    reply = client.chat.completions.create(model="tiny-vl", messages=user("Hi"), max_tokens=2)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+class _ImageHandler(BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self):  # noqa: N802
+        if self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "http://localhost/elsewhere.png")
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_urls_of_allowed_hosts_are_fetched(served):
+    if not takes_images(served.engine):
+        pytest.skip("the engine does not take images yet (engine.vision)")
+    _ImageHandler.body = png(40, 30, 5)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ImageHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        by_url = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": base + "/cat.png"}},
+                                               {"type": "text", "text": "What?"}]}]
+        by_data = user(_ImageHandler.body, "What?")
+        ask = dict(model="tiny-vl", max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True})
+        a = served.client.chat.completions.create(messages=by_url, **ask)
+        b = served.client.chat.completions.create(messages=by_data, **ask)
+        assert a.choices[0].message.content == b.choices[0].message.content
+        assert a.usage.prompt_tokens == b.usage.prompt_tokens
+        moved = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": base + "/moved"}}]}]
+        with pytest.raises(openai.BadRequestError, match="not followed"):
+            served.client.chat.completions.create(messages=moved, **ask)
+    finally:
+        server.shutdown()
+
+
+def in_process(engine, messages: list[dict], sources: list[bytes], max_tokens: int) -> tuple[list[int], str]:
+    """The engine's own greedy tokens for the prompt the server builds (template, ids, images)."""
+    from jtp.core.sampling_params import SamplingParams
+
+    ids, images = image_chat_prompt(engine.tokenizer, engine.vision, messages, sources)
+    rid = engine.submit(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), images=images)
+    done = engine.result(rid)
+    return done.token_ids, engine.tokenizer.decode(done.token_ids)
+
+
+def test_an_image_chat_equals_the_engine_in_process_whole_and_streamed(served):
+    if not takes_images(served.engine):
+        pytest.skip("the engine does not take images yet (engine.vision)")
+    client = served.client
+    one, two = png(64, 48, 1), png(40, 100, 2)
+    ask = dict(model="tiny-vl", max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    for sources, texts in [([one], ["Describe ", None, " please."]), ([one, two], [None, "vs", None, "?"])]:
+        it = iter(sources)
+        parts = [p if p is not None else next(it) for p in texts]
+        messages = user(*parts)
+        template_messages = [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str)
+                                                          else {"type": "image"} for p in parts]}]
+        tokens, text = in_process(served.engine, template_messages, sources, 8)
+        whole = client.chat.completions.create(messages=messages, **ask)
+        assert whole.choices[0].message.content == text and whole.usage.completion_tokens == len(tokens)
+        ids, images = image_chat_prompt(served.engine.tokenizer, served.engine.vision, template_messages, sources)
+        assert whole.usage.prompt_tokens == len(ids) and sum(i.num_tokens for i in images) > len(sources)
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           client.chat.completions.create(messages=messages, stream=True, **ask) if c.choices)
+        assert streamed == text
+    # /tokenize counts each image's placeholders as a request's prompt holds them
+    r = httpx.post(served.url + "/tokenize", timeout=60, json={"messages": user(one, "hi")})
+    assert r.status_code == 200 and r.json()["tokens"].count(IMAGE_ID) == image_count(one)
+
+
+def image_count(data: bytes) -> int:
+    (image,) = load_images([data], PROCESSOR)
+    return int(np.prod(image.grid_thw[0])) // MERGE**2
+
+
+def test_responses_input_image_and_anthropic_image_blocks(served):
+    if not takes_images(served.engine):
+        pytest.skip("the engine does not take images yet (engine.vision)")
+    one = png(64, 48, 3)
+    reference = served.client.chat.completions.create(model="tiny-vl", messages=user(one, "Name it."), max_tokens=6,
+                                                      temperature=0.0, extra_body={"ignore_eos": True})
+    response = served.client.responses.create(model="tiny-vl", max_output_tokens=6, temperature=0.0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_uri(one), "detail": "auto"},
+                                     {"type": "input_text", "text": "Name it."}]}], extra_body={"ignore_eos": True})
+    assert response.output_text == reference.choices[0].message.content
+    assert response.usage.input_tokens == reference.usage.prompt_tokens
+    r = httpx.post(served.url + "/v1/messages", timeout=120, json={"max_tokens": 6, "temperature": 0.0, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                  "data": base64.b64encode(one).decode()}},
+                                     {"type": "text", "text": "Name it."}]}]})
+    assert r.status_code == 200 and r.json()["usage"]["input_tokens"] == reference.usage.prompt_tokens
+
+
+def test_a_text_model_refuses_images_and_serves_on(demo_dir):
+    from jtp.config.engine_args import EngineArgs
+    from jtp.engine.engine import Engine
+    from jtp.entrypoints.server import build_app
+
+    args = dict(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=256, block_size=16, num_blocks=32, warmup=False)
+    with Engine.from_args(EngineArgs(model=str(demo_dir), **args)) as engine:
+        engine.start()
+        engine.ready.set()
+        with serving(build_app(engine, "demo")) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="demo", messages=user("What is this?", png(40, 30)), max_tokens=2)
+            assert e.value.body["message"] == "model 'demo' does not take images (it has no vision tower)"
+            assert e.value.body["param"] == "messages"
+            r = httpx.post(url + "/v1/responses", timeout=60, json={"input": [{"role": "user", "content": [
+                {"type": "input_image", "image_url": data_uri(png(40, 30))}]}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+            assert client.chat.completions.create(model="demo", messages=user("Hi"), max_tokens=2).choices
