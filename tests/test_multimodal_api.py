@@ -213,15 +213,20 @@ def served(vision_dir):
     from jtp.entrypoints.server import build_app
 
     with Engine.from_args(EngineArgs(model=str(vision_dir), **ARGS)) as engine:
+        real = getattr(engine, "vision", None) is not None
+        if not real:  # an engine that does not take images yet: the server's refusals can still be checked
+            engine.vision = SimpleNamespace(image_token_id=IMAGE_ID, merge_size=MERGE, max_images_per_prompt=3,
+                                            processor=ImageProcessorConfig.from_dir(vision_dir))
         engine.start()
         engine.ready.set()
         with serving(build_app(engine, "tiny-vl", allowed_media_domains=("127.0.0.1",))) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
-            yield SimpleNamespace(engine=engine, url=url, client=client)
+            yield SimpleNamespace(engine=engine, url=url, client=client, real=real)
 
 
-def takes_images(engine) -> bool:
-    return getattr(engine, "vision", None) is not None
+def need_images(served) -> None:
+    if not served.real:
+        pytest.skip("the engine does not take images yet (engine.vision, submit(images=...))")
 
 
 def user(*parts) -> list[dict]:
@@ -231,12 +236,10 @@ def user(*parts) -> list[dict]:
 
 
 def test_refusals_are_400s_naming_the_field_and_the_server_goes_on(served):
-    if not takes_images(served.engine):
-        pytest.skip("the engine does not take images yet (engine.vision)")
     client, good = served.client, png(40, 30)
     bad = [
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}],
-         "this server fetches no URLs"),
+         "image 1: 'example.com' is not among this server's --allowed-media-domains"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}]}],
          "image 1: not a base64 data: URI of an image"),
         (user(good, b"\x89PNG\r\n\x1a\nbroken"), "image 2: cannot be decoded: "),
@@ -250,13 +253,21 @@ def test_refusals_are_400s_naming_the_field_and_the_server_goes_on(served):
     # the Responses API names "input"; Anthropic's shape names the field in its message
     r = httpx.post(served.url + "/v1/responses", timeout=60, json={"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "https://example.com/a.png"}]}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "input" and "fetches no URLs" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input" and "not among" in r.json()["error"]["message"]
     r = httpx.post(served.url + "/v1/messages", timeout=60, json={"max_tokens": 2, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]})
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert r.json()["error"]["message"].startswith("messages: image 1: cannot be decoded")
     reply = client.chat.completions.create(model="tiny-vl", messages=user("Hi"), max_tokens=2)
     assert reply.choices[0].finish_reason in ("stop", "length")
+    from jtp.entrypoints.server import build_app
+
+    with serving(build_app(served.engine, "tiny-vl")) as url:  # no --allowed-media-domains: no URL at all
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={"max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://127.0.0.1/a.png"}}]}]})
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": "image 1: this server fetches no URLs; send the image as a data: URI (data:image/png;base64,...)",
+            "type": "invalid_request_error", "param": "messages", "code": None}
 
 
 class _ImageHandler(BaseHTTPRequestHandler):
@@ -278,8 +289,7 @@ class _ImageHandler(BaseHTTPRequestHandler):
 
 
 def test_urls_of_allowed_hosts_are_fetched(served):
-    if not takes_images(served.engine):
-        pytest.skip("the engine does not take images yet (engine.vision)")
+    need_images(served)
     _ImageHandler.body = png(40, 30, 5)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _ImageHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -300,6 +310,40 @@ def test_urls_of_allowed_hosts_are_fetched(served):
         server.shutdown()
 
 
+def test_the_server_submits_the_expanded_ids_and_their_images(served, monkeypatch):
+    """Each API hands `submit` the prompt the engine would build in process: same ids, same images
+    (digests) at the same offsets, for every choice of the request."""
+    engine, submitted = served.engine, []
+    original = engine.submit
+
+    def recording(prompt_ids, params=None, request_id=None, images=()):
+        submitted.append((list(prompt_ids), list(images)))
+        return original(prompt_ids, params, request_id, images=images) if served.real else \
+            original(prompt_ids, params, request_id)
+
+    monkeypatch.setattr(engine, "submit", recording)
+    one, two = png(64, 48, 1), png(40, 100, 2)
+    template = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "vs"}, {"type": "image"}]}]
+    ids, images = image_chat_prompt(engine.tokenizer, engine.vision, template, [one, two])
+    between = len(engine.tokenizer.encode("<|vision_end|>vs<|vision_start|>"))
+    assert [i.offset for i in images] == [ids.index(IMAGE_ID), ids.index(IMAGE_ID) + images[0].num_tokens + between]
+    client, ask = served.client, dict(model="tiny-vl", max_tokens=2)
+    client.chat.completions.create(messages=user(one, "vs", two), n=2, **ask)
+    client.responses.create(model="tiny-vl", max_output_tokens=2, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_uri(one)}, {"type": "input_text", "text": "vs"},
+        {"type": "input_image", "image_url": data_uri(two)}]}])
+    r = httpx.post(served.url + "/v1/messages", timeout=120, json={"max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(b).decode()}}
+        if isinstance(b, bytes) else {"type": "text", "text": b} for b in (one, "vs", two)]}]})
+    assert r.status_code == 200, r.text
+    assert len(submitted) == 4
+    for got_ids, got_images in submitted:
+        assert got_ids == ids
+        assert [(i.offset, i.num_tokens, i.grid_thw, i.digest) for i in got_images] == \
+            [(i.offset, i.num_tokens, i.grid_thw, i.digest) for i in images]
+    assert r.json()["usage"]["input_tokens"] == len(ids)
+
+
 def in_process(engine, messages: list[dict], sources: list[bytes], max_tokens: int) -> tuple[list[int], str]:
     """The engine's own greedy tokens for the prompt the server builds (template, ids, images)."""
     from jtp.core.sampling_params import SamplingParams
@@ -311,8 +355,7 @@ def in_process(engine, messages: list[dict], sources: list[bytes], max_tokens: i
 
 
 def test_an_image_chat_equals_the_engine_in_process_whole_and_streamed(served):
-    if not takes_images(served.engine):
-        pytest.skip("the engine does not take images yet (engine.vision)")
+    need_images(served)
     client = served.client
     one, two = png(64, 48, 1), png(40, 100, 2)
     ask = dict(model="tiny-vl", max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
@@ -341,8 +384,7 @@ def image_count(data: bytes) -> int:
 
 
 def test_responses_input_image_and_anthropic_image_blocks(served):
-    if not takes_images(served.engine):
-        pytest.skip("the engine does not take images yet (engine.vision)")
+    need_images(served)
     one = png(64, 48, 3)
     reference = served.client.chat.completions.create(model="tiny-vl", messages=user(one, "Name it."), max_tokens=6,
                                                       temperature=0.0, extra_body={"ignore_eos": True})
