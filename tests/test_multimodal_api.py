@@ -16,6 +16,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -419,3 +421,39 @@ def test_a_text_model_refuses_images_and_serves_on(demo_dir):
                 {"type": "input_image", "image_url": data_uri(png(40, 30))}]}]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "input"
             assert client.chat.completions.create(model="demo", messages=user("Hi"), max_tokens=2).choices
+
+
+# ----------------------------------------------------------------------------- jtp generate --image
+
+
+def run_generate(*args: str) -> subprocess.CompletedProcess:
+    from cpu_env import cpu_env
+
+    env = {k: v for k, v in cpu_env(1).items() if k != "JTP_DEBUG"}
+    return subprocess.run([sys.executable, "-m", "jtp.entrypoints.cli", "generate", *args], capture_output=True,
+                          env=env, timeout=300)
+
+
+def test_generate_image_refusals_are_one_line(tmp_path, demo_dir):
+    proc = run_generate("--model", str(demo_dir), "--image", str(tmp_path / "missing.png"), "hi")
+    assert proc.returncode == 2 and "error: --image" in proc.stderr.decode() and "cannot read it" in proc.stderr.decode()
+    (tmp_path / "cat.png").write_bytes(png(40, 30))
+    proc = run_generate("--model", str(demo_dir), "--max-tokens", "2", "--image", str(tmp_path / "cat.png"), "hi")
+    assert proc.returncode == 2 and "this model does not take images" in proc.stderr.decode(), proc.stderr.decode()
+    assert "Traceback" not in proc.stderr.decode()
+
+
+def test_generate_with_images_equals_the_engine(tmp_path, served, vision_dir):
+    need_images(served)
+    one, two = png(64, 48, 1), png(40, 100, 2)
+    (tmp_path / "1.png").write_bytes(one)
+    (tmp_path / "2.png").write_bytes(two)
+    proc = run_generate("--model", str(vision_dir), "--json", "--max-tokens", "6", "--temperature", "0",
+                        "--image", str(tmp_path / "1.png"), "--image", str(tmp_path / "2.png"), "Compare.")
+    assert proc.returncode == 0, proc.stderr.decode()
+    record = json.loads(proc.stdout)
+    template = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare."}]}]
+    ids, _ = image_chat_prompt(served.engine.tokenizer, served.engine.vision, template, [one, two])
+    assert record["prompt_token_ids"] == ids
+    tokens, _ = in_process(served.engine, template, [one, two], len(record["token_ids"]))
+    assert record["token_ids"] == tokens
