@@ -58,7 +58,7 @@ MODULE_TIERS = {
         "test_tokenizer", "test_load_integrity",
     ),
     "parity": ("test_hf_parity", "test_qwen3_5", "test_prompt_logprobs", "test_fp8", "test_quantize_checkpoint",
-               "test_int4", "test_vision"),
+               "test_int4", "test_vision", "test_multimodal_engine"),
     "distributed": ("test_launcher",),
 }
 _TIER_OF = {module: tier for tier, modules in MODULE_TIERS.items() for module in modules}

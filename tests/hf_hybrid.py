@@ -48,10 +48,10 @@ KINDS = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_m
 SHALLOW = dict(num_hidden_layers=2, full_attention_interval=2)
 
 
-def build_model(kind: str, seed: int = 0, vision: dict | None = None, **overrides):
+def build_model(kind: str, seed: int = 0, vision: dict | None = None, outer: dict | None = None, **overrides):
     """A float32 HF model of the given tiny kind, all parameters perturbed, in eval mode.
     `overrides` replace (text) config fields, e.g. the layer pattern or SHALLOW; `vision` replaces
-    vision_config fields of the multimodal kinds."""
+    vision_config fields of the multimodal kinds, `outer` their own config's (e.g. the vision token ids)."""
     import transformers as tf
 
     vision_cfg = {**VISION, **(vision or {})}
@@ -70,14 +70,14 @@ def build_model(kind: str, seed: int = 0, vision: dict | None = None, **override
     elif kind == "qwen3_5":
         text = dict(**COMMON, intermediate_size=96, rope_parameters=ROPE)
         model = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config={**text, **overrides},
-                                                                     vision_config=vision_cfg))
+                                                                     vision_config=vision_cfg, **(outer or {})))
     elif kind == "qwen3_5_moe_text":
         model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**{**COMMON, "rope_parameters": ROPE, **MOE,
                                                                     **overrides}))
     elif kind == "qwen3_5_moe":
         text = dict(**COMMON, rope_parameters=ROPE, **MOE)
         model = tf.Qwen3_5MoeForConditionalGeneration(tf.Qwen3_5MoeConfig(text_config={**text, **overrides},
-                                                                           vision_config=vision_cfg))
+                                                                           vision_config=vision_cfg, **(outer or {})))
     else:
         raise ValueError(kind)
     with torch.no_grad():

@@ -67,6 +67,7 @@ class ModelConfig:
     # speculative drafter with --speculative-config '{"method": "mtp"}'.
     mtp_layers: int = 0
     quantization: Quantization | None = None  # the checkpoint's quantization_config (None: full-precision weights)
+    mrope_section: tuple[int, int, int] = (11, 11, 10)  # a vision checkpoint's M-RoPE split (jtp.config.vision_config)
 
     @property
     def q_size(self) -> int:

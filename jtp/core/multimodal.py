@@ -63,12 +63,26 @@ class MultiModalPrompt:
         positions, delta = mrope_positions(ids.tolist(), grids, image_token_id, merge_size)
         return cls(tuple(images), np.asarray(positions, np.int32), int(delta))
 
-    def block_extras(self, block_size: int, num_blocks: int) -> list[bytes]:
-        """What each full block's prefix-cache key adds to its tokens: the digests (and placements) of
+    def block_extra(self, block: int, block_size: int) -> bytes:
+        """What block `block`'s prefix-cache key adds to its tokens: the digests (and placements) of
         the images whose placeholders it holds (b"" for a block of text alone)."""
-        extras = [b""] * num_blocks
-        for image in self.images:
-            first, last = image.offset // block_size, (image.offset + image.num_tokens - 1) // block_size
-            for b in range(first, min(last, num_blocks - 1) + 1):
-                extras[b] += image.digest + image.offset.to_bytes(8, "little")
-        return extras
+        lo, hi = block * block_size, (block + 1) * block_size
+        return b"".join(image.digest + image.offset.to_bytes(8, "little") for image in self.images
+                        if image.offset < hi and image.offset + image.num_tokens > lo)
+
+    def rope_positions(self, positions: np.ndarray, num_prompt: int) -> np.ndarray:
+        """i32 [3, n]: the M-RoPE rows of sequence positions `positions` (prompt ones from the table,
+        later ones p + delta on all rows)."""
+        inside = positions < num_prompt
+        out = np.broadcast_to(positions + self.delta, (3, len(positions))).astype(np.int32)
+        out[:, inside] = self.positions[:, positions[inside]]
+        return out
+
+    def image_rows(self, positions: np.ndarray, pool_starts: Sequence[int]) -> np.ndarray:
+        """i32 [n]: each position's row of the image-embedding pool (-1: not an image token), the
+        images' first rows at `pool_starts`."""
+        rows = np.full(len(positions), -1, np.int32)
+        for image, start in zip(self.images, pool_starts):
+            inside = (positions >= image.offset) & (positions < image.offset + image.num_tokens)
+            rows[inside] = start + positions[inside] - image.offset
+        return rows

@@ -56,6 +56,9 @@ class StepLayout(NamedTuple):
     penalty_len: int  # L of the [B, L] penalty history (which brings [B, MAX_LOGIT_BIAS] logit biases), 0: none
     flags: SamplingFlags
     mask_words: int = 0  # W of the [B, W] token mask (flags.needs_mask), 0 without one
+    # An engine of a model that takes images: every step carries each token's M-RoPE positions
+    # [3, T] and its row of the image-embedding pool [T] (-1: a token's own embedding).
+    multimodal: bool = False
 
     def shapes(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         return _shapes(self)
@@ -144,6 +147,8 @@ def _shapes(layout: StepLayout):
     ints["block_tables"] = (B, M)
     ints.update({name: (B,) for name in _PLAN_INTS[5:11]})
     ints["logits_indices"] = (layout.verify_positions, B) if layout.verify_positions else (B,)
+    if layout.multimodal:
+        ints["rope_positions"], ints["image_rows"] = (3, T), (T,)
     sampling_ints, floats = _sampling_shapes(B, layout.penalty_len, layout.mask_words)
     return {**ints, **sampling_ints}, floats
 
@@ -183,8 +188,8 @@ class PackedStep:
 
     MAGIC = b"JTPP"
     # 2: the sampling part (seq_slots first) at the end of the int buffer; 3: token masks; 4: logit biases;
-    # 5: prompt targets
-    VERSION = 5
+    # 5: prompt targets; 6: multimodal layouts
+    VERSION = 6
 
     @classmethod
     def empty(cls, layout: StepLayout) -> "PackedStep":
@@ -200,8 +205,9 @@ class PackedStep:
         return int(self.ints[int_fields["num_steps"][0]])
 
     @classmethod
-    def from_step_input(cls, step: StepInput) -> "PackedStep":
-        """Pack an explicit `StepInput` (warm-up, tests, tools)."""
+    def from_step_input(cls, step: StepInput, multimodal: bool = False) -> "PackedStep":
+        """Pack an explicit `StepInput` (warm-up, tests, tools); `multimodal`: in the layout of a model
+        that takes images, its tokens text (M-RoPE rows all `positions`, no image rows)."""
         plan, sampling, penalty = step.plan, step.sampling, step.penalty_tokens
         if step.logit_bias is not None and penalty is None:
             raise ValueError("a logit bias rides the penalty history's sampling variant: give penalty_tokens too")
@@ -212,12 +218,14 @@ class PackedStep:
         layout = StepLayout(
             len(plan.token_ids), *plan.block_tables.shape, plan.max_row_len, li.shape[0] if li.ndim == 2 else 0,
             penalty[0].shape[1] if penalty is not None else 0, flags,
-            step.token_mask.shape[1] if step.token_mask is not None else 0,
+            step.token_mask.shape[1] if step.token_mask is not None else 0, multimodal,
         )
         packed = cls.empty(layout)
         f = packed.fields()
         for name in _PLAN_INTS:
             f[name][...] = getattr(plan, name)
+        if multimodal:
+            f["rope_positions"][...], f["image_rows"][...] = plan.positions, -1
         for name in _SAMPLING_INTS + _SAMPLING_FLOATS:
             value = np.asarray(getattr(sampling, name))
             f[name][...] = value.view(np.int32) if value.dtype == np.uint32 else value
@@ -247,7 +255,8 @@ class PackedStep:
 
     def encode(self) -> bytes:
         targets = self.prompt_targets if self.prompt_targets is not None else np.zeros((2, 0), np.int32)
-        header = json.dumps({"layout": [*self.layout[:6], list(self.layout.flags), self.layout.mask_words],
+        header = json.dumps({"layout": [*self.layout[:6], list(self.layout.flags), self.layout.mask_words,
+                                        self.layout.multimodal],
                              "prompt_positions": targets.shape[1]}).encode()
         return b"".join([self.MAGIC, struct.pack("<HI", self.VERSION, len(header)), header,
                          np.ascontiguousarray(self.ints, np.int32).tobytes(),
@@ -267,7 +276,7 @@ class PackedStep:
         flags = fields[6]
         layout = StepLayout(*(int(x) if x is not None else None for x in fields[:6]),
                             SamplingFlags(bool(flags[0]), bool(flags[1]), int(flags[2]), bool(flags[3])),
-                            int(fields[7]))
+                            int(fields[7]), bool(fields[8]))
         _, _, n_int, n_float = layout.offsets()
         start, n_targets = 10 + length, 2 * positions
         if len(data) != start + 4 * (n_int + n_float + n_targets):

@@ -36,6 +36,7 @@ import numpy as np
 
 from jtp.config.speculative import SpeculativeConfig, propose_ngram
 from jtp.core.block_hash import chain_key
+from jtp.core.multimodal import MultiModalPrompt
 from jtp.core.page_pool import PagePool
 from jtp.core.sampling_params import SamplingParams
 from jtp.core.scheduler_output import NewRequest, SchedulerOutput
@@ -80,6 +81,8 @@ class Request:
     spec_state_kept: int = -1
     mtp_drafts: list[int] = dataclasses.field(default_factory=list)  # the MTP head's guesses after the last token
     grammar: Any = None  # structured outputs: the engine's matcher of the request's grammar (None: free text)
+    mm: MultiModalPrompt | None = None  # its images (None: text alone), their rows in the worker's pool:
+    image_rows: tuple[int, ...] = ()
     # What the worker's persistent batch holds of this request (see `Scheduler.output`).
     num_sent_tokens: int = 0
     num_sent_blocks: int = 0
@@ -391,8 +394,6 @@ class Scheduler:
             steps = min(steps, *(bs - r.start % bs for r in rows))
         return max(steps, 1)
 
-    # ------------------------------------------------------------------ admission, chunks
-
     def _admit(self, r: Request) -> bool:
         """Reserve the request's worst case, starting from its longest cached prefix; False
         (nothing changed) when the pool cannot take it now."""
@@ -458,15 +459,15 @@ class Scheduler:
         last = (len(r.prompt_ids) - 1) // self.pool.block_size * self.pool.block_size
         return (r.kv_hit_end, last)
 
-    # ------------------------------------------------------------------ prefix cache
-
     def _keys(self, r: Request) -> list[bytes]:
         """The request's block keys, extended over every full block of host-known tokens."""
         bs, keys = self.pool.block_size, r.block_keys
         known = len(r.prompt_ids) + len(r.output_ids)
         while (len(keys) + 1) * bs <= known:
             start = len(keys) * bs
-            keys.append(chain_key(keys[-1] if keys else self.cache_root, [r.token(p) for p in range(start, start + bs)]))
+            # A block with image tokens is keyed by the images' digests too: same text, other images, other K/V.
+            parent = (keys[-1] if keys else self.cache_root) + (r.mm.block_extra(len(keys), bs) if r.mm else b"")
+            keys.append(chain_key(parent, [r.token(p) for p in range(start, start + bs)]))
         return keys
 
     def reset_prefix_cache(self) -> int:
@@ -552,7 +553,8 @@ class Scheduler:
         for r in self._admitted:
             if r.status is Status.RUNNING:
                 known = r.prompt_ids + r.output_ids
-                new.append(NewRequest(r.seq_slot, known, len(r.prompt_ids), r.params, r.seed, r.stop_ids))
+                new.append(NewRequest(r.seq_slot, known, len(r.prompt_ids), r.params, r.seed, r.stop_ids, r.mm,
+                                      r.image_rows))
                 r.num_sent_tokens, r.num_sent_blocks = len(known), 0
         self._admitted.clear()
         finished, self._finished_slots = self._finished_slots, []

@@ -15,6 +15,7 @@ import dataclasses
 
 import numpy as np
 
+from jtp.core.multimodal import MultiModalPrompt
 from jtp.core.sampling_params import SamplingParams
 
 
@@ -28,6 +29,8 @@ class NewRequest:
     params: SamplingParams
     seed: int
     stop_ids: frozenset[int]
+    mm: MultiModalPrompt | None = None  # its images: M-RoPE positions, placeholders
+    image_rows: tuple[int, ...] = ()  # each image's first row in the image-embedding pool
 
 
 @dataclasses.dataclass

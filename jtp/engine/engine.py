@@ -15,8 +15,8 @@ Every request ends with exactly one finished event: finish_reason "stop", "lengt
 by `stream` / `astream` / `result`; a consumer that stops early aborts it.
 
 Threads: `submit` and `abort` only append to an inbox (a short lock, never held across device
-work or compilation); whoever steps (the loop thread, or the caller in manual mode) drains
-the inbox at the start of each step. So no caller waits on the device.
+work or compilation; a request with images waits for the step lock to encode them); whoever steps
+(the loop thread, or the caller in manual mode) drains the inbox at the start of each step.
 
 This module is intake and the step loop; the rest is beside it: output_processor.py (streams,
 detokenising, stop strings, logprobs), snapshot_api.py (the snapshot methods), snapshot_manager.py
@@ -34,18 +34,20 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 
 from jtp.config.engine_args import EngineArgs
 from jtp.config.engine_config import EngineConfig
 from jtp.core.block_hash import root_key
+from jtp.core.multimodal import ImagePrompt
 from jtp.core.sampling_params import SamplingParams
 from jtp.core.scheduler import Request, ScheduledRow, Scheduler, Status
 from jtp.core.step_input import mask_words
 from jtp.engine.input_processor import InputProcessor
 from jtp.engine.memory import allocate_pools
+from jtp.engine.multimodal import engine_vision, live_image_digests, prompt_images
 from jtp.engine.output_processor import Completion, OutputProcessor, RequestStream, TokenEvent
 from jtp.engine.snapshot_api import EngineSnapshots
 from jtp.engine.snapshot_manager import SnapshotManager
@@ -124,7 +126,8 @@ class Engine(EngineSnapshots):
         # The worker's persistent rows, updated each step from the scheduler's output.
         self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size, self.scheduler.buckets,
                                       self.speculative.verify_positions if self.speculative is not None else 0,
-                                      mask_words(cfg.vocab_size))
+                                      mask_words(cfg.vocab_size), self.runner.images is not None)
+        self.vision = engine_vision(self.runner, self.model_dir)  # None: the model takes no images
         per_block, budget = self.runner.bytes_per_block(), config.snapshot_budget_bytes
         self.snapshots = SnapshotManager(
             config.max_snapshots, budget if budget is not None else self.pool.total_blocks * per_block // 2,
@@ -183,37 +186,42 @@ class Engine(EngineSnapshots):
             waiting = self._num_waiting()
         return collect_stats(self.scheduler, self.pool, waiting, len(self.snapshots), self.runner)
 
-    # ------------------------------------------------------------------ requests
-
-    def submit(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a request and return its id at once (validation only; no device work, no waiting).
-        Without `params`: the generation config's sampling defaults (`default_params`)."""
+    def submit(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None,
+               images: Sequence[ImagePrompt] = ()) -> str:
+        """Queue a request and return its id at once (validation, and the encoding of the images the
+        pool lacks; no waiting for the step). Without `params`: the generation config's sampling
+        defaults (`default_params`). `images`: the prompt's, their placeholders already in `prompt_ids`."""
         params = params or self.default_params()
         prompt_ids = [int(t) for t in prompt_ids]
         self.inputs.validate(prompt_ids, params)
+        mm = prompt_images(self.vision, prompt_ids, images, "speculative decoding" if self.speculative else None)
         # Compiled here, on the caller's thread, never on the step loop.
         grammar = request_matcher(self.grammars, params, "--num-scheduler-steps > 1" if self.config.num_scheduler_steps > 1
                                   else "speculative decoding" if self.speculative is not None else None)
-        with self._intake:
-            if self.failure is not None:
-                raise WorkerGroupError(self.failure)
-            if self._closed:
-                raise EngineClosedError("the engine is closed and accepts no new requests")
-            if self._draining:
-                raise EngineClosedError("the engine is shutting down (draining) and accepts no new requests")
-            waiting, limit = self._num_waiting(), self.config.max_waiting_requests
-            if limit is not None and waiting >= limit:
-                raise QueueFullError(f"{waiting} requests are already waiting (limit {limit}); retry later")
-            rid = request_id
-            while rid is None or (request_id is None and rid in self.outputs):
-                rid = f"req-{next(self._ids)}"  # never collides with a caller-chosen id
-            if rid in self.outputs:
-                raise RequestError(f"request id {rid!r} is already in use")
-            req = self.inputs.make_request(rid, prompt_ids, params)
-            req.grammar = grammar
-            self.outputs.add(req)
-            self._inbox.append(("add", req))
-            self._intake.notify_all()
+        # Placing the images in the pool (step lock) and registering the request are one move.
+        with self._lock if mm is not None else contextlib.nullcontext():
+            with self._intake:
+                if self.failure is not None:
+                    raise WorkerGroupError(self.failure)
+                if self._closed:
+                    raise EngineClosedError("the engine is closed and accepts no new requests")
+                if self._draining:
+                    raise EngineClosedError("the engine is shutting down (draining) and accepts no new requests")
+                waiting, limit = self._num_waiting(), self.config.max_waiting_requests
+                if limit is not None and waiting >= limit:
+                    raise QueueFullError(f"{waiting} requests are already waiting (limit {limit}); retry later")
+                rid = request_id
+                while rid is None or (request_id is None and rid in self.outputs):
+                    rid = f"req-{next(self._ids)}"  # never collides with a caller-chosen id
+                if rid in self.outputs:
+                    raise RequestError(f"request id {rid!r} is already in use")
+                req = self.inputs.make_request(rid, prompt_ids, params)
+                req.grammar, req.mm = grammar, mm
+                if mm is not None:  # encoded now, between steps (the step reads the pool), as it is registered
+                    req.image_rows = tuple(self.runner.place_images(mm.images, lambda: live_image_digests(self.outputs)))
+                self.outputs.add(req)
+                self._inbox.append(("add", req))
+                self._intake.notify_all()
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -248,8 +256,6 @@ class Engine(EngineSnapshots):
                 out = self.outputs.get(item)
                 if out is not None and out.request.status is not Status.FINISHED:
                     self._finish(out, "abort")
-
-    # ------------------------------------------------------------------ stepping
 
     def has_unfinished(self) -> bool:
         with self._intake:
@@ -430,8 +436,6 @@ class Engine(EngineSnapshots):
             self._finish_inflight_step()
             yield self
 
-    # ------------------------------------------------------------------ consuming
-
     def request(self, request_id: str) -> Request:
         """A live request (submitted, not yet released): its status, tokens, timings."""
         return self.outputs.stream(request_id).request
@@ -447,8 +451,8 @@ class Engine(EngineSnapshots):
         """Yield TokenEvents of one request until its finished event, then release the request.
 
         The request is claimed at this call (not at the first `next`), so an abort after it still
-        reaches this consumer as a finished event. Closing the generator before the end (a
-        consumer that goes away) aborts the request. `timeout` bounds each wait (TimeoutError).
+        reaches this consumer as a finished event. Closing the generator early aborts the request.
+        `timeout` bounds each wait (TimeoutError).
         """
         return self.outputs.events(request_id, timeout)
 
@@ -478,8 +482,6 @@ class Engine(EngineSnapshots):
             raise
         return [self.result(rid) for rid in ids]
 
-    # ------------------------------------------------------------------ warm-up
-
     def warmup(self, progress: bool = False, interrupted: Callable[[], bool] = lambda: False) -> int:
         """Compile every step shape (engine/warmup.py), then set `ready`; give up on stop() or `interrupted()`."""
         with self.paused():
@@ -490,8 +492,6 @@ class Engine(EngineSnapshots):
         self.ready.set()
         log.info(report.summary())
         return report.compiled
-
-    # ------------------------------------------------------------------ background loop, shutdown
 
     def start(self) -> None:
         """Run steps on a background thread until `stop()` (for servers)."""

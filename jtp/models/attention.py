@@ -52,6 +52,10 @@ class AttentionMetadata(NamedTuple):
     # first keep_lens[b] tokens (those before its drafts) to slot state_keeps[b] (-1: none). None otherwise.
     state_keeps: jax.Array | None = None
     keep_lens: jax.Array | None = None
+    # Models that take images: i32[3, T] M-RoPE positions (RoPE then ignores `positions`) and i32[T]
+    # each token's row of the image-embedding pool (-1: its token embedding). None otherwise.
+    rope_positions: jax.Array | None = None
+    image_rows: jax.Array | None = None
 
 
 class LayerKV(NamedTuple):

@@ -58,6 +58,7 @@ from jtp.models.layers import (
     apply_rope,
     gated_rms_norm,
     linear,
+    mrope_cos_sin,
     project,
     rms_norm_zero_centered,
     rope_cos_sin,
@@ -359,7 +360,12 @@ def forward(
     """tokens [T] -> final hidden states [T, H] and the updated cache (K/V pages and slot states)."""
     T = tokens.shape[0]
     x = params["embed"][tokens]
-    cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
+    if meta.rope_positions is None:
+        cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
+    else:  # a model that takes images: its image tokens' embeddings from the encoder's pool, M-RoPE
+        image = meta.image_rows >= 0
+        x = jnp.where(image[:, None], params["image_pool"][jnp.where(image, meta.image_rows, 0)].astype(x.dtype), x)
+        cos, sin = mrope_cos_sin(meta.rope_positions, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, x.dtype)
     length, chunk = deltanet_row_length(meta, T)
     real_tokens = meta.slot_mapping >= 0  # padding tokens (-1) route to no expert
     rows = None

@@ -30,9 +30,12 @@ _INT_COLUMNS = {"top_k": 0, "seed": 0, "step": 0, "logprobs": -1}
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, buckets: Buckets,
-                 verify_positions: int = 0, mask_words: int = 0):
+                 verify_positions: int = 0, mask_words: int = 0, multimodal: bool = False):
         """`verify_positions`: 1 + k of the speculative config (0: never a verify step).
-        `mask_words`: words of a row's token mask (`step_input.mask_words` of the vocabulary; 0: no masks)."""
+        `mask_words`: words of a row's token mask (`step_input.mask_words` of the vocabulary; 0: no masks).
+        `multimodal`: the model takes images; every step carries M-RoPE positions and image rows."""
+        self.multimodal = multimodal
+        self.images: list = [None] * max_num_seqs  # per slot: (MultiModalPrompt, pool rows) or None
         self.buckets = buckets
         self.mask_words = mask_words
         self.block_size = block_size
@@ -80,6 +83,7 @@ class InputBatch:
             self.truncates[s] = temperature >= GREEDY_EPS and (p.top_k > 0 or top_p < 1.0 or min_p > 0.0)
             self.penalised[s] = rep != 1.0 or pres != 0.0 or freq != 0.0 or bool(bias)
             self.scores_prompt[s] = p.prompt_logprobs is not None
+            self.images[s] = (new.mm, new.image_rows) if new.mm is not None else None
         slots, positions, tokens = out.token_updates
         if len(tokens):
             self.token_table[slots, positions] = tokens
@@ -121,7 +125,7 @@ class InputBatch:
             known = np.where(samples, self.num_known[slots], 0)
             history_len = penalty_len(int(known.max(initial=0)), self.token_table.shape[1])
         layout = StepLayout(T, B, M, max_row_len, self.verify_positions if verify else 0, history_len, flags,
-                            self.mask_words if flags.needs_mask else 0)
+                            self.mask_words if flags.needs_mask else 0, self.multimodal)
         ints, floats = (buf.copy() for buf in self._template(layout))
         packed = PackedStep(layout, ints, floats, targets)
         f = packed.fields()
@@ -140,6 +144,8 @@ class InputBatch:
         f["positions"][:total] = positions
         f["slot_mapping"][:total] = self.block_table[token_slots, positions // bs] * bs + positions % bs
         f["token_rows"][:total] = token_rows
+        if self.multimodal:
+            self._images(f, positions, token_slots, total)
 
         # Rows (padding rows keep the template's values).
         table = self.block_table[slots, :M]
@@ -184,6 +190,19 @@ class InputBatch:
             f["logit_bias_ids"][:n] = np.where(samples[:, None], self.logit_bias_ids[slots], -1)
             f["logit_bias"][:n] = np.where(samples[:, None], self.logit_bias[slots], 0.0)
         return packed
+
+    def _images(self, f: dict, positions: np.ndarray, token_slots: np.ndarray, total: int) -> None:
+        """A multimodal step's M-RoPE rows (text: three equal rows) and image-pool rows (-1: none)."""
+        rope, rows = f["rope_positions"], f["image_rows"]
+        rope[:, :total] = positions
+        rows[...] = -1
+        for slot in np.unique(token_slots):
+            if self.images[slot] is None:
+                continue
+            mm, pool_starts = self.images[slot]
+            at = np.flatnonzero(token_slots == slot)
+            rope[:, at] = mm.rope_positions(positions[at], int(self.num_prompt[slot]))
+            rows[at] = mm.image_rows(positions[at], pool_starts)
 
     def _prompt_targets(self, out: SchedulerOutput, first: np.ndarray) -> np.ndarray | None:
         """i32[2, P]: the flat indices of the positions the step's prompt-logprobs rows score, and the

@@ -10,6 +10,7 @@ executes. Followers in a multi-process deployment run the very same calls on the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import threading
@@ -33,6 +34,7 @@ from jtp.models.layers import use_fp8_kernel
 from jtp.models.moe import choose_experts
 from jtp.parallel.sharding import make_mesh, replicated, tp_size
 from jtp.worker import kv_cache
+from jtp.worker.image_pool import ImagePool, vision_config_of
 from jtp.worker.sampler import PromptScores, SampleResult, sample
 
 
@@ -62,6 +64,8 @@ def _plan_arrays(layout: StepLayout, f: dict):
         query_bound=jnp.arange(layout.max_row_len or layout.num_tokens, dtype=jnp.int32),
         state_keeps=f["state_keeps"] if verify else None,
         keep_lens=(logits_indices[0] - f["row_starts"] + 1).astype(jnp.int32) if verify else None,
+        rope_positions=f.get("rope_positions"),
+        image_rows=f.get("image_rows"),
     )
     return f["token_ids"], meta, logits_indices, f["seq_slots"]
 
@@ -78,6 +82,9 @@ def _sampling_arrays(penalty_len: int, f: dict):
     penalty = ((f["penalty_ids"], f["penalty_is_output"].astype(bool), f["logit_bias_ids"], f["logit_bias"])
                if penalty_len else None)
     return sampling, penalty, f.get("token_mask"), f["stop_ids"], f["num_steps"][0]
+
+
+IMAGE_POOL_TOKENS = 32768  # image tokens the encoder's output pool holds at most (fewer for a shorter context)
 
 
 def fp8_kernel_wanted(mesh) -> bool:
@@ -118,6 +125,14 @@ class ModelRunner:
             config.load_format, config.quantization,
         )
         self.load_format = config.load_format  # "dummy": no files to fingerprint (snapshots, launcher)
+        # A checkpoint with a vision tower: its encoder and the pool of image-token embeddings the steps read.
+        self.images = None
+        vision_cfg = vision_config_of(config.model, self.cfg.model_type, config.load_format, config.num_processes)
+        if vision_cfg is not None:
+            self.cfg = dataclasses.replace(self.cfg, mrope_section=vision_cfg.mrope_section)
+            self.images = ImagePool(config.model, vision_cfg, self.mesh, self.dtype,
+                                    min(config.max_model_len, IMAGE_POOL_TOKENS), config.load_format)
+            self.params = {**self.params, "image_pool": self.images.initial}
         if fp8_kernel_wanted(self.mesh):
             self.params = use_fp8_kernel(self.params)
         self.block_size = block_size = config.block_size
@@ -189,6 +204,12 @@ class ModelRunner:
     def tp(self) -> int:
         return tp_size(self.mesh)
 
+    def place_images(self, images, in_use) -> list[int]:
+        """Encode the images the pool lacks; each image's first row in it (`ImagePool.place`)."""
+        pool, starts = self.images.place(self.params["image_pool"], images, in_use)
+        self.params = {**self.params, "image_pool": pool}
+        return starts
+
     def allocate_cache(self, num_blocks: int) -> None:
         self.cache = None  # drop the old buffers before allocating the new ones
         self._executables.clear()  # compiled for the old cache's shapes
@@ -235,7 +256,7 @@ class ModelRunner:
         enqueues the sampling program and returns the result; the host may change the step's
         sampling part (its token masks) meanwhile, while the device runs the forward.
         """
-        ints, floats, layout, targets = host_buffers(step)
+        ints, floats, layout, targets = host_buffers(step, self.images is not None)
         num_steps = ints[layout.offsets()[0]["num_steps"][0]]
         loops = self._loops(layout)
         if loops:
@@ -302,7 +323,7 @@ class ModelRunner:
 
     def samples_separately(self, step: PackedStep | StepInput) -> bool:
         """Whether `step` samples in a program of its own (so its sampling variants are small programs)."""
-        return self._splits(host_buffers(step)[2])
+        return self._splits(host_buffers(step, self.images is not None)[2])
 
     # Ahead-of-time compilation (warm-up): `lower` traces on the calling thread (Python, under the GIL);
     # `Lowered.compile()` can then run on any thread (XLA releases the GIL), and `install` hands the
@@ -311,7 +332,7 @@ class ModelRunner:
     def lower(self, step: PackedStep | StepInput, skip=frozenset(), again: bool = False) -> list:
         """[(key, `jax.stages.Lowered`)] of the programs `dispatch` would run for this step's shapes,
         but those installed already (unless `again`) or in `skip`. Nothing runs on the device."""
-        ints, floats, layout, targets = host_buffers(step)
+        ints, floats, layout, targets = host_buffers(step, self.images is not None)
         if self._splits(layout):
             positions = layout.num_rows * max(1, layout.verify_positions)
             logits = jax.ShapeDtypeStruct((positions, self.cfg.vocab_size), jnp.float32, sharding=self._logits_sharding)
@@ -374,12 +395,12 @@ class ModelRunner:
         self.params = self.cache = self.sampled = self.hidden = None
         self._executables.clear()
 
-def host_buffers(step: PackedStep | StepInput):
+def host_buffers(step: PackedStep | StepInput, multimodal: bool = False):
     """(ints, floats, layout, prompt targets or None): a step's host arrays as the two numpy buffers
     the jitted step takes. The jitted call's C++ path transfers them (replicated) far faster than one
     `jax.device_put` per array, and two far faster than two dozen."""
     if isinstance(step, StepInput):
-        step = PackedStep.from_step_input(step)
+        step = PackedStep.from_step_input(step, multimodal)
     return step.ints, step.floats, step.layout, step.prompt_targets
 
 
@@ -465,6 +486,9 @@ def _decode_steps(
             slot_mapping=jnp.where(real_token, page * block_size + positions % block_size, -1),
             context_lens=meta.context_lens + real_row,
             state_reads=jnp.where(meta.state_writes >= 0, meta.state_writes, meta.state_reads),
+            # A generated token is text: its three M-RoPE rows move on together, its embedding is its own.
+            rope_positions=None if meta.rope_positions is None else meta.rope_positions + real_token,
+            image_rows=None if meta.image_rows is None else jnp.full_like(meta.image_rows, -1),
         )
 
     def body(carry):

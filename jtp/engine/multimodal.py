@@ -1,0 +1,67 @@
+"""What the engine knows of a model's image input: the vision tokens and the preprocessor the API
+layer needs to build prompts, and the checks a request with images passes at submit."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from jtp.config.vision_config import ImageProcessorConfig
+from jtp.core.multimodal import ImagePrompt, MultiModalPrompt
+from jtp.errors import ConfigError, RequestError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineVision:
+    image_token_id: int
+    vision_start_id: int
+    vision_end_id: int
+    merge_size: int
+    processor: ImageProcessorConfig
+    max_images_per_prompt: int | None = None  # None: no limit
+
+
+def engine_vision(runner, model_dir: str | Path) -> EngineVision | None:
+    """The model's image input, None when it takes none (no tower, or a worker group)."""
+    if runner.images is None:
+        return None
+    cfg = runner.images.cfg
+    try:
+        processor = ImageProcessorConfig.from_dir(model_dir)
+    except ConfigError as e:  # a config-only directory (random weights): the processor's defaults
+        log.warning("%s; images are preprocessed with the processor's defaults at the tower's patch size", e)
+        processor = ImageProcessorConfig(patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+                                         merge_size=cfg.spatial_merge_size)
+    return EngineVision(cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id,
+                        cfg.spatial_merge_size, processor)
+
+
+def prompt_images(vision: EngineVision | None, prompt_ids: list[int], images: Sequence[ImagePrompt],
+                  unsupported: str | None) -> MultiModalPrompt | None:
+    """A request's images checked against its prompt (None without images); `unsupported`: what
+    of the engine's configuration cannot serve them."""
+    if not images:
+        if vision is not None and vision.image_token_id in prompt_ids:
+            raise RequestError("the prompt holds image placeholder tokens but no image came with it")
+        return None
+    if vision is None:
+        raise RequestError("this model takes no images (its checkpoint has no vision tower, or it is served by a "
+                           "worker group of several processes)")
+    if unsupported is not None:
+        raise RequestError(f"images are not served with {unsupported}")
+    if vision.max_images_per_prompt is not None and len(images) > vision.max_images_per_prompt:
+        raise RequestError(f"{len(images)} images in one prompt; at most {vision.max_images_per_prompt}")
+    try:
+        return MultiModalPrompt.of(prompt_ids, images, vision.image_token_id, vision.merge_size)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
+def live_image_digests(outputs) -> set[bytes]:
+    """The images of every request not yet finished (intake lock held): the pool keeps them."""
+    return {image.digest for stream in outputs.unfinished() if stream.request.mm is not None
+            for image in stream.request.mm.images}

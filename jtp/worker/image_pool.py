@@ -1,0 +1,121 @@
+"""The vision encoder and the device pool its outputs live in, between a request's arrival and
+its prefill.
+
+A request's images are encoded once, when the engine admits it, into rows of one device array
+`pool` [capacity, hidden] (the model's `params["image_pool"]`); the step reads an image token's
+embedding from its row (`AttentionMetadata.image_rows`), so the step's programs keep one shape
+whatever images come. Entries are keyed by the image's content digest and kept after their request
+ends, least recently used first out: a resent image is not encoded again. An entry a live request
+still needs is never evicted.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtp.config.vision_config import VISION_MODEL_TYPES, VisionConfig
+from jtp.core.multimodal import ImagePrompt
+from jtp.errors import RequestError
+from jtp.loading.weights import SafetensorsCheckpoint
+from jtp.loading.vision_weights import load_vision_params
+from jtp.models import vision
+from jtp.parallel.sharding import replicated
+
+
+def vision_config_of(model_dir: str, model_type: str, load_format: str, num_processes: int = 1) -> VisionConfig | None:
+    """The checkpoint's vision tower config, None for a text-only checkpoint (or the text model of a
+    multimodal one saved without its tower). Worker groups of several processes serve text alone:
+    every process would have to encode each image in lockstep, which they do not yet."""
+    if model_type not in VISION_MODEL_TYPES or num_processes > 1:
+        return None
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if not isinstance(raw.get("vision_config"), dict):
+        return None
+    cfg = VisionConfig.from_hf(raw, str(Path(model_dir) / "config.json"))
+    if load_format != "dummy" and not any(name.startswith(cfg.checkpoint_prefix)
+                                          for name in SafetensorsCheckpoint(model_dir).names):
+        return None
+    return cfg
+
+
+def random_vision_params(cfg: VisionConfig, mesh, dtype, seed: int = 1) -> dict:
+    """`--load-format dummy`: the tower's tensors drawn N(0, 0.02) on the devices (norms 1 + that)."""
+    flat = {}
+    for path, source in vision.param_layout(cfg).items():
+        (name, shape), = source.expected().items()
+        key = jax.random.key(zlib.crc32(f"{seed}:{name}".encode()))
+        mean = 1.0 if path.endswith(("norm1", "norm2", "norm")) else 0.0
+        flat[path] = jax.jit(lambda k, s=shape, m=mean: (jax.random.normal(k, s) * 0.02 + m).astype(dtype),
+                             out_shardings=replicated(mesh))(key)
+    return vision.unflatten(flat, cfg.depth)
+
+
+class ImagePool:
+    def __init__(self, model_dir: str, cfg: VisionConfig, mesh, dtype, capacity: int, load_format: str = "auto"):
+        self.cfg = cfg
+        self.capacity = capacity
+        self.params = (random_vision_params(cfg, mesh, dtype) if load_format == "dummy"
+                       else load_vision_params(model_dir, cfg, mesh, dtype))
+        self.initial = jax.device_put(np.zeros((capacity, cfg.out_hidden_size), jnp.dtype(dtype)), replicated(mesh))
+        self.entries: collections.OrderedDict[bytes, tuple[int, int]] = collections.OrderedDict()  # LRU first
+        self.encoded = 0  # images run through the encoder (the rest were found in the pool)
+        self._write = jax.jit(lambda pool, rows, out: pool.at[rows].set(out.astype(pool.dtype), mode="drop"),
+                              donate_argnums=(0,))
+
+    def place(self, pool: jax.Array, images: Sequence[ImagePrompt],
+              in_use: Callable[[], set[bytes]]) -> tuple[jax.Array, list[int]]:
+        """(the pool with `images` in it, each image's first row). `in_use`: digests live requests hold."""
+        if sum(image.num_tokens for image in images) > self.capacity:
+            raise RequestError(f"the prompt's images make {sum(i.num_tokens for i in images)} image tokens; the "
+                               f"image cache holds {self.capacity}")
+        starts = []
+        for image in images:
+            entry = self.entries.get(image.digest)
+            if entry is None:
+                start = self._allocate(image.num_tokens, in_use, {i.digest for i in images})
+                pool = self._encode(pool, image, start)
+                entry = self.entries[image.digest] = (start, image.num_tokens)
+            self.entries.move_to_end(image.digest)
+            starts.append(entry[0])
+        return pool, starts
+
+    def _allocate(self, n: int, in_use: Callable[[], set[bytes]], keep: set[bytes]) -> int:
+        live = None
+        while True:
+            start = self._first_fit(n)
+            if start is not None:
+                return start
+            live = in_use() | keep if live is None else live
+            victim = next((d for d in self.entries if d not in live), None)
+            if victim is None:
+                raise RequestError(f"the image cache ({self.capacity} tokens) is full of images that running "
+                                   "requests need; retry later")
+            del self.entries[victim]
+
+    def _first_fit(self, n: int) -> int | None:
+        cursor = 0
+        for start, length in sorted(self.entries.values()):
+            if start - cursor >= n:
+                return cursor
+            cursor = max(cursor, start + length)
+        return cursor if self.capacity - cursor >= n else None
+
+    def _encode(self, pool: jax.Array, image: ImagePrompt, start: int) -> jax.Array:
+        patches = image.pixel_values.shape[0]
+        bucket = vision.patch_bucket(patches, self.cfg.merge_unit)
+        padded = np.zeros((bucket, self.cfg.patch_dim), np.float32)
+        padded[:patches] = image.pixel_values
+        layout = vision.patch_layout(self.cfg, np.asarray([image.grid_thw]), bucket)
+        out = vision.encode_patches(self.params, padded, layout, cfg=self.cfg)  # [bucket / merge^2, hidden]
+        rows = start + np.arange(out.shape[0], dtype=np.int32)
+        rows[image.num_tokens:] = self.capacity  # the bucket's padding tokens: dropped
+        self.encoded += 1
+        return self._write(pool, rows, out)
