@@ -127,7 +127,7 @@ class Engine(EngineSnapshots):
         self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size, self.scheduler.buckets,
                                       self.speculative.verify_positions if self.speculative is not None else 0,
                                       mask_words(cfg.vocab_size), self.runner.images is not None)
-        self.vision = engine_vision(self.runner, self.model_dir)  # None: the model takes no images
+        self.vision = engine_vision(self.runner, self.model_dir, config.args.max_images_per_prompt())  # None: no images
         per_block, budget = self.runner.bytes_per_block(), config.snapshot_budget_bytes
         self.snapshots = SnapshotManager(
             config.max_snapshots, budget if budget is not None else self.pool.total_blocks * per_block // 2,

@@ -25,8 +25,9 @@ class EngineVision:
     max_images_per_prompt: int | None = None  # None: no limit
 
 
-def engine_vision(runner, model_dir: str | Path) -> EngineVision | None:
-    """The model's image input, None when it takes none (no tower, or a worker group)."""
+def engine_vision(runner, model_dir: str | Path, max_images_per_prompt: int | None = None) -> EngineVision | None:
+    """The model's image input, None when it takes none (no tower, or a worker group);
+    `max_images_per_prompt`: --limit-mm-per-prompt's image count."""
     if runner.images is None:
         return None
     cfg = runner.images.cfg
@@ -37,7 +38,7 @@ def engine_vision(runner, model_dir: str | Path) -> EngineVision | None:
         processor = ImageProcessorConfig(patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
                                          merge_size=cfg.spatial_merge_size)
     return EngineVision(cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id,
-                        cfg.spatial_merge_size, processor)
+                        cfg.spatial_merge_size, processor, max_images_per_prompt)
 
 
 def prompt_images(vision: EngineVision | None, prompt_ids: list[int], images: Sequence[ImagePrompt],

@@ -109,7 +109,8 @@ def load_images(sources: Sequence[str | bytes], processor: ImageProcessorConfig,
 def check_image_count(count: int, vision, model: str = "this model", param: str | None = None) -> None:
     """Images for a model without a vision tower (`vision` None), or more than --limit-mm-per-prompt: 400s."""
     if count and vision is None:
-        raise ImageError(f"{model} does not take images (it has no vision tower)", param=param)
+        raise ImageError(f"{model} does not take images (its checkpoint has no vision tower, or it is served by "
+                         "a worker group of several processes)", param=param)
     limit = getattr(vision, "max_images_per_prompt", None)
     if limit is not None and count > limit:
         raise ImageError(f"the request has {count} images; this server takes at most {limit} per prompt "
