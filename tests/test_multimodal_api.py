@@ -7,8 +7,9 @@ and a real byte-level BPE tokenizer whose special tokens have the config's ids (
 vision tokens 290-293), with a chat template that writes images as Qwen3.5's does. Checked: the
 placeholder expansion and ImagePrompt offsets against an independent count from `image_grid`;
 every refusal as a 400 in each API's own shape naming its field (and the server answering after);
-and, where the engine takes images, an image chat through the server (the openai client, whole and
-streamed) equal to the engine's own greedy tokens for the same ids and images.
+and an image chat through the server (the openai client, whole and
+streamed) equal to the engine's own greedy tokens for the same ids and images, two images in one
+message, a URL of an allowed host, and `jtp generate --image`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from loopback import serving
 
 from jtp.config.vision_config import ImageProcessorConfig
 from jtp.core.multimodal import MultiModalPrompt
-from jtp.engine.image_processor import ImageError, image_grid, preprocess_images
+from jtp.engine.image_processor import ImageError, image_grid
 from jtp.engine.multimodal_input import check_image_count, expand_images, image_bytes, image_chat_prompt, load_images
 from jtp.entrypoints.server.anthropic import parse_messages_request, to_chat_body
 from jtp.entrypoints.server.protocol import parse_chat_request
@@ -215,20 +216,12 @@ def served(vision_dir):
     from jtp.entrypoints.server import build_app
 
     with Engine.from_args(EngineArgs(model=str(vision_dir), **ARGS)) as engine:
-        real = getattr(engine, "vision", None) is not None
-        if not real:  # an engine that does not take images yet: the server's refusals can still be checked
-            engine.vision = SimpleNamespace(image_token_id=IMAGE_ID, merge_size=MERGE, max_images_per_prompt=3,
-                                            processor=ImageProcessorConfig.from_dir(vision_dir))
+        assert engine.vision is not None and engine.vision.max_images_per_prompt == 3
         engine.start()
         engine.ready.set()
         with serving(build_app(engine, "tiny-vl", allowed_media_domains=("127.0.0.1",))) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
-            yield SimpleNamespace(engine=engine, url=url, client=client, real=real)
-
-
-def need_images(served) -> None:
-    if not served.real:
-        pytest.skip("the engine does not take images yet (engine.vision, submit(images=...))")
+            yield SimpleNamespace(engine=engine, url=url, client=client)
 
 
 def user(*parts) -> list[dict]:
@@ -291,7 +284,6 @@ class _ImageHandler(BaseHTTPRequestHandler):
 
 
 def test_urls_of_allowed_hosts_are_fetched(served):
-    need_images(served)
     _ImageHandler.body = png(40, 30, 5)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _ImageHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -320,8 +312,7 @@ def test_the_server_submits_the_expanded_ids_and_their_images(served, monkeypatc
 
     def recording(prompt_ids, params=None, request_id=None, images=()):
         submitted.append((list(prompt_ids), list(images)))
-        return original(prompt_ids, params, request_id, images=images) if served.real else \
-            original(prompt_ids, params, request_id)
+        return original(prompt_ids, params, request_id, images=images)
 
     monkeypatch.setattr(engine, "submit", recording)
     one, two = png(64, 48, 1), png(40, 100, 2)
@@ -357,7 +348,6 @@ def in_process(engine, messages: list[dict], sources: list[bytes], max_tokens: i
 
 
 def test_an_image_chat_equals_the_engine_in_process_whole_and_streamed(served):
-    need_images(served)
     client = served.client
     one, two = png(64, 48, 1), png(40, 100, 2)
     ask = dict(model="tiny-vl", max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
@@ -386,7 +376,6 @@ def image_count(data: bytes) -> int:
 
 
 def test_responses_input_image_and_anthropic_image_blocks(served):
-    need_images(served)
     one = png(64, 48, 3)
     reference = served.client.chat.completions.create(model="tiny-vl", messages=user(one, "Name it."), max_tokens=6,
                                                       temperature=0.0, extra_body={"ignore_eos": True})
@@ -444,7 +433,6 @@ def test_generate_image_refusals_are_one_line(tmp_path, demo_dir):
 
 
 def test_generate_with_images_equals_the_engine(tmp_path, served, vision_dir):
-    need_images(served)
     one, two = png(64, 48, 1), png(40, 100, 2)
     (tmp_path / "1.png").write_bytes(one)
     (tmp_path / "2.png").write_bytes(two)
