@@ -24,6 +24,8 @@ class EngineSnapshots:
             raise RequestError("snapshot() takes a request id or tokens, not both or neither")
         with self._lock:
             if request_id is not None:
+                if self.request(request_id).mm is not None:  # `restore` has no way to carry its images
+                    raise RequestError(f"request {request_id!r} has images: snapshots hold text prompts only")
                 return self.snapshots.pin_request(self.request(request_id))
             seq = [int(t) for t in tokens]
             snap_id = self.snapshots.pin_tokens(seq)
