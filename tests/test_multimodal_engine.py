@@ -127,6 +127,10 @@ def test_bad_image_requests_are_refused(checkpoint):
             engine.submit(ids, SamplingParams(max_tokens=1))  # placeholders without their image
         with pytest.raises(RequestError, match="placeholder"):
             engine.submit(ids[:-8], SamplingParams(max_tokens=1), images=prompts)  # the image's tokens cut short
+        rid = engine.submit(ids, SamplingParams(max_tokens=2), images=prompts)
+        with pytest.raises(RequestError, match="images"):
+            engine.snapshot(rid)  # restore could not carry the images
+        engine.result(rid)
         tokens, _ = greedy(engine, ids, prompts)  # and the engine still serves
         assert len(tokens) == TOKENS
     finally:
