@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -27,6 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import measure_ceilings  # noqa: E402
+from moe_kernel_bench import timed  # noqa: E402
 
 from jtp.kernels import fp8_matmul  # noqa: E402
 from jtp.models.layers import BlockFp8  # noqa: E402
@@ -46,16 +46,6 @@ DECODE_SWEEP = {  # rows: configs (bn, splits, unroll, warps, stages, gemv)
     64: [fp8_matmul.Fp8MatmulConfig(*c) for c in ((64, 1, 1), (128, 1, 1), (64, 2, 1, 4, 4), (128, 2, 1, 8, 3))],
 }
 _empty_loop: dict = {}
-
-
-def timed(fn, *args, iters: int = 5) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def per_layer_seconds(product, x, weights) -> float:
