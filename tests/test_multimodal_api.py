@@ -445,3 +445,35 @@ def test_generate_with_images_equals_the_engine(tmp_path, served, vision_dir):
     assert record["prompt_token_ids"] == ids
     tokens, _ = in_process(served.engine, template, [one, two], len(record["token_ids"]))
     assert record["token_ids"] == tokens
+
+
+def test_a_resent_image_conversation_hits_the_prefix_cache_and_another_image_does_not(vision_dir):
+    """Counted by usage.prompt_tokens_details.cached_tokens against the block arithmetic: the resent
+    turn reuses every whole block but the last token's; the same text with another image reuses at
+    most the blocks before the image."""
+    from jtp.config.engine_args import EngineArgs
+    from jtp.engine.engine import Engine
+    from jtp.entrypoints.server import build_app
+
+    bs = ARGS["block_size"]
+    with Engine.from_args(EngineArgs(model=str(vision_dir), **(ARGS | dict(enable_prefix_caching=True)))) as engine:
+        engine.start()
+        engine.ready.set()
+        with serving(build_app(engine, "tiny-vl")) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+            ask = dict(model="tiny-vl", max_tokens=4, temperature=0.0, extra_body={"ignore_eos": True})
+            tail = " and then some more words" * 6
+
+            def turn(image: bytes):
+                return client.chat.completions.create(messages=user("Look at this: ", image, tail), **ask)
+
+            first, again, other = turn(png(64, 48, 1)), turn(png(64, 48, 1)), turn(png(64, 48, 5))
+            template = [{"role": "user", "content": [{"type": "text", "text": "Look at this: "}, {"type": "image"},
+                                                     {"type": "text", "text": tail}]}]
+            ids, images = image_chat_prompt(engine.tokenizer, engine.vision, template, [png(64, 48, 1)])
+            assert first.usage.prompt_tokens == len(ids) == other.usage.prompt_tokens
+            assert first.usage.prompt_tokens_details.cached_tokens == 0
+            assert again.usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // bs * bs > images[0].offset
+            assert again.choices[0].message.content == first.choices[0].message.content
+            assert other.usage.prompt_tokens_details.cached_tokens <= images[0].offset // bs * bs
+            assert engine.runner.images.encoded == 2  # the resent image was not encoded again
