@@ -63,6 +63,7 @@ class FakeRunner:
         self.samples_late = False  # (no structured outputs here: steps with token masks would run in lockstep)
         self.load_format = "dummy"
         self.mtp_drafts = 0
+        self.images = None  # (no vision tower)
         # As many device leaves as the real model passes (per layer: 11 weights, K and V; plus the
         # embedding, final norm and an untied head).
         L = self.cfg.num_layers
