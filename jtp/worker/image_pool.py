@@ -12,6 +12,7 @@ still needs is never evicted.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import zlib
 from collections.abc import Callable, Sequence
@@ -46,15 +47,20 @@ def vision_config_of(model_dir: str, model_type: str, load_format: str, num_proc
     return cfg
 
 
+@functools.lru_cache(maxsize=None)
+def _draw(shape: tuple[int, ...], dtype, mean: float, sharding):
+    """One jitted draw per distinct (shape, mean): the 27 blocks share a dozen programs."""
+    return jax.jit(lambda key: (jax.random.normal(key, shape) * 0.02 + mean).astype(dtype), out_shardings=sharding)
+
+
 def random_vision_params(cfg: VisionConfig, mesh, dtype, seed: int = 1) -> dict:
     """`--load-format dummy`: the tower's tensors drawn N(0, 0.02) on the devices (norms 1 + that)."""
     flat = {}
     for path, source in vision.param_layout(cfg).items():
         (name, shape), = source.expected().items()
-        key = jax.random.key(zlib.crc32(f"{seed}:{name}".encode()))
         mean = 1.0 if path.endswith(("norm1", "norm2", "norm")) else 0.0
-        flat[path] = jax.jit(lambda k, s=shape, m=mean: (jax.random.normal(k, s) * 0.02 + m).astype(dtype),
-                             out_shardings=replicated(mesh))(key)
+        key = jax.random.key(zlib.crc32(f"{seed}:{name}".encode()))
+        flat[path] = _draw(tuple(shape), jnp.dtype(dtype), mean, replicated(mesh))(key)
     return vision.unflatten(flat, cfg.depth)
 
 
