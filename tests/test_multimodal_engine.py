@@ -127,6 +127,9 @@ def test_bad_image_requests_are_refused(checkpoint):
             engine.submit(ids, SamplingParams(max_tokens=1))  # placeholders without their image
         with pytest.raises(RequestError, match="placeholder"):
             engine.submit(ids[:-8], SamplingParams(max_tokens=1), images=prompts)  # the image's tokens cut short
+        wrong = ImagePrompt.of(prompts[0].pixel_values[:, :100], prompts[0].grid_thw, prompts[0].offset, 2)
+        with pytest.raises(RequestError, match="pixel values of shape"):
+            engine.submit(ids, SamplingParams(max_tokens=1), images=[wrong])
         rid = engine.submit(ids, SamplingParams(max_tokens=2), images=prompts)
         with pytest.raises(RequestError, match="images"):
             engine.snapshot(rid)  # restore could not carry the images
@@ -135,3 +138,25 @@ def test_bad_image_requests_are_refused(checkpoint):
         assert len(tokens) == TOKENS
     finally:
         engine.close()
+
+
+def test_images_are_resized_to_the_patches_the_dense_tower_can_hold(tmp_path):
+    """A checkpoint allowing 16.7 MP (Qwen3.5's longest_edge) is capped at MAX_IMAGE_PATCHES patches:
+    the preprocessor then resizes a big image down to that many, counted from its grid."""
+    import json
+    from types import SimpleNamespace
+
+    from hf_hybrid import PREPROCESSOR
+    from PIL import Image
+
+    from jtp.config.vision_config import VisionConfig
+    from jtp.engine.image_processor import preprocess_images
+    from jtp.engine.multimodal import MAX_IMAGE_PATCHES, engine_vision
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        PREPROCESSOR | {"size": {"shortest_edge": 32 * 32, "longest_edge": 16777216}}))
+    vision = engine_vision(SimpleNamespace(images=SimpleNamespace(cfg=VisionConfig(patch_size=16))), tmp_path)
+    assert vision.processor.max_pixels == MAX_IMAGE_PATCHES * 16 * 16
+    big = Image.fromarray(np.zeros((3000, 4000, 3), np.uint8))
+    grid = preprocess_images([big], vision.processor).grid_thw[0]
+    assert MAX_IMAGE_PATCHES / 2 < grid[0] * grid[1] * grid[2] <= MAX_IMAGE_PATCHES

@@ -14,6 +14,10 @@ from jtp.errors import ConfigError, RequestError
 
 log = logging.getLogger(__name__)
 
+# Patches of one image at most: the tower's attention is dense over an image's patches (memory grows
+# with their square; 8192 patches hold ~4 GiB of fp32 scores), so larger images are resized down to it.
+MAX_IMAGE_PATCHES = 8192
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineVision:
@@ -23,6 +27,7 @@ class EngineVision:
     merge_size: int
     processor: ImageProcessorConfig
     max_images_per_prompt: int | None = None  # None: no limit
+    patch_dim: int = 0  # values per patch the tower takes (channels x temporal patch x patch x patch)
 
 
 def engine_vision(runner, model_dir: str | Path, max_images_per_prompt: int | None = None) -> EngineVision | None:
@@ -37,8 +42,13 @@ def engine_vision(runner, model_dir: str | Path, max_images_per_prompt: int | No
         log.warning("%s; images are preprocessed with the processor's defaults at the tower's patch size", e)
         processor = ImageProcessorConfig(patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
                                          merge_size=cfg.spatial_merge_size)
+    cap = MAX_IMAGE_PATCHES * processor.patch_size**2
+    if processor.max_pixels > cap:
+        log.info("images are resized to at most %d pixels (%d patches; the checkpoint allows %d): the vision "
+                 "tower's attention is dense", cap, MAX_IMAGE_PATCHES, processor.max_pixels)
+        processor = dataclasses.replace(processor, max_pixels=cap, min_pixels=min(processor.min_pixels, cap))
     return EngineVision(cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id,
-                        cfg.spatial_merge_size, processor, max_images_per_prompt)
+                        cfg.spatial_merge_size, processor, max_images_per_prompt, cfg.patch_dim)
 
 
 def prompt_images(vision: EngineVision | None, prompt_ids: list[int], images: Sequence[ImagePrompt],
@@ -56,6 +66,14 @@ def prompt_images(vision: EngineVision | None, prompt_ids: list[int], images: Se
         raise RequestError(f"images are not served with {unsupported}")
     if vision.max_images_per_prompt is not None and len(images) > vision.max_images_per_prompt:
         raise RequestError(f"{len(images)} images in one prompt; at most {vision.max_images_per_prompt}")
+    for i, image in enumerate(images):
+        patches = image.grid_thw[0] * image.grid_thw[1] * image.grid_thw[2]
+        if image.pixel_values.shape != (patches, vision.patch_dim):
+            raise RequestError(f"image {i}: pixel values of shape {list(image.pixel_values.shape)}; its grid "
+                               f"{list(image.grid_thw)} needs [{patches}, {vision.patch_dim}]")
+        if patches > MAX_IMAGE_PATCHES:
+            raise RequestError(f"image {i}: {patches} patches, more than the {MAX_IMAGE_PATCHES} one image may have "
+                               "(resize it smaller)")
     try:
         return MultiModalPrompt.of(prompt_ids, images, vision.image_token_id, vision.merge_size)
     except ValueError as e:
