@@ -36,6 +36,7 @@ class InputBatch:
         `multimodal`: the model takes images; every step carries M-RoPE positions and image rows."""
         self.multimodal = multimodal
         self.images: list = [None] * max_num_seqs  # per slot: (MultiModalPrompt, pool rows) or None
+        self.has_images = np.zeros(max_num_seqs, bool)
         self.buckets = buckets
         self.mask_words = mask_words
         self.block_size = block_size
@@ -84,6 +85,7 @@ class InputBatch:
             self.penalised[s] = rep != 1.0 or pres != 0.0 or freq != 0.0 or bool(bias)
             self.scores_prompt[s] = p.prompt_logprobs is not None
             self.images[s] = (new.mm, new.image_rows) if new.mm is not None else None
+            self.has_images[s] = new.mm is not None
         slots, positions, tokens = out.token_updates
         if len(tokens):
             self.token_table[slots, positions] = tokens
@@ -196,9 +198,7 @@ class InputBatch:
         rope, rows = f["rope_positions"], f["image_rows"]
         rope[:, :total] = positions
         rows[...] = -1
-        for slot in np.unique(token_slots):
-            if self.images[slot] is None:
-                continue
+        for slot in np.unique(token_slots[self.has_images[token_slots]]):  # text rows: nothing more
             mm, pool_starts = self.images[slot]
             at = np.flatnonzero(token_slots == slot)
             rope[:, at] = mm.rope_positions(positions[at], int(self.num_prompt[slot]))
