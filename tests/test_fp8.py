@@ -245,3 +245,17 @@ def test_fp8_kv_cache_holds_more_tokens_and_stays_near_hf(tmp_path, monkeypatch)
     monkeypatch.setenv("JTP_ATTENTION", "kernel")
     kernel, _ = jtp_logprobs(src, PROMPT, kv_cache_dtype="fp8")
     np.testing.assert_allclose(kernel, ours, atol=1e-4)
+
+
+def test_fp8_kernels_keep_qwen3_5_moe_shared_expert(tmp_path, monkeypatch):
+    """Qwen3.5-MoE through the FP8 kernel path (interpreted): its shared expert's gate and up are
+    fused like the MLP's, and the layer still finds and adds the shared expert."""
+    src = save(build_model("qwen3_5_moe_text", **SHALLOW, hidden_size=128, shared_expert_intermediate_size=128,
+                           moe_intermediate_size=128), tmp_path / "src")
+    results = {}
+    for kernel in ("0", "1"):
+        monkeypatch.setenv("JTP_FP8_KERNEL", kernel)
+        results[kernel] = jtp_logprobs(src, PROMPT, quantization="fp8")
+    layers = results["1"][1].runner.params["layers"]
+    assert any("shared_gate+shared_up" in layer for layer in layers)
+    np.testing.assert_allclose(results["1"][0], results["0"][0], atol=1e-4)

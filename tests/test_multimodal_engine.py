@@ -160,3 +160,29 @@ def test_images_are_resized_to_the_patches_the_dense_tower_can_hold(tmp_path):
     big = Image.fromarray(np.zeros((3000, 4000, 3), np.uint8))
     grid = preprocess_images([big], vision.processor).grid_thw[0]
     assert MAX_IMAGE_PATCHES / 2 < grid[0] * grid[1] * grid[2] <= MAX_IMAGE_PATCHES
+
+
+def test_a_pool_too_full_for_a_request_refuses_it_whole_and_serves_on(checkpoint):
+    """Capacity 64 image tokens (max_model_len 64): A holds 32 while it runs; B's two images (24 + 16)
+    do not fit beside them. B is a QueueFullError (retry later), keeps nothing in the pool, and A and
+    later requests are served from a pool that is still whole."""
+    from jtp.errors import QueueFullError
+
+    model, path = checkpoint
+    engine = make_engine(path, max_model_len=64)
+    try:
+        assert engine.runner.images.capacity == 64
+        a_images = [image((1, 8, 8), 11), image((1, 8, 8), 12)]
+        a_ids, a_prompts = prompt_with(a_images)
+        a = engine.submit(a_ids, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True), images=a_prompts)
+        b_ids, b_prompts = prompt_with([image((1, 8, 12), 13), image((1, 8, 8), 14)])
+        with pytest.raises(QueueFullError, match="image cache"):
+            engine.submit(b_ids, SamplingParams(max_tokens=1), images=b_prompts)
+        assert not {p.digest for p in b_prompts} & set(engine.runner.images.entries)
+        tokens = [t for e in engine.stream(a) for t in e.token_ids]
+        assert tokens == hf_greedy(model, a_ids, a_images)[0]
+        one = [image((1, 8, 12), 13)]  # B's first image, alone now: encoded afresh, right
+        ids, prompts = prompt_with(one)
+        assert greedy(engine, ids, prompts)[0] == hf_greedy(model, ids, one)[0]
+    finally:
+        engine.close()

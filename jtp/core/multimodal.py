@@ -21,7 +21,7 @@ from jtp.core.mrope import mrope_positions
 class ImagePrompt:
     """One image of a prompt, preprocessed: `num_tokens` placeholder tokens from `offset`."""
 
-    pixel_values: np.ndarray  # f32 [patches, channels x temporal x patch x patch]
+    pixel_values: np.ndarray | None  # f32 [patches, channels x temporal x patch x patch] (None once encoded)
     grid_thw: tuple[int, int, int]  # patches along time, height, width
     offset: int  # index of its first placeholder token in the prompt
     num_tokens: int  # t * h * w / merge^2
@@ -62,6 +62,10 @@ class MultiModalPrompt:
         grids = np.array([image.grid_thw for image in images], np.int64).reshape(-1, 3)
         positions, delta = mrope_positions(ids.tolist(), grids, image_token_id, merge_size)
         return cls(tuple(images), np.asarray(positions, np.int32), int(delta))
+
+    def without_pixels(self) -> "MultiModalPrompt":
+        """The same prompt, its images' pixels dropped (once encoded, only their placement matters)."""
+        return dataclasses.replace(self, images=tuple(dataclasses.replace(i, pixel_values=None) for i in self.images))
 
     def block_extra(self, block: int, block_size: int) -> bytes:
         """What block `block`'s prefix-cache key adds to its tokens: the digests (and placements) of

@@ -47,7 +47,7 @@ from jtp.core.scheduler import Request, ScheduledRow, Scheduler, Status
 from jtp.core.step_input import mask_words
 from jtp.engine.input_processor import InputProcessor
 from jtp.engine.memory import allocate_pools
-from jtp.engine.multimodal import engine_vision, live_image_digests, prompt_images
+from jtp.engine.multimodal import engine_vision, live_images, prompt_images
 from jtp.engine.output_processor import Completion, OutputProcessor, RequestStream, TokenEvent
 from jtp.engine.snapshot_api import EngineSnapshots
 from jtp.engine.snapshot_manager import SnapshotManager
@@ -198,8 +198,10 @@ class Engine(EngineSnapshots):
         # Compiled here, on the caller's thread, never on the step loop.
         grammar = request_matcher(self.grammars, params, "--num-scheduler-steps > 1" if self.config.num_scheduler_steps > 1
                                   else "speculative decoding" if self.speculative is not None else None)
-        # Placing the images in the pool (step lock) and registering the request are one move.
+        # Encoded under the step lock (the step reads the pool), then registered: one move, the intake
+        # lock (which the server's event loop takes) never held across device work.
         with self._lock if mm is not None else contextlib.nullcontext():
+            rows = () if mm is None else tuple(self.runner.place_images(mm.images, lambda: live_images(self)))
             with self._intake:
                 if self.failure is not None:
                     raise WorkerGroupError(self.failure)
@@ -216,9 +218,7 @@ class Engine(EngineSnapshots):
                 if rid in self.outputs:
                     raise RequestError(f"request id {rid!r} is already in use")
                 req = self.inputs.make_request(rid, prompt_ids, params)
-                req.grammar, req.mm = grammar, mm
-                if mm is not None:  # encoded now, between steps (the step reads the pool), as it is registered
-                    req.image_rows = tuple(self.runner.place_images(mm.images, lambda: live_image_digests(self.outputs)))
+                req.grammar, req.mm, req.image_rows = grammar, mm and mm.without_pixels(), rows
                 self.outputs.add(req)
                 self._inbox.append(("add", req))
                 self._intake.notify_all()

@@ -80,7 +80,8 @@ def prompt_images(vision: EngineVision | None, prompt_ids: list[int], images: Se
         raise RequestError(str(e)) from None
 
 
-def live_image_digests(outputs) -> set[bytes]:
-    """The images of every request not yet finished (intake lock held): the pool keeps them."""
-    return {image.digest for stream in outputs.unfinished() if stream.request.mm is not None
-            for image in stream.request.mm.images}
+def live_images(engine) -> set[bytes]:
+    """The images of every request not yet finished (takes the intake lock): the pool keeps them."""
+    with engine._intake:
+        return {image.digest for stream in engine.outputs.unfinished() if stream.request.mm is not None
+                for image in stream.request.mm.images}

@@ -21,6 +21,7 @@ import base64
 import binascii
 import io
 import re
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -34,6 +35,7 @@ from jtp.engine.image_processor import ImageError, ImageInputs, preprocess_image
 
 FETCH_TIMEOUT = 10.0  # seconds for one image from an --allowed-media-domains host
 MAX_FETCH_BYTES = 20 * 2**20  # an image fetched from a URL; a data: URI is bounded by the request size
+MAX_DECODED_PIXELS = 64 * 2**20  # an image's canvas at most (any is resized to the processor's max_pixels after)
 _DATA_URI = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)", re.S | re.I)
 URL_REFUSED = "this server fetches no URLs; send the image as a data: URI (data:image/png;base64,...)"
 
@@ -71,9 +73,14 @@ def _fetch(url: str, number: int, allowed_domains: Sequence[str], param: str | N
         raise ImageError(f"image {number}: {host or url[:40]!r} is not among this server's --allowed-media-domains; "
                          "send the image as a data: URI", param=param)
     opener = urllib.request.build_opener(_NoRedirects)
+    deadline = time.monotonic() + FETCH_TIMEOUT  # for the whole body: a slow sender cannot hold a thread longer
     try:
         with opener.open(url, timeout=FETCH_TIMEOUT) as response:
-            data = response.read(MAX_FETCH_BYTES + 1)
+            data = b""
+            while len(data) <= MAX_FETCH_BYTES and (chunk := response.read(1 << 16)):
+                data += chunk
+                if time.monotonic() > deadline:
+                    raise ImageError(f"image {number}: fetching {url[:200]} took over {FETCH_TIMEOUT} s", param=param)
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise ImageError(f"image {number}: cannot fetch {url[:200]}: {getattr(e, 'reason', e)}", param=param) from None
     if len(data) > MAX_FETCH_BYTES:
@@ -86,10 +93,17 @@ def decode_image(data: bytes, number: int, param: str | None = None):
     from PIL import Image
 
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data))  # reads the header only
+    except Exception as e:  # noqa: BLE001 - Pillow's decoders raise many kinds on bad bytes; all are the client's
+        raise ImageError(f"image {number}: cannot be decoded: {e}", param=param) from None
+    # A small file can declare a huge canvas (a decompression bomb): refused before it is decoded.
+    if image.width * image.height > MAX_DECODED_PIXELS:
+        raise ImageError(f"image {number}: {image.width} x {image.height} pixels, more than the "
+                         f"{MAX_DECODED_PIXELS} this server decodes", param=param)
+    try:
         image.load()
         return image
-    except Exception as e:  # noqa: BLE001 - Pillow's decoders raise many kinds on bad bytes; all are the client's
+    except Exception as e:  # noqa: BLE001
         raise ImageError(f"image {number}: cannot be decoded: {e}", param=param) from None
 
 

@@ -329,7 +329,7 @@ def gated_attention(
 
 def feed_forward(p: dict, cfg: ModelConfig, x, routed: RoutedExperts, real_tokens):
     y = qwen3.feed_forward(p, cfg, x, routed, real_tokens)  # SwiGLU MLP or routed experts
-    if "shared_gate" in p:  # MoE layers' sigmoid-gated shared expert
+    if "shared_down" in p:  # MoE layers' sigmoid-gated shared expert (its gate and up may be fused)
         shared = swiglu_mlp(x, p, "shared_gate", "shared_up", "shared_down")
         y = y + jax.nn.sigmoid(linear(x, p["shared_expert_gate"])) * shared
     return y

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import logging
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,18 +25,25 @@ import numpy as np
 
 from jtp.config.vision_config import VISION_MODEL_TYPES, VisionConfig
 from jtp.core.multimodal import ImagePrompt
-from jtp.errors import RequestError
+from jtp.errors import QueueFullError, RequestError
 from jtp.loading.weights import SafetensorsCheckpoint
 from jtp.loading.vision_weights import load_vision_params
 from jtp.models import vision
 from jtp.parallel.sharding import replicated
 
+log = logging.getLogger(__name__)
 
-def vision_config_of(model_dir: str, model_type: str, load_format: str, num_processes: int = 1) -> VisionConfig | None:
+
+def vision_config_of(model_dir: str, model_type: str, load_format: str, num_processes: int = 1,
+                     yarn: bool = False) -> VisionConfig | None:
     """The checkpoint's vision tower config, None for a text-only checkpoint (or the text model of a
     multimodal one saved without its tower). Worker groups of several processes serve text alone:
-    every process would have to encode each image in lockstep, which they do not yet."""
+    every process would have to encode each image in lockstep, which they do not yet. So does a
+    YaRN-scaled context: M-RoPE with YaRN is not implemented."""
     if model_type not in VISION_MODEL_TYPES or num_processes > 1:
+        return None
+    if yarn:
+        log.warning("YaRN RoPE scaling with M-RoPE is not supported: this checkpoint serves text only")
         return None
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     if not isinstance(raw.get("vision_config"), dict):
@@ -70,28 +78,38 @@ class ImagePool:
         self.capacity = capacity
         self.params = (random_vision_params(cfg, mesh, dtype) if load_format == "dummy"
                        else load_vision_params(model_dir, cfg, mesh, dtype))
-        self.initial = jax.device_put(np.zeros((capacity, cfg.out_hidden_size), jnp.dtype(dtype)), replicated(mesh))
+        # The pool itself (the runner passes it to the steps as params["image_pool"]). Only `place`
+        # replaces it, the old buffer donated to the write: nobody else may keep a reference.
+        self.pool = jax.device_put(np.zeros((capacity, cfg.out_hidden_size), jnp.dtype(dtype)), replicated(mesh))
         self.entries: collections.OrderedDict[bytes, tuple[int, int]] = collections.OrderedDict()  # LRU first
         self.encoded = 0  # images run through the encoder (the rest were found in the pool)
         self._write = jax.jit(lambda pool, rows, out: pool.at[rows].set(out.astype(pool.dtype), mode="drop"),
                               donate_argnums=(0,))
 
-    def place(self, pool: jax.Array, images: Sequence[ImagePrompt],
-              in_use: Callable[[], set[bytes]]) -> tuple[jax.Array, list[int]]:
-        """(the pool with `images` in it, each image's first row). `in_use`: digests live requests hold."""
-        if sum(image.num_tokens for image in images) > self.capacity:
-            raise RequestError(f"the prompt's images make {sum(i.num_tokens for i in images)} image tokens; the "
-                               f"image cache holds {self.capacity}")
-        starts = []
-        for image in images:
-            entry = self.entries.get(image.digest)
-            if entry is None:
-                start = self._allocate(image.num_tokens, in_use, {i.digest for i in images})
-                pool = self._encode(pool, image, start)
-                entry = self.entries[image.digest] = (start, image.num_tokens)
-            self.entries.move_to_end(image.digest)
-            starts.append(entry[0])
-        return pool, starts
+    def place(self, images: Sequence[ImagePrompt], in_use: Callable[[], set[bytes]]) -> list[int]:
+        """Each image's first row in `self.pool`, encoding those it lacks. `in_use`: the digests live
+        requests hold (never evicted). All or nothing: rows are planned for every image first, and a
+        failure while encoding forgets the entries this call made (their rows were not written)."""
+        total = sum(image.num_tokens for image in images)
+        if total > self.capacity:
+            raise RequestError(f"the prompt's images make {total} image tokens; the image cache holds {self.capacity}")
+        planned, starts = [], []
+        try:
+            for image in images:
+                entry = self.entries.get(image.digest)
+                if entry is None:
+                    start = self._allocate(image.num_tokens, in_use, {i.digest for i in images})
+                    entry = self.entries[image.digest] = (start, image.num_tokens)
+                    planned.append((image, start))
+                self.entries.move_to_end(image.digest)
+                starts.append(entry[0])
+            for image, start in planned:
+                self._encode(image, start)
+        except BaseException:
+            for image, _ in planned:
+                self.entries.pop(image.digest, None)
+            raise
+        return starts
 
     def _allocate(self, n: int, in_use: Callable[[], set[bytes]], keep: set[bytes]) -> int:
         live = None
@@ -102,8 +120,8 @@ class ImagePool:
             live = in_use() | keep if live is None else live
             victim = next((d for d in self.entries if d not in live), None)
             if victim is None:
-                raise RequestError(f"the image cache ({self.capacity} tokens) is full of images that running "
-                                   "requests need; retry later")
+                raise QueueFullError(f"the image cache ({self.capacity} tokens) is full of images that running "
+                                     "requests need; retry later")
             del self.entries[victim]
 
     def _first_fit(self, n: int) -> int | None:
@@ -114,7 +132,7 @@ class ImagePool:
             cursor = max(cursor, start + length)
         return cursor if self.capacity - cursor >= n else None
 
-    def _encode(self, pool: jax.Array, image: ImagePrompt, start: int) -> jax.Array:
+    def _encode(self, image: ImagePrompt, start: int) -> None:
         patches = image.pixel_values.shape[0]
         bucket = vision.patch_bucket(patches, self.cfg.merge_unit)
         padded = np.zeros((bucket, self.cfg.patch_dim), np.float32)
@@ -123,5 +141,5 @@ class ImagePool:
         out = vision.encode_patches(self.params, padded, layout, cfg=self.cfg)  # [bucket / merge^2, hidden]
         rows = start + np.arange(out.shape[0], dtype=np.int32)
         rows[image.num_tokens:] = self.capacity  # the bucket's padding tokens: dropped
+        self.pool = self._write(self.pool, rows, out)
         self.encoded += 1
-        return self._write(pool, rows, out)

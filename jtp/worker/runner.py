@@ -127,12 +127,13 @@ class ModelRunner:
         self.load_format = config.load_format  # "dummy": no files to fingerprint (snapshots, launcher)
         # A checkpoint with a vision tower: its encoder and the pool of image-token embeddings the steps read.
         self.images = None
-        vision_cfg = vision_config_of(config.model, self.cfg.model_type, config.load_format, config.num_processes)
+        vision_cfg = vision_config_of(config.model, self.cfg.model_type, config.load_format, config.num_processes,
+                                      self.cfg.rope_yarn is not None)
         if vision_cfg is not None:
             self.cfg = dataclasses.replace(self.cfg, mrope_section=vision_cfg.mrope_section)
             self.images = ImagePool(config.model, vision_cfg, self.mesh, self.dtype,
                                     min(config.max_model_len, IMAGE_POOL_TOKENS), config.load_format)
-            self.params = {**self.params, "image_pool": self.images.initial}
+            self.params = {**self.params, "image_pool": self.images.pool}
         if fp8_kernel_wanted(self.mesh):
             self.params = use_fp8_kernel(self.params)
         self.block_size = block_size = config.block_size
@@ -206,9 +207,10 @@ class ModelRunner:
 
     def place_images(self, images, in_use) -> list[int]:
         """Encode the images the pool lacks; each image's first row in it (`ImagePool.place`)."""
-        pool, starts = self.images.place(self.params["image_pool"], images, in_use)
-        self.params = {**self.params, "image_pool": pool}
-        return starts
+        try:
+            return self.images.place(images, in_use)
+        finally:  # the pool the steps read: the new one, also when an encode failed half way
+            self.params = {**self.params, "image_pool": self.images.pool}
 
     def allocate_cache(self, num_blocks: int) -> None:
         self.cache = None  # drop the old buffers before allocating the new ones
@@ -486,8 +488,10 @@ def _decode_steps(
             slot_mapping=jnp.where(real_token, page * block_size + positions % block_size, -1),
             context_lens=meta.context_lens + real_row,
             state_reads=jnp.where(meta.state_writes >= 0, meta.state_writes, meta.state_reads),
-            # A generated token is text: its three M-RoPE rows move on together, its embedding is its own.
-            rope_positions=None if meta.rope_positions is None else meta.rope_positions + real_token,
+            # A generated token is text: its three M-RoPE rows all one past the last token's largest (which
+            # may be an image placeholder's), its embedding its own.
+            rope_positions=None if meta.rope_positions is None else jnp.where(
+                real_token, jnp.max(meta.rope_positions, axis=0) + 1, meta.rope_positions),
             image_rows=None if meta.image_rows is None else jnp.full_like(meta.image_rows, -1),
         )
 
