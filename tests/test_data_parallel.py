@@ -98,6 +98,18 @@ def test_distinct_prompts_spread_and_a_resent_conversation_returns_to_its_replic
         engine.result(rid)
 
 
+def test_a_shared_prefix_stays_home_until_its_replica_batch_is_full(dp_engine):
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    system = list(range(60, 84))  # three blocks every prompt shares
+    rids = [dp_engine.submit(system + [i, i + 1], greedy) for i in range(6)]
+    where = [dp_engine.replica_index(rid) for rid in rids]
+    home = where[0]
+    # max_num_seqs (4) requests fill the home replica's batch; the rest go to the idle one.
+    assert where[:4] == [home] * 4 and where[4] == 1 - home, where
+    for rid in rids:
+        dp_engine.result(rid)
+
+
 def test_request_ids_are_unique_across_replicas(dp_engine):
     greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     a = dp_engine.submit([1, 2, 3], greedy, request_id="same")

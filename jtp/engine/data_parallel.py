@@ -145,7 +145,7 @@ class DataParallelEngine:
             self._pending[rid] = replica
         ok = False
         try:
-            replica.submit(prompt_ids, params, rid, **({"images": images} if images else {}))
+            replica.submit(prompt_ids, params, rid, images)
             ok = True
         finally:
             with self._lock:
