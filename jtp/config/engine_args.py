@@ -39,6 +39,7 @@ class EngineArgs:
     revision: str | None = None  # with a repo id: the branch, tag or commit (default: main)
     served_model_name: str | None = None  # the name clients use; default: the directory's name
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine replicas in this process, each on its own tensor_parallel_size devices
     dtype: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9
@@ -86,6 +87,9 @@ class EngineArgs:
                 raise ConfigError(f"--{flag.replace('_', '-')} {getattr(self, flag)!r}: {why}")
 
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
+        need(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
+        need(self.data_parallel_size == 1 or self.num_processes == 1, "data_parallel_size",
+             f"cannot be combined with --num-processes {self.num_processes} yet (replicas share one process)")
         need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be at least 1")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
@@ -194,6 +198,10 @@ class EngineArgs:
             p.add_argument("--served-model-name", help="model name reported to API clients (default: the directory's name)")
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="devices to shard the weights over (tensor parallelism)")
+        p.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                       help="engine replicas, each on its own --tensor-parallel-size devices (data-parallel-size x "
+                            "tensor-parallel-size devices in all), behind one endpoint: requests go to the replica "
+                            "holding their prefix, else to the least loaded")
         p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="weight/activation dtype (auto: the checkpoint's)")
         p.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")

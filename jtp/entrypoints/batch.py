@@ -314,7 +314,7 @@ def run(
     if tokenizer is None:
         raise ConfigError("the model has no tokenizer.json: batch generation needs one to encode prompts")
     input_path, output_path = Path(input_path), Path(output_path)
-    max_pending = max_pending or PENDING_PER_SEQ * engine.scheduler.max_num_seqs
+    max_pending = max_pending or PENDING_PER_SEQ * engine.config.max_num_seqs * engine.config.args.data_parallel_size
     vocab_size = engine.cfg.vocab_size
     defaults = {**engine.sampling_defaults, "max_tokens": default_max_tokens}
 

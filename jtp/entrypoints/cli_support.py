@@ -204,9 +204,9 @@ def open_engine(engine_args: EngineArgs) -> Engine:
 
         note(DEMO_LABEL)
     enable_compilation_cache()
-    from jtp.engine.engine import Engine
+    from jtp.engine.data_parallel import build_engine
 
-    engine = Engine.from_args(engine_args)
+    engine = build_engine(engine_args)  # an Engine, or N of them behind one (--data-parallel-size)
     for line in describe_engine(engine):
         note(line)
     return engine
@@ -223,18 +223,23 @@ def run_follower(engine_args: EngineArgs) -> int:
 
 
 def describe_engine(engine: Engine) -> list[str]:
-    mesh = engine.runner.mesh
+    replicas = getattr(engine, "replicas", None)  # a DataParallelEngine: report its first replica, all are alike
+    first = replicas[0] if replicas else engine
+    mesh = first.runner.mesh
     devices = list(mesh.devices.flat)
     kinds = ", ".join(sorted({d.device_kind for d in devices}))
     platform = devices[0].platform
-    pool_tokens = engine.pool.total_blocks * engine.pool.block_size
-    per_device = engine.pool.total_blocks * engine.runner.bytes_per_block() / 2**20
+    pool = first.pool
+    pool_tokens = pool.total_blocks * pool.block_size
+    per_device = pool.total_blocks * first.runner.bytes_per_block() / 2**20
     lines = [
         f"devices: {len(devices)} x {kinds}" + ("" if kinds == platform else f" ({platform})"),
         "mesh: " + " x ".join(f"{name}={size}" for name, size in mesh.shape.items()),
-        f"KV pool: {engine.pool.total_blocks:,} blocks x {engine.pool.block_size} = {pool_tokens:,} tokens "
+        f"KV pool: {pool.total_blocks:,} blocks x {pool.block_size} = {pool_tokens:,} tokens "
         f"({per_device:,.1f} MiB per device); max_model_len {engine.max_model_len:,}",
     ]
+    if replicas:
+        lines.insert(0, f"data parallel: {len(replicas)} replicas, each with the devices, mesh and KV pool below")
     if pool_tokens < engine.max_model_len:
         lines.append(
             f"KV pool holds {pool_tokens:,} tokens < max_model_len {engine.max_model_len:,}: longer requests are "

@@ -38,7 +38,8 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 
 
 class _EngineStats(Collector):
-    """Gauges and counters sampled from the engine at scrape time."""
+    """Gauges and counters sampled from the engine at scrape time; a data-parallel engine's one
+    sample per replica, labelled `replica` (sum them for the whole)."""
 
     def __init__(self, engine, model_name: str):
         self.engine, self.model_name = engine, model_name
@@ -47,9 +48,26 @@ class _EngineStats(Collector):
         return []  # nothing to check at registration, and the engine is not asked until a scrape
 
     def collect(self):
-        stats = self.engine.stats()
-        usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
-        for name, doc, value in (
+        per_replica = getattr(self.engine, "replica_stats", None)
+        if per_replica is None:
+            labels, samples = ["model_name"], [([self.model_name], self.engine.stats())]
+        else:
+            labels = ["model_name", "replica"]
+            samples = [([self.model_name, str(r)], stats) for r, stats in enumerate(per_replica())]
+        tables = [(label_values, _values(stats)) for label_values, stats in samples]
+        for kind in (GaugeMetricFamily, CounterMetricFamily):
+            for i, (name, doc, _) in enumerate(tables[0][1][kind]):
+                family = kind(name, doc, labels=labels)
+                for label_values, table in tables:
+                    family.add_metric(label_values, table[kind][i][2])
+                yield family
+
+
+def _values(stats) -> dict:
+    """(name, doc, value) of each gauge and each counter (exposed with a _total suffix)."""
+    usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+    return {
+        GaugeMetricFamily: (
             ("jtp:num_requests_running", "Requests in the running batch.", stats.num_running),
             ("jtp:num_requests_waiting", "Requests waiting to be admitted.", stats.num_waiting),
             ("jtp:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", usage),
@@ -62,11 +80,8 @@ class _EngineStats(Collector):
              stats.spec_decode_acceptance_rate),
             ("jtp:spec_decode_mean_accepted_length", "Tokens a verified speculating row emits on average.",
              stats.spec_decode_mean_accepted_length),
-        ):
-            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
-            gauge.add_metric([self.model_name], value)
-            yield gauge
-        for name, doc, value in (  # exposed with a _total suffix
+        ),
+        CounterMetricFamily: (
             ("jtp:prefix_cache_queries", "Prompt tokens of admitted requests looked up in the prefix cache.",
              stats.prefix_cache_queries),
             ("jtp:prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits),
@@ -79,10 +94,8 @@ class _EngineStats(Collector):
              "stalled the requests of that step).", stats.compilations),
             ("jtp:compilation_seconds", "Seconds spent compiling step programs (tracing, XLA, cache loads).",
              stats.compile_seconds),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
-            counter.add_metric([self.model_name], value)
-            yield counter
+        ),
+    }
 
 
 class ServerMetrics:

@@ -1,0 +1,166 @@
+"""Issue 30, first part: --data-parallel-size N, N engine replicas on disjoint devices behind one
+engine (jtp/engine/data_parallel.py).
+
+- A staggered greedy batch gives the tokens of one engine at tp=1, with 2 replicas of tp=1 and of
+  tp=2, on the demo checkpoint, a tiny Qwen3 MoE and a tiny hybrid.
+- Routing: distinct prompts spread over the replicas; a conversation resent with its history goes
+  to the replica that served it (its prefix-cache hits count there, none elsewhere).
+- Served: an openai-client chat, streamed and not, through a real loopback uvicorn over a
+  DataParallelEngine; /metrics has each replica's gauges and counters, labelled.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from loopback import serving
+from prometheus_client.parser import text_string_to_metric_families
+from staggered import ENGINE_ARGS, run_staggered
+
+from jtp.config.engine_args import EngineArgs
+from jtp.core.sampling_params import SamplingParams
+from jtp.engine.data_parallel import DataParallelEngine, build_engine
+from jtp.engine.engine import Engine
+from jtp.errors import ConfigError
+
+
+def staggered_tokens(args: EngineArgs) -> list[list[int]]:
+    with build_engine(args) as engine:
+        if args.data_parallel_size > 1:
+            assert isinstance(engine, DataParallelEngine)
+            devices = [{d.id for d in r.runner.mesh.devices.flat} for r in engine.replicas]
+            assert len(set().union(*devices)) == sum(map(len, devices)), "replicas share a device"
+        return run_staggered(engine, engine.cfg.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    pytest.importorskip("torch")
+    from hf_models import make_hf_checkpoint
+
+    return str(make_hf_checkpoint("qwen3_moe", tmp_path_factory.mktemp("dp-moe"))[1])
+
+
+@pytest.mark.parametrize("model", ["demo", "moe", "hybrid"])
+def test_replicas_give_the_tokens_of_one_engine(model, demo_dir, request):
+    path = {"demo": lambda: str(demo_dir), "moe": lambda: request.getfixturevalue("moe_dir"),
+            "hybrid": lambda: str(request.getfixturevalue("hybrid_hk4")[1])}[model]()
+    base = dict(ENGINE_ARGS, model=path, skip_tokenizer_init=True, dtype="float32")
+    expected = staggered_tokens(EngineArgs(**base))
+    for dp, tp in ((2, 1), (2, 2)):
+        assert staggered_tokens(EngineArgs(**base, data_parallel_size=dp, tensor_parallel_size=tp)) == expected, (dp, tp)
+
+
+def test_too_few_devices_or_several_processes_are_one_line_errors(demo_dir):
+    with pytest.raises(ConfigError, match=r"--data-parallel-size 3 x --tensor-parallel-size 4 needs 12 devices, but 8"):
+        build_engine(EngineArgs(model=str(demo_dir), data_parallel_size=3, tensor_parallel_size=4))
+    with pytest.raises(ConfigError, match="--num-processes"):
+        EngineArgs(model=str(demo_dir), data_parallel_size=2, num_processes=2, tensor_parallel_size=2).validate()
+    with pytest.raises(ConfigError, match="at least 1"):
+        EngineArgs(data_parallel_size=0).validate()
+
+
+ROUTING_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=8, num_blocks=64, max_model_len=128,
+                    warmup=False, skip_tokenizer_init=True, data_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def dp_engine(demo_dir):
+    with DataParallelEngine.from_args(EngineArgs(model=str(demo_dir), **ROUTING_ARGS)) as engine:
+        yield engine
+
+
+def test_distinct_prompts_spread_and_a_resent_conversation_returns_to_its_replica(dp_engine):
+    engine = dp_engine
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    other, convo = [7] * 20 + [1, 2, 3], list(range(10, 50))
+    rids = [engine.submit(other, greedy), engine.submit(convo, greedy)]  # the second goes to the idle replica
+    homes = [engine.replica_index(rid) for rid in rids]
+    assert sorted(homes) == [0, 1]
+    replies = [engine.result(rid) for rid in rids]
+    hits = [s.prefix_cache_hits for s in engine.replica_stats()]
+
+    # Both idle now: least-loaded alone would pick replica 0; the conversation's prefix picks its own.
+    turn = convo + replies[1].token_ids + [5, 6, 7, 8]
+    rid = engine.submit(turn, greedy)
+    assert engine.replica_index(rid) == homes[1]
+    engine.result(rid)
+    gained = [s.prefix_cache_hits - h for s, h in zip(engine.replica_stats(), hits)]
+    assert gained[homes[1]] >= 40 and gained[homes[0]] == 0, gained
+
+    # A batch of distinct prompts lands on both replicas, about evenly.
+    prompts = [[100 + i] * 12 + [i] for i in range(8)]
+    rids = [engine.submit(p, greedy) for p in prompts]
+    where = [engine.replica_index(rid) for rid in rids]
+    assert where.count(0) == where.count(1) == 4, where
+    for rid in rids:
+        engine.result(rid)
+
+
+def test_a_shared_prefix_stays_home_until_its_replica_batch_is_full(dp_engine):
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    system = list(range(60, 84))  # three blocks every prompt shares
+    rids = [dp_engine.submit(system + [i, i + 1], greedy) for i in range(6)]
+    where = [dp_engine.replica_index(rid) for rid in rids]
+    home = where[0]
+    # max_num_seqs (4) requests fill the home replica's batch; the rest go to the idle one.
+    assert where[:4] == [home] * 4 and where[4] == 1 - home, where
+    for rid in rids:
+        dp_engine.result(rid)
+
+
+def test_request_ids_are_unique_across_replicas(dp_engine):
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    a = dp_engine.submit([1, 2, 3], greedy, request_id="same")
+    with pytest.raises(Exception, match="already in use"):
+        dp_engine.submit([9, 9, 9, 9], greedy, request_id="same")  # would route to the other replica
+    assert dp_engine.result(a).token_ids
+    dp_engine.result(dp_engine.submit([4, 5], greedy, request_id="same"))  # free again once consumed
+    assert dp_engine.abort("never-submitted") is False
+
+
+def test_stats_add_up_the_replicas(dp_engine):
+    per, total = dp_engine.replica_stats(), dp_engine.stats()
+    assert total.kv_blocks_total == sum(s.kv_blocks_total for s in per) == 2 * per[0].kv_blocks_total
+    assert total.prefix_cache_hits == sum(s.prefix_cache_hits for s in per)
+
+
+def test_served_chat_and_stream_and_metrics_per_replica(demo_dir):
+    from jtp.entrypoints.server import build_app
+
+    args = EngineArgs(model=str(demo_dir), data_parallel_size=2, max_num_seqs=4, max_num_batched_tokens=32,
+                      max_model_len=128, block_size=8, num_blocks=64, warmup=False)
+    engine = build_engine(args)
+    engine.start()
+    engine.ready.set()  # no warm-up: the test compiles only what it uses
+    try:
+        with serving(build_app(engine, args.model_name())) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+            chat = [{"role": "user", "content": "Hello! How are you today?"}]
+            whole = client.chat.completions.create(model=args.model_name(), messages=chat, max_tokens=8,
+                                                   temperature=0)
+            parts = client.chat.completions.create(model=args.model_name(), messages=chat, max_tokens=8,
+                                                   temperature=0, stream=True)
+            streamed = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+            assert whole.choices[0].message.content and streamed == whole.choices[0].message.content
+            assert whole.usage.completion_tokens == 8
+            # A different chat, while both replicas are idle, still answers (whichever replica).
+            other = client.chat.completions.create(model=args.model_name(), max_tokens=4, temperature=0,
+                                                   messages=[{"role": "user", "content": "Numbers: 1 2 3"}])
+            assert other.choices[0].finish_reason in ("stop", "length")
+            text = httpx.get(f"{url}/metrics").text
+    finally:
+        engine.close()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    running = families["jtp:num_requests_running"].samples
+    assert sorted(s.labels["replica"] for s in running) == ["0", "1"]
+    queries = families["jtp:prefix_cache_queries"].samples
+    assert {s.labels["replica"] for s in queries if s.name.endswith("_total")} == {"0", "1"}
+    # The resent (identical) chat found its prefix in one replica's cache.
+    assert sum(s.value for s in families["jtp:prefix_cache_hits"].samples if s.name.endswith("_total")) > 0
+
+
+def test_build_engine_is_a_plain_engine_for_one_replica(demo_dir):
+    with build_engine(EngineArgs(model=str(demo_dir), **dict(ENGINE_ARGS, data_parallel_size=1))) as engine:
+        assert type(engine) is Engine
