@@ -22,6 +22,7 @@ from test_fp8 import PROMPT, edit_tensors, hf_logprobs, hf_source, jtp_logprobs 
 
 from jtp.config.engine_args import EngineArgs  # noqa: E402
 from jtp.config.model_config import ModelConfig  # noqa: E402
+from jtp.core.sampling_params import SamplingParams  # noqa: E402
 from jtp.engine.engine import Engine  # noqa: E402
 from jtp.errors import CheckpointError, ConfigError  # noqa: E402
 from jtp.models.layers import Int4Groups  # noqa: E402
@@ -118,3 +119,25 @@ def test_bad_int4_checkpoints_are_refused_naming_the_tensor(tmp_path):
     qc.quantize_checkpoint(src, wide, "awq", group_size=128)
     refused(wide, "o_proj.qweight", "tp=2 splits a dim of 128 into shards of 64, inside its int4 groups of 128",
             tp=2)
+
+
+@pytest.mark.parametrize("kind, method, tp", [("qwen3", "awq", 1), ("qwen3_moe", "gptq", 2)])
+def test_random_weights_of_an_int4_config_are_int4_groups(tmp_path, kind, method, tp):
+    """--load-format dummy of an AWQ / GPTQ config (for benchmarks): the linear weights drawn as int4
+    groups in each device's sharding, with the shapes the checkpoint's would load as, and served."""
+    src = hf_source(kind, tmp_path / "src")
+    qc.quantize_checkpoint(src, tmp_path / "int4", method, group_size=16)
+    loaded = Engine.from_args(EngineArgs(model=str(tmp_path / "int4"), num_blocks=16, warmup=False,
+                                         tensor_parallel_size=tp))
+    (tmp_path / "int4" / "model.safetensors").unlink()
+    drawn = Engine.from_args(EngineArgs(model=str(tmp_path / "int4"), load_format="dummy", num_blocks=16, warmup=False,
+                                        tensor_parallel_size=tp))
+    for real, random in zip(loaded.runner.params["layers"], drawn.runner.params["layers"]):
+        assert real.keys() == random.keys()
+        for name, w in real.items():
+            assert type(random[name]) is type(w), name
+            if isinstance(w, Int4Groups):
+                for a, b in zip(w, random[name]):
+                    assert (a.shape, a.dtype, a.sharding.spec) == (b.shape, b.dtype, b.sharding.spec), name
+    assert any(isinstance(w, Int4Groups) for w in drawn.runner.params["layers"][0].values())
+    assert len(drawn.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))[0].token_ids) == 4

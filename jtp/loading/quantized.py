@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jtp.config.quantization import Quantization
 from jtp.errors import CheckpointError
 from jtp.loading.sources import FusedExperts, RepeatedHeads, Source, StackedExperts, StridedRows, Tensor
-from jtp.models.layers import BlockFp8
+from jtp.models.layers import BlockFp8, Int4Groups
 
 SCALE_SUFFIX = "weight_scale_inv"
 
@@ -127,6 +127,40 @@ def quantize_params(params: dict, block: tuple[int, int] = FP8_BLOCK) -> dict:
                 weight.delete()
         layers.append(new)
     return {**params, "layers": layers}
+
+
+def random_int4_params(params: dict, group_size: int, seed: int = 0) -> dict:
+    """Random weights of an AWQ / GPTQ config (`--load-format dummy`): the decoder layers' linear
+    weights as `Int4Groups` of uniform 4-bit values, zero 8 and one scale that gives N(0, 0.02)'s
+    spread, drawn on their devices in their own sharding (groups along the input dim: a linear's
+    last, an expert stack's middle). A weight whose shards hold no whole groups and words stays as
+    drawn. The full-precision draws are freed as they go."""
+    layers = []
+    for i, layer in enumerate(params["layers"]):
+        new = dict(layer)
+        for name, weight in layer.items():
+            if name in QUANTIZED_WEIGHTS and isinstance(weight, jax.Array) and weight.ndim >= 2:
+                grouped = -1 if weight.ndim == 2 else -2  # the input dim
+                shard = weight.sharding.shard_shape(weight.shape)
+                if shard[-1] % 8 == 0 and shard[grouped] % group_size == 0:
+                    key = jax.random.fold_in(jax.random.key(seed), i * 64 + sorted(QUANTIZED_WEIGHTS).index(name))
+                    new[name] = _int4_drawer(weight.shape, weight.sharding, group_size, grouped)(key)
+                    weight.delete()
+        layers.append(new)
+    return {**params, "layers": layers}
+
+
+@functools.cache
+def _int4_drawer(shape: tuple[int, ...], sharding, group_size: int, grouped: int):
+    words_shape = (*shape[:-1], shape[-1] // 8)
+    groups_shape = tuple(n // group_size if d == len(shape) + grouped else n for d, n in enumerate(shape))
+
+    def draw(key) -> Int4Groups:
+        words = jax.lax.bitcast_convert_type(jax.random.bits(key, words_shape, jnp.uint32), jnp.int32)
+        # (q - 8) is uniform on -8..7 (standard deviation ~4.6): this scale makes it ~0.02.
+        return Int4Groups(words, jnp.full(groups_shape, 8, jnp.int8), jnp.full(groups_shape, 0.02 / 4.6, jnp.float16))
+
+    return jax.jit(draw, out_shardings=Int4Groups(sharding, sharding, sharding))
 
 
 def _splits_into_blocks(weight, block: tuple[int, int]) -> bool:
