@@ -86,7 +86,7 @@ def fp8_experts(rng, groups: int, k: int, n: int, block: tuple[int, int]) -> Blo
     "rows,k,n,groups,used,block,config",
     [
         (1, 256, 256, 16, 1, (128, 128), None),  # B=1 decode, top-1: split K, 16-row tiles
-        (8, 256, 384, 32, 8, (128, 128), None),  # a decode step's pairs, most groups empty
+        (8, 256, 128, 24, 8, (128, 128), None),  # a decode step's pairs, most groups empty
         (40, 256, 256, 8, 3, (128, 128), GroupedMatmulConfig(16, 64, 32, 2)),  # 4 K steps and 2 n blocks a block
         (200, 64, 32, 8, 5, (16, 16), None),  # prefill-sized tiles spanning groups' ends, small blocks
     ],
