@@ -140,8 +140,7 @@ class Engine(EngineSnapshots):
         if self.sampling_defaults:
             log.info("sampling defaults from the generation config: %s", self.sampling_defaults)
         self.ready = threading.Event()  # set once warmed up (or at once without warm-up): servers' readiness
-        # Whether a dispatched step has finished on the device: the step loop asks it to choose
-        # between handing out the finished step's tokens first and overlapping (tests replace it).
+        # Whether a dispatched step finished: process its tokens first, or overlap (tests replace it).
         self.step_done = is_ready
 
         # Intake, shared with caller threads under a short lock that is never held across device work.
@@ -529,6 +528,7 @@ class Engine(EngineSnapshots):
             self._closed = True
         self.stop()
         self.ready.clear()
+        self._masks.shutdown(wait=True)  # the mask thread: nothing is stepping any more
         if self.failure is None:
             self.runner.close()
         else:  # the device may be stuck in a collective: free nothing there, just end the group
