@@ -186,3 +186,24 @@ def test_a_pool_too_full_for_a_request_refuses_it_whole_and_serves_on(checkpoint
         assert greedy(engine, ids, prompts)[0] == hf_greedy(model, ids, one)[0]
     finally:
         engine.close()
+
+
+def test_warm_up_compiles_every_patch_bucket_and_leaves_the_pool_intact(checkpoint):
+    """After the encoder's warm-up, images of any size up to MAX_IMAGE_PATCHES compile nothing, and
+    the images placed before it are still right."""
+    from jtp.models import vision
+
+    model, path = checkpoint
+    engine = make_engine(path, max_model_len=256)
+    try:
+        before_ids, before_prompts = prompt_with([image((1, 8, 8), 21)])
+        assert greedy(engine, before_ids, before_prompts)[0] == hf_greedy(model, before_ids, [image((1, 8, 8), 21)])[0]
+        assert engine.runner.warm_images() == 8  # buckets 64 .. 8192 patches
+        compiled = vision.encode_patches._cache_size()
+        for grid in [(1, 4, 6), (1, 12, 10), (1, 16, 14)]:  # 24, 120 and 224 patches: three buckets
+            ids, prompts = prompt_with([image(grid, 22)])
+            assert greedy(engine, ids, prompts)[0] == hf_greedy(model, ids, [image(grid, 22)])[0], grid
+        assert vision.encode_patches._cache_size() == compiled
+        assert greedy(engine, before_ids, before_prompts)[0] == hf_greedy(model, before_ids, [image((1, 8, 8), 21)])[0]
+    finally:
+        engine.close()

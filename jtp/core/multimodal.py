@@ -16,6 +16,10 @@ import numpy as np
 
 from jtp.core.mrope import mrope_positions
 
+# Patches of one image at most: the vision tower's attention is dense over an image's patches (memory
+# grows with their square; 8192 patches hold ~4 GiB of fp32 scores), so larger images are resized down.
+MAX_IMAGE_PATCHES = 8192
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ImagePrompt:

@@ -9,14 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jtp.config.vision_config import ImageProcessorConfig
-from jtp.core.multimodal import ImagePrompt, MultiModalPrompt
+from jtp.core.multimodal import MAX_IMAGE_PATCHES, ImagePrompt, MultiModalPrompt
 from jtp.errors import ConfigError, RequestError
 
 log = logging.getLogger(__name__)
-
-# Patches of one image at most: the tower's attention is dense over an image's patches (memory grows
-# with their square; 8192 patches hold ~4 GiB of fp32 scores), so larger images are resized down to it.
-MAX_IMAGE_PATCHES = 8192
 
 
 @dataclasses.dataclass(frozen=True)

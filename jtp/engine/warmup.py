@@ -144,6 +144,8 @@ def compile_step_shapes(
         else:
             finished = _run_in_order(runner, steps, should_stop, bar.update)
             programs = runner.compilations - before  # each trace is one compile request
+    if finished and getattr(runner, "warm_images", None):  # a vision tower: its encoder's patch buckets too
+        runner.warm_images()
     return WarmupReport(len(scheduler.buckets.shapes()), len(steps), runner.compilations - before, programs,
                         cache_hits() - hits, time.perf_counter() - start, finished,
                         {name: seconds - phases[name] for name, seconds in phase_seconds().items()})

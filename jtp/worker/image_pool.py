@@ -124,6 +124,20 @@ class ImagePool:
                                      "requests need; retry later")
             del self.entries[victim]
 
+    def warm(self, max_patches: int) -> int:
+        """Compile the encoder (and the pool write) for every bucket of patches up to `max_patches`
+        (warm-up: the first image of a size then compiles nothing); how many buckets. Writes nothing."""
+        buckets = sorted({vision.patch_bucket(1 << i, self.cfg.merge_unit)
+                          for i in range(max_patches.bit_length()) if 1 << i <= max_patches})
+        merge = self.cfg.spatial_merge_size
+        for bucket in buckets:
+            rows = max(merge, 1 << ((bucket.bit_length() - 1) // 2))  # a grid of `bucket` patches
+            grid = (1, rows, bucket // rows)
+            out = vision.encode_patches(self.params, np.zeros((bucket, self.cfg.patch_dim), np.float32),
+                                        vision.patch_layout(self.cfg, np.asarray([grid]), bucket), cfg=self.cfg)
+            self.pool = self._write(self.pool, np.full(out.shape[0], self.capacity, np.int32), out)  # all dropped
+        return len(buckets)
+
     def _first_fit(self, n: int) -> int | None:
         cursor = 0
         for start, length in sorted(self.entries.values()):

@@ -26,6 +26,7 @@ from jtp.config.engine_args import EngineArgs
 from jtp.config.engine_config import EngineConfig
 from jtp.core.sampling_params import MAX_LOGPROBS, pack_sampling
 from jtp.core.step_input import PROMPT_CHUNK, SamplingBatch, StepInput, StepPlan
+from jtp.core.multimodal import MAX_IMAGE_PATCHES
 from jtp.core.packed_step import PackedStep, SamplingLayout, StepLayout
 from jtp.loading.weights import load_params, resolve_dtype
 from jtp.models import family_of, mtp
@@ -210,6 +211,15 @@ class ModelRunner:
         try:
             return self.images.place(images, in_use)
         finally:  # the pool the steps read: the new one, also when an encode failed half way
+            self.params = {**self.params, "image_pool": self.images.pool}
+
+    def warm_images(self) -> int:
+        """Compile the vision encoder's patch buckets (warm-up); how many (0: no tower)."""
+        if self.images is None:
+            return 0
+        try:
+            return self.images.warm(MAX_IMAGE_PATCHES)
+        finally:
             self.params = {**self.params, "image_pool": self.images.pool}
 
     def allocate_cache(self, num_blocks: int) -> None:
