@@ -12,6 +12,7 @@ still needs is never evicted.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import logging
@@ -59,6 +60,21 @@ def vision_config_of(model_dir: str, model_type: str, load_format: str, num_proc
 def _draw(shape: tuple[int, ...], dtype, mean: float, sharding):
     """One jitted draw per distinct (shape, mean): the 27 blocks share a dozen programs."""
     return jax.jit(lambda key: (jax.random.normal(key, shape) * 0.02 + mean).astype(dtype), out_shardings=sharding)
+
+
+IMAGE_POOL_TOKENS = 32768  # image tokens the encoder's output pool holds at most (fewer for a shorter context)
+
+
+def image_pool_for(config, cfg, mesh, dtype) -> tuple["ImagePool | None", object]:
+    """A runner's vision tower and image pool (None for a model that takes no images), and its model
+    config with the tower's M-RoPE split."""
+    vision_cfg = vision_config_of(config.model, cfg.model_type, config.load_format, config.num_processes,
+                                  cfg.rope_yarn is not None)
+    if vision_cfg is None:
+        return None, cfg
+    pool = ImagePool(config.model, vision_cfg, mesh, dtype, min(config.max_model_len, IMAGE_POOL_TOKENS),
+                     config.load_format)
+    return pool, dataclasses.replace(cfg, mrope_section=vision_cfg.mrope_section)
 
 
 def random_vision_params(cfg: VisionConfig, mesh, dtype, seed: int = 1) -> dict:

@@ -10,7 +10,6 @@ executes. Followers in a multi-process deployment run the very same calls on the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import threading
@@ -35,7 +34,7 @@ from jtp.models.layers import use_fp8_kernel
 from jtp.models.moe import choose_experts
 from jtp.parallel.sharding import make_mesh, replicated, tp_size
 from jtp.worker import kv_cache
-from jtp.worker.image_pool import ImagePool, vision_config_of
+from jtp.worker.image_pool import image_pool_for
 from jtp.worker.sampler import PromptScores, SampleResult, sample
 
 
@@ -85,9 +84,6 @@ def _sampling_arrays(penalty_len: int, f: dict):
     return sampling, penalty, f.get("token_mask"), f["stop_ids"], f["num_steps"][0]
 
 
-IMAGE_POOL_TOKENS = 32768  # image tokens the encoder's output pool holds at most (fewer for a shorter context)
-
-
 def fp8_kernel_wanted(mesh) -> bool:
     """Whether FP8 weights' decode products run in the FP8 kernel: on one GPU (the kernel is opaque to
     XLA's partitioner); JTP_FP8_KERNEL=1 forces it (interpreted off the GPU: tests), 0 keeps XLA's
@@ -127,13 +123,8 @@ class ModelRunner:
         )
         self.load_format = config.load_format  # "dummy": no files to fingerprint (snapshots, launcher)
         # A checkpoint with a vision tower: its encoder and the pool of image-token embeddings the steps read.
-        self.images = None
-        vision_cfg = vision_config_of(config.model, self.cfg.model_type, config.load_format, config.num_processes,
-                                      self.cfg.rope_yarn is not None)
-        if vision_cfg is not None:
-            self.cfg = dataclasses.replace(self.cfg, mrope_section=vision_cfg.mrope_section)
-            self.images = ImagePool(config.model, vision_cfg, self.mesh, self.dtype,
-                                    min(config.max_model_len, IMAGE_POOL_TOKENS), config.load_format)
+        self.images, self.cfg = image_pool_for(config, self.cfg, self.mesh, self.dtype)
+        if self.images is not None:
             self.params = {**self.params, "image_pool": self.images.pool}
         if fp8_kernel_wanted(self.mesh):
             self.params = use_fp8_kernel(self.params)
