@@ -488,8 +488,8 @@ class Engine(EngineSnapshots):
                 self.scheduler, self.runner, self.speculative, lambda: self._stopping or interrupted(), progress)
             if not report.finished:  # stop() / close() during warm-up (Ctrl-C): gave up
                 return report.compiled
+        log.info(report.summary())  # before ready: a client that saw /ready 200 may look for it
         self.ready.set()
-        log.info(report.summary())
         return report.compiled
 
     def start(self) -> None:
