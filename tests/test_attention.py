@@ -421,7 +421,7 @@ def test_kernel_block_tables_keep_several_pages_per_iteration():
     the block table's width (else it falls back to one page per iteration: 1.5x the attention time
     of Qwen3-8B at B=1 on an H200). The scheduler's width is a multiple of 16 pages for any
     max_model_len, e.g. bench.py's 2049 tokens (129 pages of 16)."""
-    from jtp.core.scheduler import Buckets
+    from jtp.core.buckets import Buckets
     from jtp.kernels.ragged_paged_attention import choose_decode_config
 
     for max_blocks in (1, 7, 64, 129, 2560):

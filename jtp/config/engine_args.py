@@ -40,6 +40,7 @@ class EngineArgs:
     served_model_name: str | None = None  # the name clients use; default: the directory's name
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1  # engine replicas in this process, each on its own tensor_parallel_size devices
+    pipeline_parallel_size: int = 1  # stages of contiguous layers, each on its own tensor_parallel_size devices
     dtype: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9
@@ -90,6 +91,14 @@ class EngineArgs:
         need(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
         need(self.data_parallel_size == 1 or self.num_processes == 1, "data_parallel_size",
              f"cannot be combined with --num-processes {self.num_processes} yet (replicas share one process)")
+        need(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be at least 1")
+        if self.pipeline_parallel_size > 1:
+            pp = "cannot be combined with {} yet"
+            need(self.num_processes == 1, "pipeline_parallel_size",
+                 pp.format(f"--num-processes {self.num_processes} (the stages share one process for now)"))
+            need(self.num_scheduler_steps == 1, "pipeline_parallel_size",
+                 pp.format("--num-scheduler-steps > 1 (a stage cannot loop decode steps on its own)"))
+            need(self.speculative_config is None, "pipeline_parallel_size", pp.format("--speculative-config"))
         need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be at least 1")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
@@ -202,6 +211,9 @@ class EngineArgs:
                        help="engine replicas, each on its own --tensor-parallel-size devices (data-parallel-size x "
                             "tensor-parallel-size devices in all), behind one endpoint: requests go to the replica "
                             "holding their prefix, else to the least loaded")
+        p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
+                       help="split the layers into this many stages, each on its own --tensor-parallel-size "
+                            "devices; steps of disjoint requests keep every stage busy")
         p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="weight/activation dtype (auto: the checkpoint's)")
         p.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")

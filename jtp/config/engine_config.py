@@ -28,6 +28,7 @@ class EngineConfig:
     served_model_name: str
     model_config: ModelConfig
     tensor_parallel_size: int
+    pipeline_parallel_size: int
     dtype: str  # a name from DTYPES, never "auto" (the checkpoint's declared dtype then)
     max_model_len: int  # never past the model's max_position_embeddings
     gpu_memory_utilization: float
@@ -66,6 +67,7 @@ class EngineConfig:
             served_model_name=args.model_name(),
             model_config=model_config,
             tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
             dtype=model_config.dtype if args.dtype == "auto" else args.dtype,
             max_model_len=min(args.max_model_len or limit, limit),
             gpu_memory_utilization=args.gpu_memory_utilization,

@@ -36,12 +36,13 @@ import numpy as np
 
 from jtp.config.speculative import SpeculativeConfig, propose_ngram
 from jtp.core.block_hash import chain_key
+from jtp.core.buckets import Buckets
 from jtp.core.multimodal import MultiModalPrompt
 from jtp.core.page_pool import PagePool
 from jtp.core.sampling_params import SamplingParams
 from jtp.core.scheduler_output import NewRequest, SchedulerOutput
 from jtp.core.state_pool import StatePool
-from jtp.core.step_input import StepPlan, bucket_sizes
+from jtp.core.step_input import StepPlan
 
 
 class Status(enum.Enum):
@@ -108,69 +109,6 @@ class Request:
         return self.output_ids[position - n] if position - n < len(self.output_ids) else -1
 
 
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-    """Static shapes of the jitted step: each dimension is padded up to one of these.
-
-    tokens: powers of two from 16 to max_num_batched_tokens (plus that value itself);
-    rows: powers of two from 8 to max_num_seqs. A pure decode step picks it from its row count;
-      a step with a longer row takes the most rows its token bucket can hold (padding rows
-      cost almost nothing there, and the step shape then depends on the tokens alone);
-    tokens per row: 1 in a pure decode step, else a power of four from 16, at most the tokens
-      (coarse, as it multiplies the other dimensions: see `shapes`; 16, not 4, because a row of
-      2-16 tokens costs the same in the attention kernel's 16-row tiles and the DeltaNet chunks,
-      and each extra bound is one more forward program to compile before ready).
-    The block table has one width, the blocks of max_model_len rounded up to 16: every attention
-    walks a row's own pages, so its cost follows the context, not the width.
-    """
-
-    tokens: tuple[int, ...]
-    rows: tuple[int, ...]
-    table_width: int
-    row_lens: tuple[int, ...]
-
-    @classmethod
-    def make(
-        cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, bucket_row_lens: bool = True,
-    ) -> "Buckets":
-        """`bucket_row_lens=False`: the step's program ignores the tokens-per-row bound beyond 1 (the
-        dense model's reference attention), so every step with a longer row takes the loosest, T."""
-        return cls(
-            tokens=bucket_sizes(16, max_num_batched_tokens),
-            rows=bucket_sizes(8, max_num_seqs),
-            # The GPU decode kernel reads a row's pages several per iteration, a count that must
-            # divide the table's width (else it falls back to one page per iteration, 4x the
-            # latency): round the width up to a multiple of 16 pages; the extra entries are 0.
-            table_width=-(-max_blocks_per_seq // 16) * 16,
-            row_lens=(1,) + (bucket_sizes(16, max_num_batched_tokens, base=4) if bucket_row_lens else (max_num_batched_tokens,)),
-        )
-
-    @staticmethod
-    def pick(buckets: tuple[int, ...], n: int) -> int:
-        return next(b for b in buckets if b >= n)
-
-    def step_shape(self, num_tokens: int, num_rows: int, longest_row: int) -> tuple[int, int, int]:
-        """(tokens, rows, tokens per row) buckets of a step."""
-        T = self.pick(self.tokens, num_tokens)
-        if longest_row == 1:
-            return T, self.pick(self.rows, num_rows), 1
-        return T, self.pick(self.rows, min(T, self.rows[-1])), min(self.pick(self.row_lens, longest_row), T)
-
-    def shapes(self) -> list[tuple[int, int, int]]:
-        """Every (tokens, rows, tokens per row) the scheduler can pick, decode first."""
-        decode = {self.step_shape(n, n, 1) for n in range(1, self.rows[-1] + 1)}
-        # A step with a row of m >= 2 tokens has at least m tokens: any token bucket T >= m. It has
-        # at most rows[-1] rows of at most q tokens, so a tokens bucket past rows[-1] * q is unreachable.
-        smallest = dict(zip(self.tokens, (1,) + tuple(t + 1 for t in self.tokens[:-1])))  # fewest tokens of each bucket
-        mixed = {
-            shape
-            for T in self.tokens
-            for m in {2} | {q for q in self.row_lens if 2 <= q <= T} | {T}
-            if self.rows[-1] * (shape := self.step_shape(T, 1, m))[2] >= smallest[T]
-        }
-        return sorted(decode) + sorted(mixed)
-
-
 @dataclasses.dataclass
 class ScheduledRow:
     request: Request
@@ -195,12 +133,15 @@ class Scheduler:
         self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
         states: StatePool | None = None, cache_root: bytes | None = None,
         bucket_row_lens: bool = True,
-        num_scheduler_steps: int = 1, speculative: SpeculativeConfig | None = None,
+        num_scheduler_steps: int = 1, speculative: SpeculativeConfig | None = None, pipeline_depth: int = 1,
     ):
         """`states`: the recurrent-state pool of a hybrid model (None: attention only).
         `cache_root`: the root key of the prefix cache's hash chain (None: prefix caching off).
         `num_scheduler_steps`: the most decode steps one pure decode step may run on the device.
-        `speculative`: n-gram drafts for decode rows (attention-only models; the engine runs lockstep)."""
+        `speculative`: n-gram drafts for decode rows (attention-only models; the engine runs lockstep).
+        `pipeline_depth` > 1 (pipeline parallelism): that many steps are in flight at once, so a step
+        takes no request whose sampled token is still in flight, and at most 1/depth of the requests:
+        the rest are left for the steps behind it (micro-batch groups, each stage busy with one)."""
         if max_num_batched_tokens <= max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_num_seqs ({max_num_seqs}) "
@@ -216,6 +157,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_scheduler_steps = num_scheduler_steps
         self.speculative = speculative
+        self.pipeline_depth = pipeline_depth
         max_blocks = -(-max_model_len // pool.block_size)
         self.buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, max_blocks, bucket_row_lens)
         self.waiting: deque[Request] = deque()
@@ -276,12 +218,18 @@ class Scheduler:
                     self.register_computed(r)
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
-        # A request whose last token is already pending has nothing left to run.
-        active = [r for r in self.running if r.num_generated < r.params.max_tokens]
+        # A request whose last token is already pending has nothing left to run; in a pipeline, one
+        # whose next token is (its step still in flight) waits for it.
+        pipelined = self.pipeline_depth > 1
+        active = [r for r in self.running if r.num_generated < r.params.max_tokens
+                  and not (pipelined and r.num_unseen_tokens)]
+        max_rows = self.max_num_seqs
+        if pipelined:  # this step's share of the requests (the running and those that could be)
+            max_rows = -(-min(self.max_num_seqs, len(self.running) + len(self.waiting)) // self.pipeline_depth)
         decoding = [r for r in active if r.num_tokens - r.num_computed == 1]
         prefilling = [r for r in active if r.num_tokens - r.num_computed > 1]
         for r in decoding + prefilling:
-            if budget == 0:
+            if budget == 0 or len(rows) == max_rows:
                 break
             chunk = self._chunk(r, budget)
             # A row that reaches the last known token may append drafts (a decode row, or one that
@@ -289,7 +237,7 @@ class Scheduler:
             drafts = self._drafts(r, budget - chunk) if r.num_computed + chunk == r.num_tokens else ()
             rows.append(ScheduledRow(r, r.num_computed, chunk + len(drafts), drafts=drafts))
             budget -= rows[-1].num_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(rows) < max_rows:
             r = self.waiting[0]
             if not self._admit(r):
                 break  # FCFS: the head waits for blocks (or a state slot), nobody overtakes it

@@ -65,6 +65,7 @@ from jtp.engine.tokenizer import Tokenizer
 from jtp.engine.warmup import compile_step_shapes
 from jtp.errors import EngineClosedError, QueueFullError, RequestError, WorkerGroupError
 from jtp.worker.input_batch import InputBatch
+from jtp.worker.pipeline import PipelineRunner
 from jtp.worker.runner import ModelRunner, is_ready
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class Engine(EngineSnapshots):
             raise ValueError("a multi-process engine needs its worker group: build it with Engine.from_args")
         self.config = config
         if group is None:
-            self.runner = ModelRunner(config, devices)
+            self.runner = (PipelineRunner if config.pipeline_parallel_size > 1 else ModelRunner)(config, devices)
         else:
             from jtp.distributed.group import GroupRunner
 
@@ -114,6 +115,7 @@ class Engine(EngineSnapshots):
             bucket_row_lens=self.runner.uses_row_len_bound,
             states=self.states, cache_root=root_key(self.cache_identity) if config.enable_prefix_caching else None,
             num_scheduler_steps=config.num_scheduler_steps, speculative=self.speculative,
+            pipeline_depth=self.runner.pipeline_depth,
         )
         has_tokenizer = not config.skip_tokenizer_init and (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(self.model_dir) if has_tokenizer else None
@@ -152,7 +154,8 @@ class Engine(EngineSnapshots):
 
         # Stepping: held by whoever runs a step (the loop thread, or the caller in manual mode).
         self._lock = threading.RLock()
-        self._inflight: tuple[list[ScheduledRow], object] | None = None  # dispatched, not yet processed
+        # Steps dispatched, not yet processed, oldest first: (rows, device results).
+        self._inflight: collections.deque[tuple[list[ScheduledRow], object]] = collections.deque()
         self._loop: threading.Thread | None = None
         self._stopping = False
         self._draining = False
@@ -259,13 +262,12 @@ class Engine(EngineSnapshots):
     def has_unfinished(self) -> bool:
         with self._intake:
             queued = bool(self._inbox)
-        return queued or self.scheduler.has_work() or self._inflight is not None
+        return queued or self.scheduler.has_work() or bool(self._inflight)
 
     @property
     def inflight_rows(self) -> list[ScheduledRow]:
-        """The rows of the step dispatched and not yet processed (none between lockstep steps)."""
-        inflight = self._inflight
-        return list(inflight[0]) if inflight is not None else []
+        """The rows of the steps dispatched and not yet processed (none between lockstep steps)."""
+        return [row for rows, _ in list(self._inflight) for row in rows]
 
     def step(self) -> list[TokenEvent]:
         """Dispatch the next step, then process the previous one's tokens while it runs.
@@ -285,16 +287,14 @@ class Engine(EngineSnapshots):
         start = time.perf_counter()
         with self._lock:
             self.apply_inbox()
-            previous, self._inflight = self._inflight, None
-            events = []
+            inflight, events = self._inflight, []
             # Penalties need the exact token history, n-gram drafts the last token, and a grammar's
             # mask the token before (unless the runner samples late): lockstep.
             masks_wait = not self.runner.samples_late
-            if previous is not None and (
-                self.step_done(previous[1]) or self.speculative is not None
-                or any(r.params.has_penalties or (masks_wait and r.grammar is not None) for r in self.scheduler.running)
-            ):
-                events, previous = self._process(*previous), None
+            lockstep = self.speculative is not None or any(
+                r.params.has_penalties or (masks_wait and r.grammar is not None) for r in self.scheduler.running)
+            while inflight and (lockstep or self.step_done(inflight[0][1])):
+                events += self._process(*inflight.popleft())
             t = time.perf_counter()
             rows = self.scheduler.schedule()
             while not rows and self.scheduler.waiting and not self.scheduler.running and len(self.snapshots):
@@ -307,13 +307,15 @@ class Engine(EngineSnapshots):
             if rows:
                 result, sample = self._dispatch(rows)
                 if sample is None:
-                    self._inflight = (rows, result)
+                    inflight.append((rows, result))
                 else:  # token masks: filled once step N's tokens advanced the grammars
                     start_masks = result
-            if previous is not None:
-                events = self._process(*previous, start_masks)
+            # The oldest step's tokens while the new one runs (a pipeline keeps one step per stage in
+            # flight); with nothing new to run, wait for it.
+            if inflight and (len(inflight) + (sample is not None) > self.scheduler.pipeline_depth or not rows):
+                events += self._process(*inflight.popleft(), start_masks)
             if sample is not None:
-                self._inflight = (rows, sample())
+                inflight.append((rows, sample()))
         timing.total = time.perf_counter() - start
         if self.step_timings is not None:
             self.step_timings(timing)
@@ -422,9 +424,8 @@ class Engine(EngineSnapshots):
 
     def _finish_inflight_step(self) -> None:
         """Process the in-flight step, if any, so nothing is pending on the device (step lock held)."""
-        previous, self._inflight = self._inflight, None
-        if previous is not None:
-            self._process(*previous)
+        while self._inflight:
+            self._process(*self._inflight.popleft())
 
     @contextlib.contextmanager
     def paused(self):
@@ -578,7 +579,7 @@ class Engine(EngineSnapshots):
     def _run_loop(self) -> None:
         while True:
             with self._intake:
-                while not self._stopping and not self._inbox and not self.scheduler.has_work() and self._inflight is None:
+                while not self._stopping and not self._inbox and not self.scheduler.has_work() and not self._inflight:
                     self._intake.wait()
                 if self._stopping:
                     return
@@ -592,7 +593,7 @@ class Engine(EngineSnapshots):
                     return
                 log.exception("engine step failed; failing the running requests")
                 with self._lock:
-                    self._inflight = None
+                    self._inflight.clear()
                     for req in list(self.scheduler.running):
                         out = self.outputs.get(req.id)
                         out.error = f"{type(e).__name__}: {e}"

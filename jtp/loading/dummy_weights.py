@@ -50,14 +50,17 @@ def _sampler(shape: tuple[int, ...], dtype, mean: float, sharding):
 
 
 def random_params(cfg: ModelConfig, mesh, dtype, expert_parallel: bool = False, mtp: bool = False,
-                  seed: int = 0) -> dict:
-    """The params pytree `load_params` would return for this config, with random values."""
+                  seed: int = 0, keep=None) -> dict:
+    """The params pytree `load_params` would return for this config, with random values (each
+    parameter's drawn from its path: the same values whichever `keep` selects them)."""
     family = family_of(cfg)
     tp = tp_size(mesh)
     canonical, target = family.param_layout(cfg, 1, mtp), family.param_layout(cfg, tp, mtp)
     base = jax.random.key(seed)
     flat = {}
     for path, source in target.items():
+        if keep is not None and not keep(path):
+            continue
         mean = init_mean(cfg, next(iter(source.expected())))  # a source's tensors share one kind
         key = jax.random.fold_in(base, zlib.crc32(path.encode()))
         sharding = logical_sharding(mesh, path, source.shape, source.axes, expert_parallel)

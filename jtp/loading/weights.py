@@ -209,13 +209,13 @@ def resolve_dtype(cfg: ModelConfig, dtype: str | None):
 
 def load_params(
     model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False, mtp: bool = False,
-    load_format: str = "auto", quantization: str | None = None,
+    load_format: str = "auto", quantization: str | None = None, keep: Callable[[str], bool] | None = None,
 ) -> dict:
     """See `read_params`; then, with quantization "fp8" (or random weights of an FP8 checkpoint's
     config), the linear weights quantized to FP8 blocks on the devices; random weights of an AWQ /
     GPTQ config as random int4 groups. (An AWQ / GPTQ checkpoint's int4 weights are read as they are
     stored: jtp/loading/int4.py.)"""
-    params = read_params(model_dir, cfg, mesh, dtype, expert_parallel, mtp, load_format)
+    params = read_params(model_dir, cfg, mesh, dtype, expert_parallel, mtp, load_format, keep)
     if load_format == "dummy" and cfg.quantization is not None and cfg.quantization.method in INT4_METHODS:
         return random_int4_params(params, cfg.quantization.group_size)
     if quantization == "fp8" or (load_format == "dummy" and cfg.quantization is not None):
@@ -225,7 +225,7 @@ def load_params(
 
 def read_params(
     model_dir: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False, mtp: bool = False,
-    load_format: str = "auto",
+    load_format: str = "auto", keep: Callable[[str], bool] | None = None,
 ) -> dict:
     """Load a model directory (safetensors, or an Orbax checkpoint written by `jtp convert`).
 
@@ -245,11 +245,11 @@ def read_params(
             "none (mtp_num_hidden_layers / num_nextn_predict_layers)"
         )
     if load_format == "dummy":
-        return random_params(cfg, mesh, dtype, expert_parallel, mtp)
+        return random_params(cfg, mesh, dtype, expert_parallel, mtp, keep=keep)
     if not any(model_dir.glob("*.safetensors")) and (model_dir / ORBAX_SUBDIR).is_dir():
         if mtp:
             raise CheckpointError("the MTP head is not kept in Orbax checkpoints (`jtp convert`); serve the safetensors")
-        return restore_orbax(model_dir / ORBAX_SUBDIR, cfg, mesh, dtype, expert_parallel)
+        return restore_orbax(model_dir / ORBAX_SUBDIR, cfg, mesh, dtype, expert_parallel, keep)
     ckpt = SafetensorsCheckpoint(model_dir)
     layout = resolve_layout(family_of(cfg).param_layout(cfg, tp, mtp), ckpt)
     q = cfg.quantization
@@ -276,6 +276,8 @@ def read_params(
 
     flat = {}
     for path, source in layout.items():
+        if keep is not None and not keep(path):
+            continue
         if path in scales:  # the float8 values and their block scales, each device its own blocks
             flat[path] = BlockFp8(load(path, source, RAW_DTYPES["F8_E4M3"]),
                                   load(f"{path} (FP8 block scales)", scales[path], np.float32))
@@ -316,14 +318,15 @@ def save_orbax(params: dict, cfg: ModelConfig, tp: int, path: str | Path) -> Non
         ckptr.save(path, _canonical(flatten(params), cfg, tp))
 
 
-def restore_orbax(path: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False) -> dict:
+def restore_orbax(path: str | Path, cfg: ModelConfig, mesh, dtype=jnp.float32, expert_parallel: bool = False,
+                  keep: Callable[[str], bool] | None = None) -> dict:
     """Restore into the mesh's sharding: each device reads its own slice from the Orbax files."""
     import orbax.checkpoint as ocp
 
     tp = tp_size(mesh)
     family = family_of(cfg)
-    canonical = family.param_layout(cfg, 1)
-    target = family.param_layout(cfg, tp)
+    canonical = {p: s for p, s in family.param_layout(cfg, 1).items() if keep is None or keep(p)}
+    target = {p: s for p, s in family.param_layout(cfg, tp).items() if keep is None or keep(p)}
     abstract = {}
     for path_, source in canonical.items():
         if target[path_].shape != source.shape:  # replicated KV heads: restored whole (they are small), repeated below

@@ -38,17 +38,33 @@ class ModelFamily(Protocol):
 
     def init_cache(
         self, cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype,
-        kv_dtype=None,
+        kv_dtype=None, layer_ids: range | None = None,
     ) -> list:
-        """One zeroed cache entry per layer (paged K/V in `kv_dtype`, default `dtype`, or a recurrent
-        layer's state slots), sharded."""
+        """One zeroed cache entry per layer of `layer_ids` (default all; paged K/V in `kv_dtype`,
+        default `dtype`, or a recurrent layer's state slots), sharded."""
         ...
 
     def forward(
         self, params: dict, cfg: ModelConfig, tokens: jax.Array, cache: list, meta: AttentionMetadata,
         attend: PagedAttention, routed: RoutedExperts,
     ) -> tuple[jax.Array, list]:
-        """tokens [T] of a ragged batch -> final-normed hidden states [T, H] and the updated cache."""
+        """tokens [T] of a ragged batch -> final-normed hidden states [T, H] and the updated cache:
+        `final_norm(decoder_layers(embed(tokens)))` over every layer."""
+        ...
+
+    # `forward` in the three parts a pipeline stage runs some of (jtp/worker/pipeline.py).
+    def embed(self, params: dict, cfg: ModelConfig, tokens: jax.Array, meta: AttentionMetadata) -> jax.Array:
+        """tokens [T] -> the first layer's input [T, H]."""
+        ...
+
+    def decoder_layers(
+        self, params: dict, cfg: ModelConfig, x: jax.Array, cache: list, meta: AttentionMetadata,
+        attend: PagedAttention, routed: RoutedExperts, layer_ids: range,
+    ) -> tuple[jax.Array, list]:
+        """Layers `layer_ids` over x [T, H] (`cache`: theirs, in that order) -> x and their updated cache."""
+        ...
+
+    def final_norm(self, params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
         ...
 
     def compute_logits(self, params: dict, hidden: jax.Array) -> jax.Array:

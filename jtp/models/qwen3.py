@@ -71,19 +71,40 @@ def decoder_layer(p: dict, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, re
     return h + feed_forward(p, cfg, rms_norm(h, p["post_norm"], cfg.rms_norm_eps), routed, real_tokens), kv
 
 
+def embed(params: dict, cfg: ModelConfig, tokens, meta: AttentionMetadata):
+    """tokens [T] -> the first layer's input [T, H]."""
+    del cfg, meta  # (the hybrids' images are read here)
+    return params["embed"][tokens]
+
+
+def decoder_layers(
+    params: dict, cfg: ModelConfig, x, cache: list[LayerKV], meta: AttentionMetadata, attend: PagedAttention,
+    routed: RoutedExperts, layer_ids: range,
+):
+    """Layers `layer_ids` (all of them, or a pipeline stage's) over x [T, H]; `cache` holds their
+    K/V in that order. Returns x and the updated K/V."""
+    cos, sin = rope_cos_sin(meta.positions, cfg.head_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
+    real_tokens = meta.slot_mapping >= 0  # padding tokens (-1) route to no expert
+    new_cache = []
+    for i, kv in zip(layer_ids, cache, strict=True):
+        x, kv = decoder_layer(params["layers"][i], x, cos, sin, kv, meta, real_tokens, cfg=cfg, attend=attend,
+                              routed=routed)
+        new_cache.append(kv)
+    return x, new_cache
+
+
+def final_norm(params: dict, cfg: ModelConfig, x):
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
 def forward(
     params: dict, cfg: ModelConfig, tokens, kv_cache: list[LayerKV], meta: AttentionMetadata, attend: PagedAttention,
     routed: RoutedExperts,
 ):
     """tokens [T] -> final hidden states [T, H] and the updated KV cache."""
-    x = params["embed"][tokens]
-    cos, sin = rope_cos_sin(meta.positions, cfg.head_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
-    real_tokens = meta.slot_mapping >= 0  # padding tokens (-1) route to no expert
-    new_cache = []
-    for i, p in enumerate(params["layers"]):
-        x, kv = decoder_layer(p, x, cos, sin, kv_cache[i], meta, real_tokens, cfg=cfg, attend=attend, routed=routed)
-        new_cache.append(kv)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
+    x = embed(params, cfg, tokens, meta)
+    x, kv_cache = decoder_layers(params, cfg, x, kv_cache, meta, attend, routed, range(cfg.num_layers))
+    return final_norm(params, cfg, x), kv_cache
 
 
 def compute_logits(params: dict, hidden) -> jax.Array:
@@ -93,10 +114,11 @@ def compute_logits(params: dict, hidden) -> jax.Array:
 
 
 def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype,
-               kv_dtype=None) -> list[LayerKV]:
-    """Zeroed paged K/V for every layer."""
+               kv_dtype=None, layer_ids: range | None = None) -> list[LayerKV]:
+    """Zeroed paged K/V for layers `layer_ids` (default: every layer)."""
     del num_state_slots  # no per-sequence state beyond the pages
-    return [zeroed_layer_kv(cfg, mesh, num_blocks, block_size, kv_dtype or dtype) for _ in range(cfg.num_layers)]
+    layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
+    return [zeroed_layer_kv(cfg, mesh, num_blocks, block_size, kv_dtype or dtype) for _ in layer_ids]
 
 
 mtp_forward = None  # these checkpoints have no multi-token-prediction head

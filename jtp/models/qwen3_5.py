@@ -353,33 +353,56 @@ def deltanet_row_length(meta: AttentionMetadata, num_tokens: int) -> tuple[int, 
     return -(-bound // chunk) * chunk, chunk
 
 
-def forward(
-    params: dict, cfg: ModelConfig, tokens, cache: list, meta: AttentionMetadata, attend: PagedAttention,
-    routed: RoutedExperts,
-):
-    """tokens [T] -> final hidden states [T, H] and the updated cache (K/V pages and slot states)."""
-    T = tokens.shape[0]
+def embed(params: dict, cfg: ModelConfig, tokens, meta: AttentionMetadata):
+    """tokens [T] -> the first layer's input [T, H]: image tokens take their rows of the encoder's pool."""
+    del cfg
     x = params["embed"][tokens]
-    if meta.rope_positions is None:
-        cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
-    else:  # a model that takes images: its image tokens' embeddings from the encoder's pool, M-RoPE
+    if meta.image_rows is not None:
         image = meta.image_rows >= 0
         x = jnp.where(image[:, None], params["image_pool"][jnp.where(image, meta.image_rows, 0)].astype(x.dtype), x)
+    return x
+
+
+def decoder_layers(
+    params: dict, cfg: ModelConfig, x, cache: list, meta: AttentionMetadata, attend: PagedAttention,
+    routed: RoutedExperts, layer_ids: range,
+):
+    """Layers `layer_ids` (all of them, or a pipeline stage's) over x [T, H]; `cache` holds their K/V
+    pages or slot states in that order. Returns x and the updated cache."""
+    T = x.shape[0]
+    if meta.rope_positions is None:
+        cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
+    else:  # M-RoPE: text and image tokens' three position rows
         cos, sin = mrope_cos_sin(meta.rope_positions, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, x.dtype)
     length, chunk = deltanet_row_length(meta, T)
     real_tokens = meta.slot_mapping >= 0  # padding tokens (-1) route to no expert
     rows = None
     new_cache = []
-    for i, p in enumerate(params["layers"]):
+    for i, layer_cache in zip(layer_ids, cache, strict=True):
+        p = params["layers"][i]
         if cfg.is_linear_layer(i):
             if rows is None:
-                rows = row_layout(meta, T, length, cache[i].recurrent.shape[0])
-            x, layer_cache = deltanet_layer(p, x, cache[i], rows, real_tokens, cfg=cfg, chunk=chunk, routed=routed)
+                rows = row_layout(meta, T, length, layer_cache.recurrent.shape[0])
+            x, layer_cache = deltanet_layer(p, x, layer_cache, rows, real_tokens, cfg=cfg, chunk=chunk, routed=routed)
         else:
-            x, layer_cache = attention_layer(p, x, cos, sin, cache[i], meta, real_tokens, cfg=cfg, attend=attend,
+            x, layer_cache = attention_layer(p, x, cos, sin, layer_cache, meta, real_tokens, cfg=cfg, attend=attend,
                                              routed=routed)
         new_cache.append(layer_cache)
-    return rms_norm_zero_centered(x, params["final_norm"], cfg.rms_norm_eps), new_cache
+    return x, new_cache
+
+
+def final_norm(params: dict, cfg: ModelConfig, x):
+    return rms_norm_zero_centered(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+def forward(
+    params: dict, cfg: ModelConfig, tokens, cache: list, meta: AttentionMetadata, attend: PagedAttention,
+    routed: RoutedExperts,
+):
+    """tokens [T] -> final hidden states [T, H] and the updated cache (K/V pages and slot states)."""
+    x = embed(params, cfg, tokens, meta)
+    x, cache = decoder_layers(params, cfg, x, cache, meta, attend, routed, range(cfg.num_layers))
+    return final_norm(params, cfg, x), cache
 
 
 # Each layer is a jitted call, so a step traces and lowers one layer of each kind rather than all
@@ -431,8 +454,9 @@ uses_row_len_bound = True  # the DeltaNet layers chunk each row by it
 
 
 def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype,
-               kv_dtype=None) -> list:
-    """Paged K/V for full-attention layers; zeroed slot states for DeltaNet layers."""
+               kv_dtype=None, layer_ids: range | None = None) -> list:
+    """Paged K/V for full-attention layers; zeroed slot states for DeltaNet layers (of `layer_ids`,
+    default every layer)."""
     K = cfg.linear_conv_kernel_dim
     shapes = DeltaNetState(
         conv_q=(num_state_slots, cfg.linear_key_dim, K - 1),
@@ -442,7 +466,7 @@ def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_sta
     )
     dtypes = DeltaNetState(dtype, dtype, dtype, jnp.float32)  # the recurrence is fp32
     cache = []
-    for i in range(cfg.num_layers):
+    for i in range(cfg.num_layers) if layer_ids is None else layer_ids:
         if cfg.is_linear_layer(i):
             cache.append(DeltaNetState(*(
                 sharded_zeros(mesh, f"layer {i} {name} state", shape, axes, dt)

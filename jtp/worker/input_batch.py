@@ -17,7 +17,7 @@ import numpy as np
 
 from jtp.core.packed_step import PackedStep, StepLayout, compiled_flags
 from jtp.core.sampling_params import MAX_LOGIT_BIAS, penalty_len
-from jtp.core.scheduler import Buckets
+from jtp.core.buckets import Buckets
 from jtp.core.scheduler_output import SchedulerOutput
 from jtp.core.step_input import GREEDY_EPS, PROMPT_CHUNK, STOP_IDS_WIDTH, SamplingFlags, scored_prompt_positions
 

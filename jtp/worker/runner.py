@@ -44,10 +44,10 @@ def unpack(layout: StepLayout, ints, floats):
     Returns (tokens, attention metadata, logits indices, seq_slots, sampling, penalty inputs or
     None, token mask or None, stop ids, num_steps)."""
     f = layout.views(ints, floats)
-    return (*_plan_arrays(layout, f), *_sampling_arrays(layout.penalty_len, f))
+    return (*plan_arrays(layout, f), *_sampling_arrays(layout.penalty_len, f))
 
 
-def _plan_arrays(layout: StepLayout, f: dict):
+def plan_arrays(layout: StepLayout, f: dict):
     """(tokens, attention metadata, logits indices, seq_slots) from the step's fields."""
     verify = layout.verify_positions > 0  # a row's first sampled position is its last known token
     logits_indices = f["logits_indices"]
@@ -102,6 +102,7 @@ def is_ready(result) -> bool:
 class ModelRunner:
     compiles_ahead = True  # warm-up may compile its steps on a thread pool (`lower` / `install`)
     samples_late = True  # `dispatch(step, late=True)`: the sampling program may wait for the host (token masks)
+    pipeline_depth = 1  # steps of disjoint requests the engine keeps in flight (a pipeline's: one per stage)
 
     def __init__(self, config: EngineConfig, devices=None):
         """Load `config`'s model onto `devices` (default: the first tensor_parallel_size of this process).
@@ -117,10 +118,7 @@ class ModelRunner:
         self.kv_dtype = jnp.float8_e4m3fn if config.kv_cache_dtype.startswith("fp8") else self.dtype
         # mtp_drafts > 0: load the checkpoint's MTP head; every step then also drafts that many tokens per row.
         self.mtp_drafts = mtp_drafts = config.mtp_drafts
-        self.params = load_params(
-            config.model, self.cfg, self.mesh, self.dtype, config.enable_expert_parallel, mtp_drafts > 0,
-            config.load_format, config.quantization,
-        )
+        self.params = self._load_params()
         self.load_format = config.load_format  # "dummy": no files to fingerprint (snapshots, launcher)
         # A checkpoint with a vision tower: its encoder and the pool of image-token embeddings the steps read.
         self.images, self.cfg = image_pool_for(config, self.cfg, self.mesh, self.dtype)
@@ -177,6 +175,12 @@ class ModelRunner:
         # The last token sampled for each state slot, kept on device: a plan can name it (token id -1)
         # before the host has seen it, so step N+1 is dispatched while step N still runs.
         self.sampled = jax.device_put(np.zeros(config.max_num_seqs, np.int32), replicated(self.mesh))
+
+    def _load_params(self) -> dict:
+        """The weights on `self.mesh` (a pipeline's runner loads each stage's on its own)."""
+        config = self.config
+        return load_params(config.model, self.cfg, self.mesh, self.dtype, config.enable_expert_parallel,
+                           self.mtp_drafts > 0, config.load_format, config.quantization)
 
     @classmethod
     def from_args(cls, args: EngineArgs, devices=None) -> "ModelRunner":
@@ -294,7 +298,7 @@ class ModelRunner:
         if compiled is not None:
             return compiled(*args)
         start, before = time.perf_counter(), self.compilations
-        with _count_traces(self):
+        with count_traces(self):
             out = fn(*args) if layout is None else fn(*args, layout=layout)
         if self.compilations != before:  # this call compiled (the step itself runs asynchronously)
             self.compile_seconds += time.perf_counter() - start
@@ -349,7 +353,7 @@ class ModelRunner:
             if key in skip or (key in self._executables and not again):
                 continue
             start = time.perf_counter()
-            with _count_traces(self):
+            with count_traces(self):
                 out.append((key, fn.lower(*args) if static is None else fn.lower(*args, layout=static)))
             self.compile_seconds += time.perf_counter() - start
         return out
@@ -412,8 +416,8 @@ def _forward_logits(family, cfg, attention, experts, logits_sharding, params, ca
     rows' sample positions (N = B, or (1 + k) x B position-major in a verify step), split over the
     vocabulary like the LM head, and the hidden states written to the front of `hidden_out`. One
     program per step shape, whatever the rows' sampling asks."""
-    _TRACES.count += 1
-    tokens, meta, logits_indices, seq_slots = _plan_arrays(layout, layout.views(ints))
+    note_trace()
+    tokens, meta, logits_indices, seq_slots = plan_arrays(layout, layout.views(ints))
     hidden, cache, _ = _forward(family, cfg, attention, experts, params, cache, sampled, tokens, meta, seq_slots)
     logits = family.compute_logits(params, hidden[logits_indices.reshape(-1)])
     hidden_out = jax.lax.dynamic_update_slice(hidden_out, hidden.astype(hidden_out.dtype), (0, 0))
@@ -424,7 +428,7 @@ def _score_prompt(family, params, hidden, targets) -> PromptScores:
     """The prompt-logprobs program: at each of PROMPT_CHUNK flat token indices (targets[0]), the
     raw log-distribution's value at the prompt token it predicts (targets[1]), that token's rank
     (1: the most likely) and the MAX_LOGPROBS most likely tokens."""
-    _TRACES.count += 1
+    note_trace()
     log_probs = jax.nn.log_softmax(family.compute_logits(params, hidden[targets[0]]), axis=-1)
     chosen = jnp.take_along_axis(log_probs, targets[1][:, None], axis=-1)[:, 0]
     rank = 1 + jnp.sum(log_probs > chosen[:, None], axis=-1, dtype=jnp.int32)
@@ -435,7 +439,7 @@ def _score_prompt(family, params, hidden, targets) -> PromptScores:
 def _sample_rows(logits, sampled, tail, floats, layout: SamplingLayout):
     """The sampling program of a step: each row's token (and logprobs) from the forward program's
     logits, recorded in the sampled-token buffer. One program per rows bucket and sampling variant."""
-    _TRACES.count += 1
+    note_trace()
     f = layout.views(tail, floats)
     sampling, penalty_inputs, token_mask, _, _ = _sampling_arrays(layout.penalty_len, f)
     positions = _sample_positions(logits, sampling, penalty_inputs, layout.flags, max(1, layout.verify_positions),
@@ -446,7 +450,7 @@ def _sample_rows(logits, sampled, tail, floats, layout: SamplingLayout):
 def _step(family, cfg, attention, experts, mtp_drafts, params, cache, sampled, ints, floats, layout):
     """A step as one program, forward and sampling together (with the MTP head, which drafts from
     both). Results get a leading axis of one step (the decode loop's results have several)."""
-    _TRACES.count += 1
+    note_trace()
     tokens, meta, logits_indices, seq_slots, sampling, penalty_inputs, token_mask, _, _ = unpack(layout, ints, floats)
     result, cache, sampled = _forward_and_sample(
         family, cfg, attention, experts, mtp_drafts, params, cache, sampled, tokens, meta, logits_indices, seq_slots,
@@ -469,7 +473,7 @@ def _decode_steps(
     token mask holds for every step (the scheduler runs a masked row several steps only while its
     mask stays the same: short of min_tokens, its stop tokens cleared).
     """
-    _TRACES.count += 1
+    note_trace()
     (tokens, meta, logits_indices, seq_slots, sampling, penalty_inputs, token_mask, stop_ids,
      num_steps) = unpack(layout, ints, floats)
     flags = layout.flags
@@ -587,8 +591,13 @@ class _TraceCounter(threading.local):
 _TRACES = _TraceCounter()
 
 
+def note_trace() -> None:
+    """Called by every step program as it is traced: the runner counts its compilations."""
+    _TRACES.count += 1
+
+
 @contextlib.contextmanager
-def _count_traces(runner: ModelRunner):
+def count_traces(runner: ModelRunner):
     before = _TRACES.count
     try:
         yield

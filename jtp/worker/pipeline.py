@@ -1,0 +1,339 @@
+"""Pipeline parallelism: the model's layers in P contiguous stages, each on its own tensor-parallel
+mesh over a disjoint slice of the devices (stage s: devices [s*tp, (s+1)*tp)), behind the
+ModelRunner interface.
+
+A step's forward program becomes one program per stage: stage 0 embeds the tokens and runs its
+layers; each later stage runs its layers on the hidden states the one before handed over
+(`jax.device_put` onto the next stage's mesh: a device-to-device copy, never through the host);
+the last applies the final norm and the LM head, and sampling runs on its mesh. Each stage holds
+only its layers' weights and K/V pages (or recurrent states).
+
+The host never waits between stages: JAX dispatches asynchronously and each stage's devices run
+their own queue, so while stage 1 runs step N, stage 0 already runs step N+1 -- provided step N+1
+does not need step N's tokens. The engine keeps `pipeline_depth` steps of disjoint requests in
+flight (micro-batch groups: Scheduler's `pipeline_depth`) so every stage has work.
+
+`StageClock` watches each stage's outputs become ready and keeps per-stage counts for /stats:
+steps, time busy, and the bubble (the share of the pipeline's active time a stage sat idle).
+
+Not yet: stages in several processes (the launcher's groups), snapshots of a pipeline's KV (its
+pages live on several meshes), images (the vision tower needs stage 0's mesh; the text model serves).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import queue
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jtp.config.engine_config import EngineConfig
+from jtp.core.packed_step import PackedStep, StepLayout
+from jtp.core.step_input import PROMPT_CHUNK, StepInput
+from jtp.errors import ConfigError, RequestError
+from jtp.loading.weights import load_params
+from jtp.models.attention import choose_attention
+from jtp.models.layers import use_fp8_kernel
+from jtp.models.moe import choose_experts
+from jtp.parallel.sharding import make_mesh, replicated
+from jtp.worker.runner import ModelRunner, count_traces, fp8_kernel_wanted, host_buffers, note_trace, plan_arrays
+
+
+def stage_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Each stage's contiguous layers, as even as they split (earlier stages one fewer when they do not)."""
+    if num_layers < num_stages:
+        raise ConfigError(f"--pipeline-parallel-size {num_stages}: the model has only {num_layers} layers")
+    bounds = [s * num_layers // num_stages for s in range(num_stages + 1)]
+    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def stage_keeps(layer_ids: range, first: bool, last: bool, tied: bool, path: str) -> bool:
+    """Whether a stage loads parameter `path`: its layers, the embedding (first stage; the last too
+    when the LM head is the embedding), the final norm and LM head (last stage)."""
+    if path.startswith("layers."):
+        return int(path.split(".", 2)[1]) in layer_ids
+    if path == "embed":
+        return first or (last and tied)
+    return last
+
+
+@dataclasses.dataclass
+class Stage:
+    index: int
+    layer_ids: range
+    mesh: Mesh
+    params: dict
+    program: object = None  # the jitted stage forward
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+
+def _layers(family, cfg, attention, experts, stage: Stage, params, cache, x, ints, layout: StepLayout):
+    """x through the stage's layers; stage 0 takes the sampled-token buffer as x and embeds the step's
+    tokens (token -1: the one last sampled for the row's slot)."""
+    tokens, meta, logits_indices, seq_slots = plan_arrays(layout, layout.views(ints))
+    if stage.first:
+        tokens = jnp.where(tokens >= 0, tokens, x[jnp.maximum(seq_slots[meta.token_rows], 0)])
+        x = family.embed(params, cfg, tokens, meta)
+    x, cache = family.decoder_layers(params, cfg, x, cache, meta, attention, experts, stage.layer_ids)
+    return x, cache, logits_indices
+
+
+def stage_forward(family, cfg, attention, experts, stage: Stage, params, cache, x, ints, layout: StepLayout):
+    """A stage before the last: (its output hidden states [T, H], its updated cache)."""
+    note_trace()
+    x, cache, _ = _layers(family, cfg, attention, experts, stage, params, cache, x, ints, layout)
+    return x, cache
+
+
+def last_stage_forward(family, cfg, attention, experts, logits_sharding, stage: Stage, params, cache, x, hidden_out,
+                       ints, layout: StepLayout):
+    """The last stage: its layers, the final norm, f32 logits at the rows' sample positions and the
+    hidden states written to `hidden_out` (what the forward program of one mesh returns)."""
+    note_trace()
+    x, cache, logits_indices = _layers(family, cfg, attention, experts, stage, params, cache, x, ints, layout)
+    hidden = family.final_norm(params, cfg, x)
+    logits = family.compute_logits(params, hidden[logits_indices.reshape(-1)])
+    hidden_out = jax.lax.dynamic_update_slice(hidden_out, hidden.astype(hidden_out.dtype), (0, 0))
+    return jax.lax.with_sharding_constraint(logits, logits_sharding), cache, hidden_out
+
+
+class PipelineRunner(ModelRunner):
+    def __init__(self, config: EngineConfig, devices=None):
+        pp, tp = config.pipeline_parallel_size, config.tensor_parallel_size
+        devices = list(jax.devices() if devices is None else devices)
+        if pp * tp > len(devices):
+            raise ConfigError(f"--pipeline-parallel-size {pp} x --tensor-parallel-size {tp} needs {pp * tp} devices, "
+                              f"but {len(devices)} ({devices[0].platform}) are visible")
+        self.stage_devices = [devices[s * tp:(s + 1) * tp] for s in range(pp)]
+        # The base runner's mesh is the last stage's: sampling, logits and prompt scores live there.
+        super().__init__(config, self.stage_devices[-1])
+        for stage in self.stages:
+            last = stage is self.stages[-1]
+            attention, experts = choose_attention(stage.mesh), choose_experts(stage.mesh, config.enable_expert_parallel)
+            if last:
+                fn = functools.partial(last_stage_forward, self.family, self.cfg, attention, experts,
+                                       self._logits_sharding, stage)
+                stage.program = jax.jit(fn, donate_argnums=(1, 3), static_argnames=("layout",))
+            else:
+                fn = functools.partial(stage_forward, self.family, self.cfg, attention, experts, stage)
+                stage.program = jax.jit(fn, donate_argnums=(1,), static_argnames=("layout",))
+        first = self.stages[0]
+        # Stage 0's copy of the sampled-token buffer: the real one only for a step that names a -1 token
+        # (taking it makes stage 0 wait for the step before's sampling).
+        self._no_sampled = jax.device_put(np.zeros(config.max_num_seqs, np.int32), replicated(first.mesh))
+        self.clock = StageClock(len(self.stages))
+
+    def _load_params(self) -> dict:
+        """Each stage's weights on its own mesh; returns the last stage's (the LM head's)."""
+        config, cfg = self.config, self.cfg
+        layers = stage_layers(cfg.num_layers, len(self.stage_devices))
+        self.stages = []
+        for s, (devices, layer_ids) in enumerate(zip(self.stage_devices, layers)):
+            last = s == len(layers) - 1
+            mesh = self.mesh if last else make_mesh(config.tensor_parallel_size, devices)
+            keep = functools.partial(stage_keeps, layer_ids, s == 0, last, cfg.tie_word_embeddings)
+            params = load_params(config.model, cfg, mesh, self.dtype, config.enable_expert_parallel, False,
+                                 config.load_format, config.quantization, keep)
+            if not last and fp8_kernel_wanted(mesh):  # (the base runner converts the last stage's)
+                params = use_fp8_kernel(params)
+            self.stages.append(Stage(s, layer_ids, mesh, params))
+        return self.stages[-1].params
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Steps of disjoint requests the engine keeps in flight: one per stage."""
+        return len(self.stages)
+
+    # ------------------------------------------------------------------ the cache
+
+    def _init_cache(self, num_blocks: int, num_state_slots: int) -> list:
+        """Every layer's cache in layer order, each on its stage's mesh."""
+        cache = []
+        for stage in self.stages:
+            cache += self.family.init_cache(self.cfg, stage.mesh, num_blocks, self.block_size, num_state_slots,
+                                            self.dtype, self.kv_dtype, stage.layer_ids)
+        return cache
+
+    def _stage_bytes(self, stage: Stage, num_blocks: int, num_state_slots: int) -> int:
+        shapes = jax.eval_shape(lambda: self.family.init_cache(
+            self.cfg, stage.mesh, num_blocks, self.block_size, num_state_slots, self.dtype, self.kv_dtype,
+            stage.layer_ids))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+    def bytes_per_block(self) -> int:
+        """One more block on each device of the stage it costs most (each stage holds its layers' pages)."""
+        return max(self._stage_bytes(s, 2, 1) - self._stage_bytes(s, 1, 1) for s in self.stages) // self.tp
+
+    def bytes_per_state_slot(self) -> int:
+        return max(self._stage_bytes(s, 1, 2) - self._stage_bytes(s, 1, 1) for s in self.stages) // self.tp
+
+    def _stage_cache(self, stage: Stage) -> list:
+        return self.cache[stage.layer_ids.start:stage.layer_ids.stop]
+
+    # ------------------------------------------------------------------ the forward program, stage by stage
+
+    def _forward_program(self, ints, layout: StepLayout):
+        forward = layout.forward
+        return ("pipeline", forward), self._pipeline_forward, (ints[: forward.offsets()[2]],), forward
+
+    def _stage_args(self, stage: Stage, x, ints):
+        if stage is self.stages[-1]:
+            return stage.params, self._stage_cache(stage), x, self.hidden, ints
+        return stage.params, self._stage_cache(stage), x, ints
+
+    def _first_input(self, ints, layout: StepLayout):
+        """Stage 0's x: the sampled-token buffer, copied from the last stage only when a token needs it."""
+        if (layout.views(ints)["token_ids"] < 0).any():
+            return jax.device_put(self.sampled, replicated(self.stages[0].mesh))
+        return self._no_sampled
+
+    def _pipeline_forward(self, ints, layout: StepLayout):
+        """Each stage's program in turn, the hidden states handed from mesh to mesh; returns what the
+        one-mesh forward program returns: (logits, the whole cache, hidden states)."""
+        x, cache = self._first_input(ints, layout), []
+        dispatched = time.perf_counter()
+        for stage in self.stages:
+            args = self._stage_args(stage, x, ints)
+            compiled = self._executables.get(("stage", stage.index, layout))
+            out = compiled(*args) if compiled is not None else stage.program(*args, layout=layout)
+            self.clock.dispatched(stage.index, out[0], dispatched)
+            cache += out[1]
+            if stage is self.stages[-1]:
+                return out[0], cache, out[2]
+            x = jax.device_put(out[0], replicated(self.stages[stage.index + 1].mesh))
+
+    def lower(self, step: PackedStep | StepInput, skip=frozenset(), again: bool = False) -> list:
+        """As ModelRunner.lower: each stage's program, then the sampling (and prompt-scores) programs."""
+        ints, floats, layout, targets = host_buffers(step, self.images is not None)
+        forward = layout.forward
+        ints = ints[: forward.offsets()[2]]
+        out = []
+        x = jax.ShapeDtypeStruct(self._no_sampled.shape, self._no_sampled.dtype, sharding=self._no_sampled.sharding)
+        for stage in self.stages:
+            key = ("stage", stage.index, forward)
+            start = time.perf_counter()
+            with count_traces(self):
+                lowered = stage.program.lower(*self._stage_args(stage, x, ints), layout=forward)
+            self.compile_seconds += time.perf_counter() - start
+            if key not in skip and (again or key not in self._executables):
+                out.append((key, lowered))
+            if stage is not self.stages[-1]:
+                h = lowered.out_info[0]
+                x = jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=replicated(self.stages[stage.index + 1].mesh))
+        positions = layout.num_rows * max(1, layout.verify_positions)
+        logits = jax.ShapeDtypeStruct((positions, self.cfg.vocab_size), jnp.float32, sharding=self._logits_sharding)
+        programs = [self._sampling_program(logits, ints, floats, layout)]
+        if targets is not None:
+            programs.append(self._prompt_program(targets[:, :PROMPT_CHUNK]))
+        for key, fn, args, static in programs:
+            if key in skip or (key in self._executables and not again):
+                continue
+            with count_traces(self):
+                out.append((key, fn.lower(*args) if static is None else fn.lower(*args, layout=static)))
+        return out
+
+    # ------------------------------------------------------------------ what a pipeline does not do yet
+
+    def gather_pages(self, block_ids, slot_ids):
+        raise RequestError("snapshots are not supported with --pipeline-parallel-size > 1 yet "
+                           "(the KV pages live on each stage's devices)")
+
+    read_pages = scatter_pages = write_pages = gather_pages
+
+    def stage_stats(self) -> list[dict]:
+        """Per stage: its layers, devices, steps, busy seconds, mean step time and bubble share."""
+        return [{"stage": s.index, "layers": [s.layer_ids.start, s.layer_ids.stop],
+                 "devices": [str(d) for d in s.mesh.devices.flat], **self.clock.stats(s.index)}
+                for s in self.stages]
+
+    def close(self) -> None:
+        self.clock.close()
+        for stage in self.stages:
+            for leaf in jax.tree.leaves(stage.params):
+                if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                    leaf.delete()
+            stage.params = {}
+        super().close()
+
+
+class StageClock:
+    """Per-stage timing from when each stage's outputs become ready, one watcher thread per stage
+    (a stage's programs finish in the order they were dispatched).
+
+    Stage s's step n starts once its previous step and its input (stage s-1's step n) are done
+    (stage 0's: once dispatched); it is busy from then until its output is ready. The pipeline is
+    active while some step is between stage 0's start and the last stage's end (the union of those
+    spans); a stage's bubble is the share of that time it was not busy."""
+
+    def __init__(self, num_stages: int):
+        self._lock = threading.Lock()
+        self._steps = [0] * num_stages  # steps each stage finished
+        self._last_ready = [0.0] * num_stages
+        self._busy = [0.0] * num_stages
+        self._ready_at: list[dict[int, float]] = [{} for _ in range(num_stages)]  # step n's end, for the next stage
+        self._dispatched_at: dict[int, float] = {}  # step n's dispatch, for stage 0
+        self._dispatched = 0
+        self._started: dict[int, float] = {}  # step n's start on stage 0, for the last stage
+        self._active = 0.0
+        self._active_end = 0.0
+        self._queues = [queue.SimpleQueue() for _ in range(num_stages)]
+        for s in range(num_stages):
+            threading.Thread(target=self._watch, args=(s,), name=f"jtp-stage-{s}", daemon=True).start()
+
+    def dispatched(self, stage: int, output, at: float) -> None:
+        if stage == 0:
+            with self._lock:
+                self._dispatched_at[self._dispatched] = at
+                self._dispatched += 1
+        self._queues[stage].put(output)
+
+    def _watch(self, stage: int) -> None:
+        q = self._queues[stage]
+        while (output := q.get()) is not None:
+            try:
+                output.block_until_ready()
+            except Exception:  # noqa: BLE001 - a failed step is the engine's to report; count it done
+                pass
+            self._done(stage, time.perf_counter())
+
+    def _done(self, stage: int, now: float) -> None:
+        with self._lock:
+            n, last = self._steps[stage], len(self._steps) - 1
+            previous = self._last_ready[stage] if n else 0.0
+            if stage == 0:
+                start = max(previous, self._dispatched_at.pop(n, now))
+            else:  # (its input's end, if that stage's watcher has seen it yet)
+                start = max(previous, self._ready_at[stage - 1].pop(n, previous or now))
+            start = min(start, now)
+            self._steps[stage] += 1
+            self._last_ready[stage] = now
+            self._busy[stage] += now - start
+            if stage < last:
+                self._ready_at[stage][n] = now
+            if stage == 0:
+                self._started[n] = start
+            if stage == last:
+                begin = self._started.pop(n, start)
+                self._active += max(0.0, now - max(begin, self._active_end))
+                self._active_end = max(self._active_end, now)
+
+    def stats(self, stage: int) -> dict:
+        with self._lock:
+            steps, busy = self._steps[stage], self._busy[stage]
+            active = self._active
+        return {"steps": steps, "busy_seconds": round(busy, 6),
+                "mean_step_ms": round(1e3 * busy / steps, 4) if steps else None,
+                "bubble_fraction": round(max(0.0, 1 - busy / active), 4) if active > 0 else None}
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put(None)
