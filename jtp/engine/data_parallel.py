@@ -46,13 +46,15 @@ def build_engine(args: EngineArgs):
 
 def replica_devices(args: EngineArgs) -> list[list]:
     """Each replica's devices; ConfigError in one line when there are too few."""
-    dp, tp = args.data_parallel_size, args.tensor_parallel_size
+    dp, tp = args.data_parallel_size, args.tensor_parallel_size * args.pipeline_parallel_size
     if args.is_multiprocess:
         raise ConfigError(f"--data-parallel-size {dp}: not yet with --num-processes {args.num_processes} "
                           "(replicas live in one process for now)")
     devices = jax.devices()
     if dp * tp > len(devices):
-        raise ConfigError(f"--data-parallel-size {dp} x --tensor-parallel-size {tp} needs {dp * tp} devices, "
+        size = f"--tensor-parallel-size {args.tensor_parallel_size}" + (
+            f" x --pipeline-parallel-size {args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else "")
+        raise ConfigError(f"--data-parallel-size {dp} x {size} needs {dp * tp} devices, "
                           f"but {len(devices)} ({devices[0].platform}) are visible")
     return [devices[r * tp:(r + 1) * tp] for r in range(dp)]
 

@@ -266,8 +266,7 @@ class Engine(EngineSnapshots):
 
     @property
     def inflight_rows(self) -> list[ScheduledRow]:
-        """The rows of the steps dispatched and not yet processed (none between lockstep steps)."""
-        return [row for rows, _ in list(self._inflight) for row in rows]
+        return [row for rows, _ in list(self._inflight) for row in rows]  # dispatched, not yet processed
 
     def step(self) -> list[TokenEvent]:
         """Dispatch the next step, then process the previous one's tokens while it runs.
@@ -423,7 +422,7 @@ class Engine(EngineSnapshots):
         self.outputs.finish(out, reason, event)
 
     def _finish_inflight_step(self) -> None:
-        """Process the in-flight step, if any, so nothing is pending on the device (step lock held)."""
+        """Process the steps in flight, so nothing is pending on the device (step lock held)."""
         while self._inflight:
             self._process(*self._inflight.popleft())
 

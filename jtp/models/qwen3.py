@@ -109,7 +109,7 @@ def forward(
 
 def compute_logits(params: dict, hidden) -> jax.Array:
     """hidden [N, H] -> float32 logits [N, V] (tied embeddings reuse the embedding table)."""
-    head = params.get("lm_head", params["embed"])
+    head = params["lm_head"] if "lm_head" in params else params["embed"]
     return linear(hidden, head).astype(jnp.float32)
 
 

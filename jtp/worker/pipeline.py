@@ -42,7 +42,8 @@ from jtp.models.attention import choose_attention
 from jtp.models.layers import use_fp8_kernel
 from jtp.models.moe import choose_experts
 from jtp.parallel.sharding import make_mesh, replicated
-from jtp.worker.runner import ModelRunner, count_traces, fp8_kernel_wanted, host_buffers, note_trace, plan_arrays
+from jtp.worker.runner import ModelRunner, fp8_kernel_wanted, host_buffers, plan_arrays
+from jtp.worker.trace_count import count_traces, note_trace
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:

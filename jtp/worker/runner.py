@@ -9,10 +9,8 @@ executes. Followers in a multi-process deployment run the very same calls on the
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -36,6 +34,7 @@ from jtp.parallel.sharding import make_mesh, replicated, tp_size
 from jtp.worker import kv_cache
 from jtp.worker.image_pool import image_pool_for
 from jtp.worker.sampler import PromptScores, SampleResult, sample
+from jtp.worker.trace_count import count_traces, note_trace
 
 
 def unpack(layout: StepLayout, ints, floats):
@@ -582,24 +581,3 @@ def _forward_and_sample(
                                  if verify else drafts)
         model_cache = [*model_cache, mtp_kv]
     return result, model_cache, _record(sampled, seq_slots, per_position[0].tokens)
-
-
-class _TraceCounter(threading.local):
-    count = 0
-
-
-_TRACES = _TraceCounter()
-
-
-def note_trace() -> None:
-    """Called by every step program as it is traced: the runner counts its compilations."""
-    _TRACES.count += 1
-
-
-@contextlib.contextmanager
-def count_traces(runner: ModelRunner):
-    before = _TRACES.count
-    try:
-        yield
-    finally:
-        runner.compilations += _TRACES.count - before

@@ -7,6 +7,7 @@
     POST /tokenize, /detokenize                   vLLM's token-id helpers (behind the key, like /v1)
     GET  /version                                 jtp's version
     GET  /health  (alive)  /ready  (warmed up)  /metrics  (Prometheus)   never need a key
+    GET  /stats                                   counts as JSON: the engine's, each replica's and pipeline stage's
 
 No request can take the server down: whatever a handler raises becomes an error response. While
 `jtp serve` drains (SIGTERM, `app.state.draining` set) it keeps accepting connections so that new
@@ -35,7 +36,7 @@ from jtp.entrypoints.server.connections import ConcurrencyLimit
 from jtp.entrypoints.server.errors import RETRY_AFTER_SECONDS, APIError
 from jtp.entrypoints.server.intake import Intake
 from jtp.entrypoints.server.limits import ServerLimits
-from jtp.entrypoints.server.metrics import ServerMetrics
+from jtp.entrypoints.server.metrics import ServerMetrics, stats_report
 from jtp.entrypoints.server.serving import OpenAIServing
 from jtp.entrypoints.server.sse import KEEPALIVE_INTERVAL
 from jtp import __version__
@@ -124,6 +125,9 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
     async def prometheus(request: Request) -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    async def stats(request: Request) -> Response:
+        return JSONResponse(stats_report(engine))
+
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return APIError(exc.detail, exc.status_code, headers=exc.headers).response()
 
@@ -140,6 +144,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, reasoning_par
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        Route("/stats", stats, methods=["GET"]),
     ]
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -11,12 +11,17 @@ hit-rate gauge): queries are the prompt tokens of admitted requests, hits those 
 came from the cache (a request's `usage.prompt_tokens_details.cached_tokens`). Both stay 0 with
 prefix caching off.
 
+Pipeline stages (`jtp:pipeline_stage_*`, labelled `stage`) and GET /stats (`stats_report`, JSON):
+each stage's steps, busy seconds and bubble share.
+
 Compilation (`jtp:compilations`, `jtp:compilation_seconds`): the runner's count of step programs
 traced and the time they took; after the warm-up it should not move, and when it does, that step
 stalled every request in it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -98,6 +103,51 @@ def _values(stats) -> dict:
     }
 
 
+def stage_stats(engine) -> list[dict]:
+    """Each pipeline stage's counts (jtp/worker/pipeline.py), of every replica: [] without a pipeline."""
+    replicas = getattr(engine, "replicas", [engine])
+    return [{"replica": r, **stage} for r, replica in enumerate(replicas)
+            for stage in getattr(replica.runner, "stage_stats", list)()]
+
+
+def stats_report(engine) -> dict:
+    """GET /stats: the engine's counts (summed over replicas), each replica's, each pipeline stage's."""
+    report = {"engine": dataclasses.asdict(engine.stats())}
+    per_replica = getattr(engine, "replica_stats", None)
+    if per_replica is not None:
+        report["replicas"] = [{"replica": r, **dataclasses.asdict(s)} for r, s in enumerate(per_replica())]
+    stages = stage_stats(engine)
+    if stages:
+        report["stages"] = stages
+    return report
+
+
+class _StageStats(Collector):
+    """Pipeline stages' steps, busy seconds and bubble share, labelled `replica` and `stage`."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stages = stage_stats(self.engine)
+        if not stages:
+            return
+        labels = ["model_name", "replica", "stage"]
+        for kind, name, key, doc in (
+            (CounterMetricFamily, "jtp:pipeline_stage_steps", "steps", "Steps a pipeline stage finished."),
+            (CounterMetricFamily, "jtp:pipeline_stage_busy_seconds", "busy_seconds", "Seconds a stage was busy."),
+            (GaugeMetricFamily, "jtp:pipeline_stage_bubble_fraction", "bubble_fraction",
+             "Share of the pipeline's active time a stage sat idle."),
+        ):
+            family = kind(name, doc, labels=labels)
+            for stage in stages:
+                family.add_metric([self.model_name, str(stage["replica"]), str(stage["stage"])], stage[key] or 0.0)
+            yield family
+
+
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -124,6 +174,7 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._model_name = model_name
         self.registry.register(_EngineStats(engine, model_name))
+        self.registry.register(_StageStats(engine, model_name))
 
     def first_token(self, prompt_tokens: int, seconds: float) -> None:
         self.prompt_tokens.inc(prompt_tokens)

@@ -1,0 +1,166 @@
+"""Issue 30, second part: --pipeline-parallel-size P, the layers in P stages on disjoint devices
+(jtp/worker/pipeline.py), and the engine's steps of disjoint requests, one per stage in flight.
+
+- A staggered greedy batch gives the tokens of one engine at tp=1 with PP=2, PP=2 x TP=2 and
+  DP=2 x PP=2, on the demo checkpoint, a tiny Qwen3 MoE and a tiny hybrid (DeltaNet and attention
+  layers in different stages).
+- The steps in flight hold disjoint requests, each about half of them, and two are in flight at
+  once; each stage holds only its own layers' weights and cache.
+- Served: an openai-client chat, streamed and not, equals the engine's own greedy tokens; /stats
+  and /metrics count each stage's steps (as many as the engine dispatched).
+- Bad settings are one-line errors; a snapshot save is refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from loopback import serving
+from prometheus_client.parser import text_string_to_metric_families
+from staggered import ENGINE_ARGS, run_staggered
+
+from jtp.config.engine_args import EngineArgs
+from jtp.core.sampling_params import SamplingParams
+from jtp.engine.data_parallel import build_engine
+from jtp.engine.engine import Engine
+from jtp.errors import ConfigError, RequestError
+from jtp.worker.pipeline import PipelineRunner, stage_layers
+
+
+def staggered_tokens(args: EngineArgs) -> list[list[int]]:
+    with build_engine(args) as engine:
+        return run_staggered(engine, engine.cfg.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    pytest.importorskip("torch")
+    from hf_models import make_hf_checkpoint
+
+    return str(make_hf_checkpoint("qwen3_moe", tmp_path_factory.mktemp("pp-moe"))[1])
+
+
+@pytest.mark.parametrize("model", ["demo", "moe", "hybrid"])
+def test_stages_give_the_tokens_of_one_engine(model, demo_dir, request):
+    path = {"demo": lambda: str(demo_dir), "moe": lambda: request.getfixturevalue("moe_dir"),
+            "hybrid": lambda: str(request.getfixturevalue("hybrid_hk4")[1])}[model]()
+    base = dict(ENGINE_ARGS, model=path, skip_tokenizer_init=True, dtype="float32")
+    expected = staggered_tokens(EngineArgs(**base))
+    splits = [dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=2, tensor_parallel_size=2)]
+    if model == "demo":
+        splits.append(dict(pipeline_parallel_size=2, data_parallel_size=2))
+    for split in splits:
+        assert staggered_tokens(EngineArgs(**base, **split)) == expected, split
+
+
+def test_stage_layers_split_evenly_and_refuse_more_stages_than_layers():
+    assert stage_layers(28, 4) == [range(0, 7), range(7, 14), range(14, 21), range(21, 28)]
+    assert [len(r) for r in stage_layers(5, 2)] == [2, 3]
+    with pytest.raises(ConfigError, match="only 2 layers"):
+        stage_layers(2, 3)
+
+
+PIPE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_blocks=64, max_model_len=128,
+                 warmup=False, skip_tokenizer_init=True, pipeline_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def pipe_engine(demo_dir):
+    with Engine.from_args(EngineArgs(model=str(demo_dir), **PIPE_ARGS)) as engine:
+        yield engine
+
+
+def test_steps_in_flight_hold_disjoint_requests_one_per_stage(pipe_engine, demo_dir):
+    engine = pipe_engine
+    runner = engine.runner
+    assert isinstance(runner, PipelineRunner) and runner.pipeline_depth == 2
+    # Each stage holds its own layers' weights and cache entries, on its own devices.
+    (first, last) = runner.stages
+    assert [bool(layer) for layer in first.params["layers"]] == [i in first.layer_ids for i in range(engine.cfg.num_layers)]
+    assert "embed" in first.params and "final_norm" not in first.params and "final_norm" in last.params
+    assert not {d.id for d in first.mesh.devices.flat} & {d.id for d in last.mesh.devices.flat}
+    for stage in runner.stages:
+        for entry in runner.cache[stage.layer_ids.start:stage.layer_ids.stop]:
+            assert entry.k.sharding.mesh.devices.flat[0] == stage.mesh.devices.flat[0]
+
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + i, 9, 27, 81 % 97, i] for i in range(6)]
+    rids = [engine.submit(p, greedy) for p in prompts]
+    steps_before = runner.clock.stats(0)["steps"]
+    most_in_flight, dispatched = 0, 0
+    while engine.has_unfinished():
+        engine.step()
+        in_flight = [[row.request.id for row in rows] for rows, _ in engine._inflight]
+        flat = [rid for rows in in_flight for rid in rows]
+        assert len(flat) == len(set(flat)), f"a request in two steps in flight: {in_flight}"
+        assert all(len(rows) <= 3 for rows in in_flight), in_flight  # half of the six requests
+        most_in_flight = max(most_in_flight, len(in_flight))
+    results = [engine.result(rid).token_ids for rid in rids]
+    assert most_in_flight == 2
+
+    # The same prompts one at a time (nothing to pipeline) give the same tokens.
+    for prompt, tokens in zip(prompts, results):
+        assert engine.generate([prompt], greedy)[0].token_ids == tokens
+    # Both stages ran every step the engine dispatched.
+    stats = runner.stage_stats()
+    for _ in range(200):  # the watcher threads see the last outputs become ready
+        if stats[0]["steps"] == stats[1]["steps"]:
+            break
+        stats = runner.stage_stats()
+    assert stats[0]["steps"] == stats[1]["steps"] > steps_before
+
+
+def test_a_snapshot_save_is_refused_with_a_clear_error(pipe_engine, tmp_path):
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    rid = pipe_engine.submit(list(range(1, 20)), greedy)
+    pipe_engine.result(rid)
+    pipe_engine.snapshot(tokens=list(range(1, 20)))
+    with pytest.raises(RequestError, match="pipeline-parallel-size"):
+        pipe_engine.save_snapshots(str(tmp_path / "snaps"))
+
+
+def test_bad_settings_are_one_line_errors(demo_dir):
+    with pytest.raises(ConfigError, match=r"--pipeline-parallel-size 4 x --tensor-parallel-size 4 needs 16 devices"):
+        Engine.from_args(EngineArgs(model=str(demo_dir), pipeline_parallel_size=4, tensor_parallel_size=4))
+    with pytest.raises(ConfigError, match="only 2 layers"):
+        Engine.from_args(EngineArgs(model=str(demo_dir), pipeline_parallel_size=3, num_blocks=16))
+    for bad, why in ((dict(num_processes=2), "--num-processes"), (dict(num_scheduler_steps=4), "--num-scheduler-steps"),
+                     (dict(pipeline_parallel_size=0), "at least 1")):
+        with pytest.raises(ConfigError, match=why):
+            EngineArgs(model=str(demo_dir), **{"pipeline_parallel_size": 2, **bad}).validate()
+
+
+def test_served_chat_stream_and_stage_stats(demo_dir):
+    from jtp.entrypoints.server import build_app
+
+    args = EngineArgs(model=str(demo_dir), pipeline_parallel_size=2, max_num_seqs=4, max_num_batched_tokens=32,
+                      max_model_len=128, block_size=8, num_blocks=64, warmup=False)
+    engine = build_engine(args)
+    engine.start()
+    engine.ready.set()  # no warm-up: the test compiles only what it uses
+    try:
+        with serving(build_app(engine, args.model_name())) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+            chat = [{"role": "user", "content": "Hello! How are you today?"}]
+            whole = client.chat.completions.create(model=args.model_name(), messages=chat, max_tokens=8,
+                                                   temperature=0, logprobs=True)
+            parts = client.chat.completions.create(model=args.model_name(), messages=chat, max_tokens=8,
+                                                   temperature=0, stream=True)
+            streamed = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+            assert whole.choices[0].message.content and streamed == whole.choices[0].message.content
+            # The engine's own greedy tokens for the same prompt.
+            prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True))
+            own = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
+            assert engine.tokenizer.decode(own.token_ids) == whole.choices[0].message.content
+            stats = httpx.get(f"{url}/stats").json()
+            text = httpx.get(f"{url}/metrics").text
+    finally:
+        engine.close()
+    stages = stats["stages"]
+    assert [s["stage"] for s in stages] == [0, 1] and [s["layers"] for s in stages] == [[0, 1], [1, 2]]
+    assert all(s["steps"] > 0 and s["mean_step_ms"] > 0 for s in stages)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    steps = {s.labels["stage"]: s.value for s in families["jtp:pipeline_stage_steps"].samples
+             if s.name.endswith("_total")}
+    assert set(steps) == {"0", "1"} and all(v > 0 for v in steps.values())
