@@ -125,7 +125,7 @@ def test_bad_settings_are_one_line_errors(demo_dir):
         Engine.from_args(EngineArgs(model=str(demo_dir), pipeline_parallel_size=4, tensor_parallel_size=4))
     with pytest.raises(ConfigError, match="only 2 layers"):
         Engine.from_args(EngineArgs(model=str(demo_dir), pipeline_parallel_size=3, num_blocks=16))
-    for bad, why in ((dict(num_processes=2), "--num-processes"), (dict(num_scheduler_steps=4), "--num-scheduler-steps"),
+    for bad, why in ((dict(num_processes=3), "must divide --tensor-parallel-size x --pipeline-parallel-size"), (dict(num_scheduler_steps=4), "--num-scheduler-steps"),
                      (dict(pipeline_parallel_size=0), "at least 1")):
         with pytest.raises(ConfigError, match=why):
             EngineArgs(model=str(demo_dir), **{"pipeline_parallel_size": 2, **bad}).validate()

@@ -80,6 +80,15 @@ class EngineArgs:
     def is_multiprocess(self) -> bool:
         return self.num_processes > 1
 
+    @property
+    def group_devices(self) -> int:
+        """Devices one engine's worker group spans: a tensor-parallel group per pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def devices_per_process(self) -> int:
+        return self.group_devices // self.num_processes
+
     def validate(self) -> None:
         """Raise ConfigError naming the first setting that cannot work."""
 
@@ -94,8 +103,6 @@ class EngineArgs:
         need(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be at least 1")
         if self.pipeline_parallel_size > 1:
             pp = "cannot be combined with {} yet"
-            need(self.num_processes == 1, "pipeline_parallel_size",
-                 pp.format(f"--num-processes {self.num_processes} (the stages share one process for now)"))
             need(self.num_scheduler_steps == 1, "pipeline_parallel_size",
                  pp.format("--num-scheduler-steps > 1 (a stage cannot loop decode steps on its own)"))
             need(self.speculative_config is None, "pipeline_parallel_size", pp.format("--speculative-config"))
@@ -128,9 +135,10 @@ class EngineArgs:
         self.max_images_per_prompt()  # raises ConfigError naming the flag
         need(self.num_processes >= 1, "num_processes", "must be at least 1")
         need(
-            self.tensor_parallel_size % self.num_processes == 0,
+            self.group_devices % self.num_processes == 0,
             "num_processes",
-            f"must divide --tensor-parallel-size ({self.tensor_parallel_size}): each process holds as many devices",
+            f"must divide --tensor-parallel-size x --pipeline-parallel-size ({self.group_devices}): each process "
+            "holds as many devices",
         )
         need(self.process_id is None or 0 <= self.process_id < self.num_processes, "process_id",
              f"must be in [0, --num-processes {self.num_processes})")

@@ -97,14 +97,16 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
     threading.Thread(target=_heartbeat, args=(channel, args.heartbeat_timeout / 4), name="jtp-heartbeat",
                      daemon=True).start()
 
-    devices = join_group(spec, args.tensor_parallel_size // spec.num_processes, args.heartbeat_timeout)
+    devices = join_group(spec, args.devices_per_process, args.heartbeat_timeout)
 
     from jtp.core.packed_step import PackedStep
-    from jtp.distributed.group import tokens_digest
-    from jtp.worker.runner import ModelRunner
+    from jtp.distributed.group import digest_interval, tokens_digest
+    from jtp.worker.pipeline import runner_class
 
     # Resolved as the leader resolves the same args: the same model, dtype, slots and MTP head.
-    runner = ModelRunner(EngineConfig.from_args(args), devices)
+    config = EngineConfig.from_args(args)
+    runner = runner_class(config)(config, devices)
+    every = digest_interval(args)
     channel.send(Kind.READY, json.dumps(describe_mesh(devices)).encode())
     log.info("follower %d ready: %d devices", spec.process_id, len(devices))
     step = 0
@@ -114,7 +116,7 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
             kind, payload = inbox.get()
             if kind is Kind.STEP:
                 result = runner.dispatch(PackedStep.decode(payload))
-                if args.digest_interval and step % args.digest_interval == 0:
+                if every and step % every == 0:
                     threading.Thread(target=_send_digest, args=(channel, step, result, tokens_digest),
                                      daemon=True).start()
                 step += 1

@@ -43,6 +43,7 @@ from jtp.distributed.launcher import (
     split_address,
 )
 from jtp.errors import ConfigError, WorkerGroupError
+from jtp.worker.pipeline import PipelineRunner
 from jtp.worker.runner import ModelRunner, is_ready
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,8 @@ class WorkerGroup:
     def start(cls, args, spec: LaunchSpec, my_fingerprint: dict, init_timeout: float = 300.0) -> "WorkerGroup":
         """Open the control channel, start (or wait for) the followers and admit them. A follower
         whose fingerprint differs is refused and start-up fails with ConfigError naming what."""
-        group = cls(spec, args.heartbeat_timeout, args.step_timeout, args.digest_interval)
-        group.devices_per_process = args.tensor_parallel_size // spec.num_processes
+        group = cls(spec, args.heartbeat_timeout, args.step_timeout, digest_interval(args))
+        group.devices_per_process = args.devices_per_process
         host, port = split_address(spec.control_address)
         listener = socket.create_server((host, port), reuse_port=False)
         try:
@@ -329,7 +330,7 @@ class GroupRunner(ModelRunner):
         super().__init__(*args, **kwargs)
 
     def allocate_cache(self, num_blocks: int) -> None:
-        self.group.wait_ready(describe_mesh(list(self.mesh.devices.flat)))
+        self.group.wait_ready(describe_mesh(self.all_devices))
         self.group.broadcast(Kind.ALLOCATE, json.dumps({"num_blocks": num_blocks}).encode())
         super().allocate_cache(num_blocks)
 
@@ -372,6 +373,21 @@ class GroupRunner(ModelRunner):
     def close(self) -> None:
         super().close()
         self.group.close()
+
+
+class GroupPipelineRunner(GroupRunner, PipelineRunner):
+    """A pipeline's runner in a group: every process runs the stages on its own devices and the
+    hand-offs it takes part in; the leader holds the last stage (it samples)."""
+
+
+def group_runner(group: WorkerGroup, config, devices) -> GroupRunner:
+    return (GroupPipelineRunner if config.pipeline_parallel_size > 1 else GroupRunner)(group, config, devices)
+
+
+def digest_interval(args) -> int:
+    """Steps between digests of the sampled tokens; 0 (none) in a pipeline, where the leader alone
+    samples (a follower that stalls stalls the leader's step: the step timeout sees it)."""
+    return args.digest_interval if args.pipeline_parallel_size == 1 else 0
 
 
 def start_leader(args) -> tuple[WorkerGroup, list]:

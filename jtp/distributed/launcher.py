@@ -182,6 +182,7 @@ def fingerprint(args: "EngineArgs") -> dict:
         "weights": weights_identity(model_dir, args.load_format),
         "dtype": args.dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "num_state_slots": args.num_state_slots,
@@ -265,7 +266,7 @@ def mesh_devices(num_processes: int, devices_per_process: int) -> list:
         if len(mine) < devices_per_process:
             raise ConfigError(
                 f"process {p} has {len(mine)} device(s) but the mesh needs {devices_per_process} from each of "
-                f"{num_processes} processes (--tensor-parallel-size / --num-processes)"
+                f"{num_processes} processes (--tensor-parallel-size x --pipeline-parallel-size / --num-processes)"
             )
         out += mine[:devices_per_process]
     return out

@@ -65,8 +65,8 @@ from jtp.engine.tokenizer import Tokenizer
 from jtp.engine.warmup import compile_step_shapes
 from jtp.errors import EngineClosedError, QueueFullError, RequestError, WorkerGroupError
 from jtp.worker.input_batch import InputBatch
-from jtp.worker.pipeline import PipelineRunner
-from jtp.worker.runner import ModelRunner, is_ready
+from jtp.worker.pipeline import runner_class
+from jtp.worker.runner import is_ready
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +95,11 @@ class Engine(EngineSnapshots):
             raise ValueError("a multi-process engine needs its worker group: build it with Engine.from_args")
         self.config = config
         if group is None:
-            self.runner = (PipelineRunner if config.pipeline_parallel_size > 1 else ModelRunner)(config, devices)
+            self.runner = runner_class(config)(config, devices)
         else:
-            from jtp.distributed.group import GroupRunner
+            from jtp.distributed.group import group_runner
 
-            self.runner = GroupRunner(group, config, devices)
+            self.runner = group_runner(group, config, devices)
         self.group = group
         self.failure: str | None = None  # why the worker group failed (then this engine runs no more steps)
         self.failed = threading.Event()

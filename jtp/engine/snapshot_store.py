@@ -76,6 +76,13 @@ FORMAT = "jtp-snapshots"
 FORMAT_VERSION = 2  # 2: digests of the array files and of the metadata
 
 
+def _refuse_pipeline(engine: "Engine") -> None:
+    """Before anything reaches a group's followers: a pipeline's pages live on several meshes."""
+    if engine.runner.pipeline_depth > 1:
+        raise RequestError("snapshots on disk are not supported with --pipeline-parallel-size > 1 yet (the KV "
+                           "pages live on each stage's devices)")
+
+
 def _model_dir(engine: "Engine", model_dir: str | Path | None) -> Path:
     """The directory whose weights are fingerprinted: the engine's own unless given."""
     return Path(model_dir or engine.config.model)
@@ -168,6 +175,7 @@ def save_snapshots(
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
+    _refuse_pipeline(engine)
     identity = _identity(engine, _model_dir(engine, model_dir))
     # One process writes while serving goes on; in a group every process must meet the write's
     # collectives in the same order as the steps', so the write happens paused too.
@@ -344,6 +352,7 @@ def load_snapshots(
     the engine's prefix cache already holds are shared, not loaded again. In a multi-process group
     every process reads its own shards, in step order (see `save_snapshots`).
     """
+    _refuse_pipeline(engine)
     path = Path(path).absolute()
     meta = read_metadata(path)
     if engine.scheduler.cache_root is None:

@@ -31,7 +31,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jtp.config.engine_config import EngineConfig
 from jtp.core.packed_step import PackedStep, StepLayout
@@ -77,22 +78,28 @@ class Stage:
         return self.index == 0
 
 
+def runner_class(config: EngineConfig) -> type[ModelRunner]:
+    return PipelineRunner if config.pipeline_parallel_size > 1 else ModelRunner
+
+
 def _layers(family, cfg, attention, experts, stage: Stage, params, cache, x, ints, layout: StepLayout):
-    """x through the stage's layers; stage 0 takes the sampled-token buffer as x and embeds the step's
-    tokens (token -1: the one last sampled for the row's slot)."""
+    """x [1, T, H] through the stage's layers; stage 0 takes the sampled-token buffer [1, S] as x and
+    embeds the step's tokens (token -1: the one last sampled for the row's slot)."""
     tokens, meta, logits_indices, seq_slots = plan_arrays(layout, layout.views(ints))
     if stage.first:
-        tokens = jnp.where(tokens >= 0, tokens, x[jnp.maximum(seq_slots[meta.token_rows], 0)])
+        tokens = jnp.where(tokens >= 0, tokens, x[0, jnp.maximum(seq_slots[meta.token_rows], 0)])
         x = family.embed(params, cfg, tokens, meta)
+    else:
+        x = x[0]
     x, cache = family.decoder_layers(params, cfg, x, cache, meta, attention, experts, stage.layer_ids)
     return x, cache, logits_indices
 
 
 def stage_forward(family, cfg, attention, experts, stage: Stage, params, cache, x, ints, layout: StepLayout):
-    """A stage before the last: (its output hidden states [T, H], its updated cache)."""
+    """A stage before the last: (its output hidden states [1, T, H], its updated cache)."""
     note_trace()
     x, cache, _ = _layers(family, cfg, attention, experts, stage, params, cache, x, ints, layout)
-    return x, cache
+    return x[None], cache
 
 
 def last_stage_forward(family, cfg, attention, experts, logits_sharding, stage: Stage, params, cache, x, hidden_out,
@@ -107,6 +114,11 @@ def last_stage_forward(family, cfg, attention, experts, logits_sharding, stage: 
     return jax.lax.with_sharding_constraint(logits, logits_sharding), cache, hidden_out
 
 
+def _send(v):
+    """The hand-off program's body: the sending stage's block [1, ...] to the receiving stage."""
+    return jax.lax.ppermute(v, "stage", [(0, 1)])
+
+
 class PipelineRunner(ModelRunner):
     def __init__(self, config: EngineConfig, devices=None):
         pp, tp = config.pipeline_parallel_size, config.tensor_parallel_size
@@ -114,38 +126,50 @@ class PipelineRunner(ModelRunner):
         if pp * tp > len(devices):
             raise ConfigError(f"--pipeline-parallel-size {pp} x --tensor-parallel-size {tp} needs {pp * tp} devices, "
                               f"but {len(devices)} ({devices[0].platform}) are visible")
-        self.stage_devices = [devices[s * tp:(s + 1) * tp] for s in range(pp)]
+        self._devices = devices[: pp * tp]
+        # The last stage on the first devices: in a group those are the leader's, and the leader samples.
+        self.stage_devices = [devices[(pp - 1 - s) * tp:(pp - s) * tp] for s in range(pp)]
+        me = jax.process_index()
+        self.local = [any(d.process_index == me for d in stage) for stage in self.stage_devices]
         # The base runner's mesh is the last stage's: sampling, logits and prompt scores live there.
         super().__init__(config, self.stage_devices[-1])
         for stage in self.stages:
-            last = stage is self.stages[-1]
             attention, experts = choose_attention(stage.mesh), choose_experts(stage.mesh, config.enable_expert_parallel)
-            if last:
+            if stage is self.stages[-1]:
                 fn = functools.partial(last_stage_forward, self.family, self.cfg, attention, experts,
                                        self._logits_sharding, stage)
                 stage.program = jax.jit(fn, donate_argnums=(1, 3), static_argnames=("layout",))
             else:
                 fn = functools.partial(stage_forward, self.family, self.cfg, attention, experts, stage)
                 stage.program = jax.jit(fn, donate_argnums=(1,), static_argnames=("layout",))
-        first = self.stages[0]
-        # Stage 0's copy of the sampled-token buffer: the real one only for a step that names a -1 token
-        # (taking it makes stage 0 wait for the step before's sampling).
-        self._no_sampled = jax.device_put(np.zeros(config.max_num_seqs, np.int32), replicated(first.mesh))
+        # Stage s -> s+1 (and the last -> stage 0, for the sampled tokens): a collective permute over a
+        # (stage: 2, tp) mesh of the two stages' devices, device i of one to device i of the other.
+        self._links = {}
+        for src, dst in [(s, s + 1) for s in range(pp - 1)] + [(pp - 1, 0)]:
+            mesh = Mesh(np.array([self.stage_devices[src], self.stage_devices[dst]]), ("stage", "tp"))
+            program = jax.jit(jax.shard_map(_send, mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
+            self._links[src, dst] = (mesh, program)
+        self._zeros: dict[tuple, jax.Array] = {}  # the receiving side's blocks, by (shape, dtype, device)
+        # Stage 0's sampled-token input when no token of the step needs it (taking the real one makes
+        # stage 0 wait for the step before's sampling).
+        self._no_sampled = jax.device_put(np.zeros((1, config.max_num_seqs), np.int32), replicated(self.stages[0].mesh))
         self.clock = StageClock(len(self.stages))
 
     def _load_params(self) -> dict:
-        """Each stage's weights on its own mesh; returns the last stage's (the LM head's)."""
+        """Each local stage's weights on its own mesh; returns the last stage's (the LM head's)."""
         config, cfg = self.config, self.cfg
         layers = stage_layers(cfg.num_layers, len(self.stage_devices))
         self.stages = []
         for s, (devices, layer_ids) in enumerate(zip(self.stage_devices, layers)):
             last = s == len(layers) - 1
             mesh = self.mesh if last else make_mesh(config.tensor_parallel_size, devices)
-            keep = functools.partial(stage_keeps, layer_ids, s == 0, last, cfg.tie_word_embeddings)
-            params = load_params(config.model, cfg, mesh, self.dtype, config.enable_expert_parallel, False,
-                                 config.load_format, config.quantization, keep)
-            if not last and fp8_kernel_wanted(mesh):  # (the base runner converts the last stage's)
-                params = use_fp8_kernel(params)
+            params = {}
+            if self.local[s]:
+                keep = functools.partial(stage_keeps, layer_ids, s == 0, last, cfg.tie_word_embeddings)
+                params = load_params(config.model, cfg, mesh, self.dtype, config.enable_expert_parallel, False,
+                                     config.load_format, config.quantization, keep)
+                if not last and fp8_kernel_wanted(mesh):  # (the base runner converts the last stage's)
+                    params = use_fp8_kernel(params)
             self.stages.append(Stage(s, layer_ids, mesh, params))
         return self.stages[-1].params
 
@@ -154,14 +178,21 @@ class PipelineRunner(ModelRunner):
         """Steps of disjoint requests the engine keeps in flight: one per stage."""
         return len(self.stages)
 
+    @property
+    def all_devices(self) -> list:
+        return list(self._devices)
+
     # ------------------------------------------------------------------ the cache
 
     def _init_cache(self, num_blocks: int, num_state_slots: int) -> list:
-        """Every layer's cache in layer order, each on its stage's mesh."""
+        """Every layer's cache in layer order, each on its stage's mesh (None: another process's stage)."""
         cache = []
         for stage in self.stages:
-            cache += self.family.init_cache(self.cfg, stage.mesh, num_blocks, self.block_size, num_state_slots,
-                                            self.dtype, self.kv_dtype, stage.layer_ids)
+            if self.local[stage.index]:
+                cache += self.family.init_cache(self.cfg, stage.mesh, num_blocks, self.block_size, num_state_slots,
+                                                self.dtype, self.kv_dtype, stage.layer_ids)
+            else:
+                cache += [None] * len(stage.layer_ids)
         return cache
 
     def _stage_bytes(self, stage: Stage, num_blocks: int, num_state_slots: int) -> int:
@@ -182,6 +213,15 @@ class PipelineRunner(ModelRunner):
 
     # ------------------------------------------------------------------ the forward program, stage by stage
 
+    def dispatch(self, step: PackedStep | StepInput, late: bool = False):
+        """As ModelRunner.dispatch where this process holds the last stage; elsewhere (a follower)
+        only its stages and hand-offs run, and there is no result."""
+        if self.local[-1]:
+            return super().dispatch(step, late)
+        ints, _, layout, _ = host_buffers(step, self.images is not None)
+        self._pipeline_forward(ints[: layout.forward.offsets()[2]], layout=layout.forward)
+        return None
+
     def _forward_program(self, ints, layout: StepLayout):
         forward = layout.forward
         return ("pipeline", forward), self._pipeline_forward, (ints[: forward.offsets()[2]],), forward
@@ -191,29 +231,67 @@ class PipelineRunner(ModelRunner):
             return stage.params, self._stage_cache(stage), x, self.hidden, ints
         return stage.params, self._stage_cache(stage), x, ints
 
+    def _hand_over(self, x, src: int, dst: int):
+        """x [1, ...] on stage `src`'s devices -> the same on stage `dst`'s, by the link's collective
+        permute; this process contributes the blocks on its devices (its sent ones, or zeros to receive
+        into) and gets what its devices of `dst` received (None if it has none there)."""
+        mesh, program = self._links[src, dst]
+        shape = (2, *x.shape[1:])
+        sharding = NamedSharding(mesh, P("stage"))
+        blocks = [shard.data for shard in x.addressable_shards]
+        for device in self.stage_devices[dst]:
+            if device.process_index == jax.process_index():
+                key = (x.shape, x.dtype, device)
+                if key not in self._zeros:
+                    self._zeros[key] = jax.device_put(np.zeros(x.shape, x.dtype), device)
+                blocks.append(self._zeros[key])
+        compiled = self._executables.get(("link", src, dst, shape))
+        out = (compiled or program)(jax.make_array_from_single_device_arrays(shape, sharding, blocks))
+        received = [shard.data for shard in out.addressable_shards if shard.device in self.stage_devices[dst]]
+        if not received:
+            return None
+        return jax.make_array_from_single_device_arrays(x.shape, replicated(self.stages[dst].mesh), received)
+
     def _first_input(self, ints, layout: StepLayout):
-        """Stage 0's x: the sampled-token buffer, copied from the last stage only when a token needs it."""
+        """Stage 0's x: the sampled-token buffer, sent from the last stage only when a token needs it."""
         if (layout.views(ints)["token_ids"] < 0).any():
-            return jax.device_put(self.sampled, replicated(self.stages[0].mesh))
+            return self._hand_over(self.sampled[None], len(self.stages) - 1, 0)
         return self._no_sampled
 
     def _pipeline_forward(self, ints, layout: StepLayout):
-        """Each stage's program in turn, the hidden states handed from mesh to mesh; returns what the
-        one-mesh forward program returns: (logits, the whole cache, hidden states)."""
+        """Each local stage's program in turn, the hidden states handed from stage to stage; returns
+        what the one-mesh forward program returns: (logits, the whole cache, hidden states), logits
+        None where the last stage is another process's."""
         x, cache = self._first_input(ints, layout), []
         dispatched = time.perf_counter()
+        logits = None
         for stage in self.stages:
-            args = self._stage_args(stage, x, ints)
-            compiled = self._executables.get(("stage", stage.index, layout))
-            out = compiled(*args) if compiled is not None else stage.program(*args, layout=layout)
-            self.clock.dispatched(stage.index, out[0], dispatched)
-            cache += out[1]
+            if not self.local[stage.index]:
+                cache += self._stage_cache(stage)
+                out = (None,)
+            else:
+                args = self._stage_args(stage, x, ints)
+                compiled = self._executables.get(("stage", stage.index, layout))
+                out = compiled(*args) if compiled is not None else stage.program(*args, layout=layout)
+                self.clock.dispatched(stage.index, out[0], dispatched)
+                cache += out[1]
             if stage is self.stages[-1]:
-                return out[0], cache, out[2]
-            x = jax.device_put(out[0], replicated(self.stages[stage.index + 1].mesh))
+                if self.local[-1]:
+                    logits, self.hidden = out[0], out[2]
+                return logits, cache, self.hidden
+            if self.local[stage.index] or self.local[stage.index + 1]:
+                x = self._hand_over(out[0], stage.index, stage.index + 1) if out[0] is not None else \
+                    self._hand_over(self._receiving(stage.index, layout), stage.index, stage.index + 1)
+
+    def _receiving(self, src: int, layout: StepLayout):
+        """What a process that only receives from stage `src` passes as x: an array of the sent shape
+        with no blocks of its own (it adds its zeros in `_hand_over`)."""
+        shape = (1, layout.num_tokens, self.cfg.hidden_size)
+        return jax.make_array_from_single_device_arrays(shape, replicated(self.stages[src].mesh), [])
 
     def lower(self, step: PackedStep | StepInput, skip=frozenset(), again: bool = False) -> list:
-        """As ModelRunner.lower: each stage's program, then the sampling (and prompt-scores) programs."""
+        """As ModelRunner.lower: each stage's program and hand-off, then the sampling (and
+        prompt-scores) programs (one process: warm-up compiles ahead only outside groups)."""
         ints, floats, layout, targets = host_buffers(step, self.images is not None)
         forward = layout.forward
         ints = ints[: forward.offsets()[2]]
@@ -229,6 +307,11 @@ class PipelineRunner(ModelRunner):
                 out.append((key, lowered))
             if stage is not self.stages[-1]:
                 h = lowered.out_info[0]
+                mesh, link = self._links[stage.index, stage.index + 1]
+                key = ("link", stage.index, stage.index + 1, (2, *h.shape[1:]))
+                if key not in skip and (again or key not in self._executables):
+                    sds = jax.ShapeDtypeStruct((2, *h.shape[1:]), h.dtype, sharding=NamedSharding(mesh, P("stage")))
+                    out.append((key, link.lower(sds)))
                 x = jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=replicated(self.stages[stage.index + 1].mesh))
         positions = layout.num_rows * max(1, layout.verify_positions)
         logits = jax.ShapeDtypeStruct((positions, self.cfg.vocab_size), jnp.float32, sharding=self._logits_sharding)
@@ -245,15 +328,16 @@ class PipelineRunner(ModelRunner):
     # ------------------------------------------------------------------ what a pipeline does not do yet
 
     def gather_pages(self, block_ids, slot_ids):
-        raise RequestError("snapshots are not supported with --pipeline-parallel-size > 1 yet "
-                           "(the KV pages live on each stage's devices)")
+        raise RequestError("snapshot pages of a pipeline: not supported yet (jtp/engine/snapshot_store.py refuses)")
 
     read_pages = scatter_pages = write_pages = gather_pages
 
     def stage_stats(self) -> list[dict]:
-        """Per stage: its layers, devices, steps, busy seconds, mean step time and bubble share."""
+        """Per stage: its layers, devices, steps, busy seconds, mean step time and bubble share
+        (counted by the process that runs the stage: None for another process's)."""
         return [{"stage": s.index, "layers": [s.layer_ids.start, s.layer_ids.stop],
-                 "devices": [str(d) for d in s.mesh.devices.flat], **self.clock.stats(s.index)}
+                 "devices": [str(d) for d in s.mesh.devices.flat],
+                 **(self.clock.stats(s.index) if self.local[s.index] else dict.fromkeys(StageClock.FIELDS))}
                 for s in self.stages]
 
     def close(self) -> None:
@@ -263,10 +347,12 @@ class PipelineRunner(ModelRunner):
                 if isinstance(leaf, jax.Array) and not leaf.is_deleted():
                     leaf.delete()
             stage.params = {}
+        self._zeros.clear()
         super().close()
 
 
 class StageClock:
+    FIELDS = ("steps", "busy_seconds", "mean_step_ms", "bubble_fraction")
     """Per-stage timing from when each stage's outputs become ready, one watcher thread per stage
     (a stage's programs finish in the order they were dispatched).
 

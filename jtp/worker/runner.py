@@ -197,6 +197,11 @@ class ModelRunner:
         return self.attention.impl == "kernel" or self.family.uses_row_len_bound
 
     @property
+    def all_devices(self) -> list:
+        """Every device this runner's programs span, in the launcher's order (a group compares them)."""
+        return list(self.mesh.devices.flat)
+
+    @property
     def tp(self) -> int:
         return tp_size(self.mesh)
 
