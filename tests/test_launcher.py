@@ -421,7 +421,8 @@ def in_process(model: str, tp: int, **engine_args) -> list[list[int]]:
 def two_processes(model: str, tp: int = 4, num_processes: int = 2, **engine_args) -> list[list[int]]:
     args = json.dumps({"model": model, "num_processes": num_processes, "tensor_parallel_size": tp,
                        "digest_interval": 4, **engine_args})
-    proc = subprocess.run([sys.executable, str(TESTS / "staggered.py"), args], env=group_env(tp // num_processes),
+    devices = tp * engine_args.get("pipeline_parallel_size", 1) // num_processes
+    proc = subprocess.run([sys.executable, str(TESTS / "staggered.py"), args], env=group_env(devices),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -449,6 +450,23 @@ def test_one_process_per_device_drawing_dummy_weights_gives_the_tokens_of_one_pr
     group = two_processes(str(tmp_path), tp=2, num_processes=2, load_format="dummy")
     assert [len(t) for t in group] == [s[2] for s in __import__("staggered").SCHEDULE]
     assert group == in_process(str(tmp_path), 1, load_format="dummy")
+
+
+def test_pipeline_stages_in_two_processes_give_the_tokens_of_one_process(hybrid_dir, tmp_path):
+    """--pipeline-parallel-size 2 over two processes, a stage each (its hidden states handed over by
+    a collective permute through gloo), alone and with tp=2 inside each stage; the dense demo, a
+    hybrid (DeltaNet and attention layers on different processes) and a MoE."""
+    pytest.importorskip("torch")
+    from hf_models import make_hf_checkpoint
+
+    from jtp.demo import ensure_demo_checkpoint
+
+    demo = str(ensure_demo_checkpoint())
+    assert two_processes(demo, tp=1, pipeline_parallel_size=2) == in_process(demo, 1)
+    assert two_processes(demo, tp=2, pipeline_parallel_size=2) == in_process(demo, 1)
+    moe = str(make_hf_checkpoint("qwen3_moe", tmp_path / "moe")[1])
+    for model in (str(hybrid_dir), moe):
+        assert two_processes(model, tp=1, pipeline_parallel_size=2) == in_process(model, 1), model
 
 
 def test_two_processes_drafting_with_the_mtp_head_give_the_tokens_of_one_process(tmp_path):
@@ -619,6 +637,18 @@ def test_follower_kill_and_hang_fail_requests_retryably_then_the_group_recovers_
         assert result["r"].choices[0].finish_reason == "length" and result["r"].usage.completion_tokens == 40
         assert server.proc.wait(60) == 0, server.text()
         wait_until(lambda: not alive(follower), 10, "the follower to exit")
+    finally:
+        server.close()
+
+
+def test_a_killed_pipeline_stage_fails_requests_retryably_then_the_pipeline_recovers():
+    """Two stages in two processes (-pp 2 -tp 2): kill -9 the first stage's process mid-generation."""
+    server = GroupServer("--no-warmup", "-tp", "2", "-pp", "2")
+    try:
+        fail_mid_generation(server, lambda pid: os.kill(pid, signal.SIGKILL), stream=True)
+        stats = httpx.get(server.url + "/stats", timeout=10).json()
+        last = stats["stages"][-1]  # the leader's stage counts its steps; the follower's are its own
+        assert last["steps"] > 0 and stats["stages"][0]["steps"] is None
     finally:
         server.close()
 

@@ -219,7 +219,7 @@ class PipelineRunner(ModelRunner):
         if self.local[-1]:
             return super().dispatch(step, late)
         ints, _, layout, _ = host_buffers(step, self.images is not None)
-        self._pipeline_forward(ints[: layout.forward.offsets()[2]], layout=layout.forward)
+        _, self.cache, _ = self._pipeline_forward(ints[: layout.forward.offsets()[2]], layout=layout.forward)
         return None
 
     def _forward_program(self, ints, layout: StepLayout):
@@ -231,31 +231,33 @@ class PipelineRunner(ModelRunner):
             return stage.params, self._stage_cache(stage), x, self.hidden, ints
         return stage.params, self._stage_cache(stage), x, ints
 
-    def _hand_over(self, x, src: int, dst: int):
+    def _hand_over(self, x, src: int, dst: int, shape: tuple, dtype):
         """x [1, ...] on stage `src`'s devices -> the same on stage `dst`'s, by the link's collective
-        permute; this process contributes the blocks on its devices (its sent ones, or zeros to receive
-        into) and gets what its devices of `dst` received (None if it has none there)."""
+        permute. This process contributes the blocks on its devices (those of x it holds, none where x
+        is None, and zeros to receive into) and gets what its devices of `dst` received (None if it
+        has none there)."""
         mesh, program = self._links[src, dst]
-        shape = (2, *x.shape[1:])
-        sharding = NamedSharding(mesh, P("stage"))
-        blocks = [shard.data for shard in x.addressable_shards]
+        sent = (2, *shape[1:])
+        blocks = [] if x is None else [shard.data for shard in x.addressable_shards]
         for device in self.stage_devices[dst]:
             if device.process_index == jax.process_index():
-                key = (x.shape, x.dtype, device)
+                key = (shape, dtype, device)
                 if key not in self._zeros:
-                    self._zeros[key] = jax.device_put(np.zeros(x.shape, x.dtype), device)
+                    self._zeros[key] = jax.device_put(np.zeros(shape, dtype), device)
                 blocks.append(self._zeros[key])
-        compiled = self._executables.get(("link", src, dst, shape))
-        out = (compiled or program)(jax.make_array_from_single_device_arrays(shape, sharding, blocks))
-        received = [shard.data for shard in out.addressable_shards if shard.device in self.stage_devices[dst]]
+        compiled = self._executables.get(("link", src, dst, sent))
+        both = jax.make_array_from_single_device_arrays(sent, NamedSharding(mesh, P("stage")), blocks, dtype=dtype)
+        received = [shard.data for shard in (compiled or program)(both).addressable_shards
+                    if shard.device in self.stage_devices[dst]]
         if not received:
             return None
-        return jax.make_array_from_single_device_arrays(x.shape, replicated(self.stages[dst].mesh), received)
+        return jax.make_array_from_single_device_arrays(shape, replicated(self.stages[dst].mesh), received)
 
     def _first_input(self, ints, layout: StepLayout):
         """Stage 0's x: the sampled-token buffer, sent from the last stage only when a token needs it."""
         if (layout.views(ints)["token_ids"] < 0).any():
-            return self._hand_over(self.sampled[None], len(self.stages) - 1, 0)
+            sampled = self.sampled[None] if self.local[-1] else None
+            return self._hand_over(sampled, len(self.stages) - 1, 0, self._no_sampled.shape, jnp.int32)
         return self._no_sampled
 
     def _pipeline_forward(self, ints, layout: StepLayout):
@@ -280,14 +282,8 @@ class PipelineRunner(ModelRunner):
                     logits, self.hidden = out[0], out[2]
                 return logits, cache, self.hidden
             if self.local[stage.index] or self.local[stage.index + 1]:
-                x = self._hand_over(out[0], stage.index, stage.index + 1) if out[0] is not None else \
-                    self._hand_over(self._receiving(stage.index, layout), stage.index, stage.index + 1)
-
-    def _receiving(self, src: int, layout: StepLayout):
-        """What a process that only receives from stage `src` passes as x: an array of the sent shape
-        with no blocks of its own (it adds its zeros in `_hand_over`)."""
-        shape = (1, layout.num_tokens, self.cfg.hidden_size)
-        return jax.make_array_from_single_device_arrays(shape, replicated(self.stages[src].mesh), [])
+                x = self._hand_over(out[0], stage.index, stage.index + 1, (1, layout.num_tokens, self.cfg.hidden_size),
+                                    self.dtype)
 
     def lower(self, step: PackedStep | StepInput, skip=frozenset(), again: bool = False) -> list:
         """As ModelRunner.lower: each stage's program and hand-off, then the sampling (and
