@@ -7,9 +7,16 @@ engine (jtp/engine/data_parallel.py).
   to the replica that served it (its prefix-cache hits count there, none elsewhere).
 - Served: an openai-client chat, streamed and not, through a real loopback uvicorn over a
   DataParallelEngine; /metrics has each replica's gauges and counters, labelled.
+- Health: a replica whose step fails ends its requests with retryable errors and leaves the routing
+  while the other keeps serving (the tokens of a solo run); it is rebuilt and serves again; with
+  none left, submit is a 503-style error and `ready` clears until one is back. Each replica's
+  steps, tokens and restarts add up to what its requests got, in `replica_health()`.
 """
 
 from __future__ import annotations
+
+import threading
+import time
 
 import httpx
 import openai
@@ -22,7 +29,7 @@ from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
 from jtp.engine.data_parallel import DataParallelEngine, build_engine
 from jtp.engine.engine import Engine
-from jtp.errors import ConfigError
+from jtp.errors import ConfigError, NoReplicaError
 
 
 def staggered_tokens(args: EngineArgs) -> list[list[int]]:
@@ -164,3 +171,93 @@ def test_served_chat_and_stream_and_metrics_per_replica(demo_dir):
 def test_build_engine_is_a_plain_engine_for_one_replica(demo_dir):
     with build_engine(EngineArgs(model=str(demo_dir), **dict(ENGINE_ARGS, data_parallel_size=1))) as engine:
         assert type(engine) is Engine
+
+
+def wait_until(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def hold_steps(engine: DataParallelEngine, r: int, monkeypatch, until: threading.Event, fail: bool = False) -> None:
+    """Replica r's steps wait for `until`; then, with `fail`, raise as a device error would."""
+    dispatch = engine.replicas[r].runner.dispatch
+
+    def held(*args, **kwargs):
+        until.wait(60)
+        if fail:
+            raise RuntimeError("injected device failure")
+        return dispatch(*args, **kwargs)
+
+    monkeypatch.setattr(engine.replicas[r].runner, "dispatch", held)
+
+
+def test_a_failed_replica_leaves_the_routing_is_rebuilt_and_serves_again(demo_dir, monkeypatch):
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[100 + i] * 12 + [i] for i in range(6)]
+    with DataParallelEngine.from_args(EngineArgs(model=str(demo_dir), **ROUTING_ARGS)) as engine:
+        engine.start()
+        engine.ready.set()  # no warm-up: the test compiles only what it uses
+        solo = [engine.result(engine.submit(p, greedy)).token_ids for p in prompts]  # one at a time
+        engine.reset_prefix_cache()  # routed by load alone from here
+        gate = threading.Event()  # rebuilds wait for it: the test looks at the engine meanwhile
+        build = engine.build_replica
+        monkeypatch.setattr(engine, "build_replica", lambda r: (gate.wait(60), build(r))[1])
+
+        # Requests on both replicas (no step before all are in: routed by load); replica 1's step fails.
+        submitted = threading.Event()
+        hold_steps(engine, 0, monkeypatch, submitted)
+        hold_steps(engine, 1, monkeypatch, submitted, fail=True)
+        rids = [engine.submit(p, greedy) for p in prompts[:4]]
+        where = [engine.replica_index(rid) for rid in rids]
+        submitted.set()
+        assert sorted(where) == [0, 0, 1, 1], where
+        done = [engine.result(rid, timeout=60) for rid in rids]
+        for i, (r, completion) in enumerate(zip(where, done)):
+            if r == 1:
+                assert completion.finish_reason == "error" and completion.retryable, completion
+                assert "injected device failure" in completion.error
+            else:
+                assert completion.finish_reason == "length" and completion.token_ids == solo[i]
+
+        # While it is rebuilt the other replica takes every request, and the engine stays ready.
+        health = engine.replica_health()
+        assert [h.state for h in health] == ["healthy", "restarting"] and engine.ready.is_set()
+        assert "injected device failure" in health[1].failure
+        rids = [engine.submit(p, greedy) for p in prompts[4:]]
+        assert [engine.replica_index(rid) for rid in rids] == [0, 0]
+        assert [engine.result(rid, timeout=60).token_ids for rid in rids] == solo[4:]
+
+        # Replica 0 fails too: nothing serves, submit is a retryable (503) error and ready clears.
+        hold_steps(engine, 0, monkeypatch, submitted, fail=True)
+        failed = engine.result(engine.submit(prompts[0], greedy), timeout=60)
+        assert failed.finish_reason == "error" and failed.retryable
+        assert not engine.ready.is_set()
+        with pytest.raises(NoReplicaError) as refused:
+            engine.submit(prompts[1], greedy)
+        assert refused.value.status == 503
+
+        # Both come back on their devices: ready again, one restart each, the solo run's tokens on both.
+        gate.set()
+        wait_until(lambda: all(h.serving for h in engine.replica_health()))
+        assert engine.ready.is_set() and [h.restarts for h in engine.replica_health()] == [1, 1]
+        assert [{d.id for d in e.runner.mesh.devices.flat} for e in engine.replicas] == [
+            {d.id for d in devices} for devices in engine.devices]
+        rids = [engine.submit(p, greedy) for p in prompts[:2]]
+        assert sorted(engine.replica_index(rid) for rid in rids) == [0, 1]
+        assert [engine.result(rid, timeout=60).token_ids for rid in rids] == solo[:2]
+
+
+def test_replica_health_counts_each_replica_steps_and_tokens(dp_engine):
+    before = dp_engine.replica_health()
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    rids = [dp_engine.submit([200 + i] * 9, greedy) for i in range(4)]
+    where = [dp_engine.replica_index(rid) for rid in rids]
+    tokens = [len(dp_engine.result(rid).token_ids) for rid in rids]
+    after = dp_engine.replica_health()
+    for r in (0, 1):
+        assert after[r].tokens - before[r].tokens == sum(n for n, home in zip(tokens, where) if home == r) > 0
+        assert after[r].steps - before[r].steps >= 5  # a token a step at most, without speculation
+        assert after[r].state == "healthy" and after[r].restarts == 0 and after[r].mean_step_seconds > 0
+

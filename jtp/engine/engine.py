@@ -554,6 +554,8 @@ class Engine(EngineSnapshots):
             self.failure = message
             self._stopping = True
             self._intake.notify_all()
+        if self.on_failure is not None:  # first: a request retried once it has ended must not come back here
+            self.on_failure(self)
         locked = self._lock.acquire(timeout=2.0)
         try:
             with self._intake:
@@ -566,8 +568,6 @@ class Engine(EngineSnapshots):
                 self._lock.release()
         self.ready.clear()
         self.failed.set()
-        if self.on_failure is not None:
-            self.on_failure(self)
 
     def _run_loop(self) -> None:
         while True:
