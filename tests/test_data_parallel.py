@@ -7,10 +7,11 @@ engine (jtp/engine/data_parallel.py).
   to the replica that served it (its prefix-cache hits count there, none elsewhere).
 - Served: an openai-client chat, streamed and not, through a real loopback uvicorn over a
   DataParallelEngine; /metrics has each replica's gauges and counters, labelled.
-- Health: a replica whose step fails ends its requests with retryable errors and leaves the routing
-  while the other keeps serving (the tokens of a solo run); it is rebuilt and serves again; with
-  none left, submit is a 503-style error and `ready` clears until one is back. Each replica's
-  steps, tokens and restarts add up to what its requests got, in `replica_health()`.
+- Health: a replica whose step fails ends its requests with retryable errors (served: 503s) and
+  leaves the routing while the other keeps serving (the tokens of a solo run); it is rebuilt and
+  serves again; with none left, submit is a 503-style error and `ready` clears until one is back.
+  Each replica's steps, tokens and restarts add up to what its requests got, in `replica_health()`
+  and /metrics.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
 from jtp.engine.data_parallel import DataParallelEngine, build_engine
 from jtp.engine.engine import Engine
+from jtp.entrypoints.server.metrics import ServerMetrics
 from jtp.errors import ConfigError, NoReplicaError
 
 
@@ -261,3 +263,47 @@ def test_replica_health_counts_each_replica_steps_and_tokens(dp_engine):
         assert after[r].steps - before[r].steps >= 5  # a token a step at most, without speculation
         assert after[r].state == "healthy" and after[r].restarts == 0 and after[r].mean_step_seconds > 0
 
+    families = {f.name: f for f in text_string_to_metric_families(ServerMetrics(dp_engine, "m").render().decode())}
+    for name, value in (("jtp:replica_healthy", lambda h: 1.0), ("jtp:replica_restarts", lambda h: h.restarts),
+                        ("jtp:replica_steps", lambda h: h.steps),
+                        ("jtp:replica_generation_tokens", lambda h: h.tokens)):
+        samples = [s for s in families[name].samples if not s.name.endswith("_created")]
+        assert {s.labels["replica"]: s.value for s in samples} == {
+            str(r): value(h) for r, h in enumerate(dp_engine.replica_health())}, name
+
+
+def test_served_replica_failures_are_503s_and_the_server_serves_again_once_rebuilt(demo_dir, monkeypatch):
+    from jtp.entrypoints.server import build_app
+
+    args = EngineArgs(model=str(demo_dir), **dict(ROUTING_ARGS, skip_tokenizer_init=False))
+    engine = build_engine(args)
+    engine.start()
+    engine.ready.set()
+    gate, broken = threading.Event(), threading.Event()
+    broken.set()
+    build = engine.build_replica
+    monkeypatch.setattr(engine, "build_replica", lambda r: (gate.wait(60), build(r))[1])
+    body = {"model": args.model_name(), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "temperature": 0}
+    try:
+        with serving(build_app(engine, args.model_name())) as url:
+            expected = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+            for r in (0, 1):
+                hold_steps(engine, r, monkeypatch, broken, fail=True)
+            # Each replica fails the chat it gets (the first leaves the routing, so the second goes to
+            # the other): a 503 to retry after; then none serves and the server is not ready.
+            for _ in (0, 1):
+                failed = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+                assert failed.status_code == 503 and failed.headers["retry-after"], failed.text
+                assert "injected device failure" in failed.json()["error"]["message"]
+            assert httpx.get(f"{url}/ready").status_code == 503
+            assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 503
+            gate.set()
+            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200)
+            again = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+            assert again["choices"][0]["message"] == expected["choices"][0]["message"]
+            restarts = [f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+                        if f.name == "jtp:replica_restarts"][0].samples
+    finally:
+        engine.close()
+    assert sorted(s.value for s in restarts if s.name.endswith("_total")) == [1.0, 1.0]
