@@ -182,17 +182,20 @@ def wait_until(condition, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def hold_steps(engine: DataParallelEngine, r: int, monkeypatch, until: threading.Event, fail: bool = False) -> None:
-    """Replica r's steps wait for `until`; then, with `fail`, raise as a device error would."""
-    dispatch = engine.replicas[r].runner.dispatch
+def break_replica(engine: DataParallelEngine, r: int, monkeypatch) -> None:
+    """Replica r's next step raises, as a device error would."""
 
-    def held(*args, **kwargs):
-        until.wait(60)
-        if fail:
-            raise RuntimeError("injected device failure")
-        return dispatch(*args, **kwargs)
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected device failure")
 
-    monkeypatch.setattr(engine.replicas[r].runner, "dispatch", held)
+    monkeypatch.setattr(engine.replicas[r].runner, "dispatch", broken)
+
+
+def hold_rebuilds(engine: DataParallelEngine, monkeypatch) -> threading.Event:
+    """Rebuilds wait for the event returned (the test looks at the engine meanwhile)."""
+    gate, build = threading.Event(), engine.build_replica
+    monkeypatch.setattr(engine, "build_replica", lambda r: (gate.wait(60), build(r))[1])
+    return gate
 
 
 def test_a_failed_replica_leaves_the_routing_is_rebuilt_and_serves_again(demo_dir, monkeypatch):
@@ -203,52 +206,58 @@ def test_a_failed_replica_leaves_the_routing_is_rebuilt_and_serves_again(demo_di
         engine.ready.set()  # no warm-up: the test compiles only what it uses
         solo = [engine.result(engine.submit(p, greedy)).token_ids for p in prompts]  # one at a time
         engine.reset_prefix_cache()  # routed by load alone from here
-        gate = threading.Event()  # rebuilds wait for it: the test looks at the engine meanwhile
-        build = engine.build_replica
-        monkeypatch.setattr(engine, "build_replica", lambda r: (gate.wait(60), build(r))[1])
+        gate = hold_rebuilds(engine, monkeypatch)
+        try:
+            check_failures_and_rebuilds(engine, greedy, prompts, solo, gate, monkeypatch)
+        finally:
+            gate.set()  # (a failed check must not leave close() waiting on a held rebuild)
 
-        # Requests on both replicas (no step before all are in: routed by load); replica 1's step fails.
-        submitted = threading.Event()
-        hold_steps(engine, 0, monkeypatch, submitted)
-        hold_steps(engine, 1, monkeypatch, submitted, fail=True)
-        rids = [engine.submit(p, greedy) for p in prompts[:4]]
-        where = [engine.replica_index(rid) for rid in rids]
-        submitted.set()
-        assert sorted(where) == [0, 0, 1, 1], where
-        done = [engine.result(rid, timeout=60) for rid in rids]
-        for i, (r, completion) in enumerate(zip(where, done)):
-            if r == 1:
-                assert completion.finish_reason == "error" and completion.retryable, completion
-                assert "injected device failure" in completion.error
-            else:
-                assert completion.finish_reason == "length" and completion.token_ids == solo[i]
 
-        # While it is rebuilt the other replica takes every request, and the engine stays ready.
-        health = engine.replica_health()
-        assert [h.state for h in health] == ["healthy", "restarting"] and engine.ready.is_set()
-        assert "injected device failure" in health[1].failure
-        rids = [engine.submit(p, greedy) for p in prompts[4:]]
-        assert [engine.replica_index(rid) for rid in rids] == [0, 0]
-        assert [engine.result(rid, timeout=60).token_ids for rid in rids] == solo[4:]
+def check_failures_and_rebuilds(engine, greedy, prompts, solo, gate, monkeypatch) -> None:
+    # Requests on both replicas, routed by load (queued while the loops are stopped, so none has
+    # finished before the last is routed); replica 1's first step fails.
+    engine.stop()
+    break_replica(engine, 1, monkeypatch)
+    rids = [engine.submit(p, greedy) for p in prompts[:4]]
+    where = [engine.replica_index(rid) for rid in rids]
+    engine.start()
+    assert sorted(where) == [0, 0, 1, 1], where
+    done = [engine.result(rid, timeout=60) for rid in rids]
+    for i, (r, completion) in enumerate(zip(where, done)):
+        if r == 1:
+            assert completion.finish_reason == "error" and completion.retryable, completion
+            assert "injected device failure" in completion.error
+        else:
+            assert completion.finish_reason == "length" and completion.token_ids == solo[i]
 
-        # Replica 0 fails too: nothing serves, submit is a retryable (503) error and ready clears.
-        hold_steps(engine, 0, monkeypatch, submitted, fail=True)
-        failed = engine.result(engine.submit(prompts[0], greedy), timeout=60)
-        assert failed.finish_reason == "error" and failed.retryable
-        assert not engine.ready.is_set()
-        with pytest.raises(NoReplicaError) as refused:
-            engine.submit(prompts[1], greedy)
-        assert refused.value.status == 503
+    # While it is rebuilt the other replica takes every request, and the engine stays ready.
+    health = engine.replica_health()
+    assert [h.state for h in health] == ["healthy", "restarting"] and engine.ready.is_set()
+    assert "injected device failure" in health[1].failure
+    rids = [engine.submit(p, greedy) for p in prompts[4:]]
+    assert [engine.replica_index(rid) for rid in rids] == [0, 0]
+    assert [engine.result(rid, timeout=60).token_ids for rid in rids] == solo[4:]
 
-        # Both come back on their devices: ready again, one restart each, the solo run's tokens on both.
-        gate.set()
-        wait_until(lambda: all(h.serving for h in engine.replica_health()))
-        assert engine.ready.is_set() and [h.restarts for h in engine.replica_health()] == [1, 1]
-        assert [{d.id for d in e.runner.mesh.devices.flat} for e in engine.replicas] == [
-            {d.id for d in devices} for devices in engine.devices]
-        rids = [engine.submit(p, greedy) for p in prompts[:2]]
-        assert sorted(engine.replica_index(rid) for rid in rids) == [0, 1]
-        assert [engine.result(rid, timeout=60).token_ids for rid in rids] == solo[:2]
+    # Replica 0 fails too: nothing serves, submit is a retryable (503) error and ready clears.
+    break_replica(engine, 0, monkeypatch)
+    failed = engine.result(engine.submit(prompts[0], greedy), timeout=60)
+    assert failed.finish_reason == "error" and failed.retryable
+    assert not engine.ready.is_set()
+    with pytest.raises(NoReplicaError) as refused:
+        engine.submit(prompts[1], greedy)
+    assert refused.value.status == 503
+
+    # Both come back on their devices: ready again, one restart each, the solo run's tokens on both.
+    gate.set()
+    wait_until(lambda: all(h.serving for h in engine.replica_health()))
+    assert engine.ready.is_set() and [h.restarts for h in engine.replica_health()] == [1, 1]
+    assert [{d.id for d in e.runner.mesh.devices.flat} for e in engine.replicas] == [
+        {d.id for d in devices} for devices in engine.devices]
+    engine.stop()  # (both queued before either steps: one each)
+    rids = [engine.submit(p, greedy) for p in prompts[:2]]
+    engine.start()
+    assert sorted(engine.replica_index(rid) for rid in rids) == [0, 1]
+    assert [engine.result(rid, timeout=60).token_ids for rid in rids] == solo[:2]
 
 
 def test_replica_health_counts_each_replica_steps_and_tokens(dp_engine):
@@ -279,17 +288,14 @@ def test_served_replica_failures_are_503s_and_the_server_serves_again_once_rebui
     engine = build_engine(args)
     engine.start()
     engine.ready.set()
-    gate, broken = threading.Event(), threading.Event()
-    broken.set()
-    build = engine.build_replica
-    monkeypatch.setattr(engine, "build_replica", lambda r: (gate.wait(60), build(r))[1])
+    gate = hold_rebuilds(engine, monkeypatch)
     body = {"model": args.model_name(), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
             "temperature": 0}
     try:
         with serving(build_app(engine, args.model_name())) as url:
             expected = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
             for r in (0, 1):
-                hold_steps(engine, r, monkeypatch, broken, fail=True)
+                break_replica(engine, r, monkeypatch)
             # Each replica fails the chat it gets (the first leaves the routing, so the second goes to
             # the other): a 503 to retry after; then none serves and the server is not ready.
             for _ in (0, 1):
@@ -305,5 +311,6 @@ def test_served_replica_failures_are_503s_and_the_server_serves_again_once_rebui
             restarts = [f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
                         if f.name == "jtp:replica_restarts"][0].samples
     finally:
+        gate.set()
         engine.close()
     assert sorted(s.value for s in restarts if s.name.endswith("_total")) == [1.0, 1.0]
