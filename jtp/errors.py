@@ -64,3 +64,11 @@ class WorkerGroupError(RequestError):
 
     status = 503
     code = "worker_group_failed"
+
+
+class NoReplicaError(RequestError):
+    """Every data-parallel replica has failed and is being rebuilt: the same request may be retried
+    shortly (HTTP 503 with Retry-After)."""
+
+    status = 503
+    code = "no_replica_available"

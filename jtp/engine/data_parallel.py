@@ -12,6 +12,14 @@ replicas but the requests this front routes. Routing (`_route`):
   resent with its history (or another prompt sharing a system prompt) goes where its prefix is
   cached -- unless that replica's batch is full and another has less load;
 - otherwise the least loaded replica: running + waiting (+ being submitted) requests, then KV use.
+
+Health: a replica whose step fails fails whole (`Engine.fail`: its device state is no longer
+trustworthy, so every request it held ends with a retryable error, an HTTP 503). It leaves the
+routing at once -- new requests go to the others; with none left, `submit` raises NoReplicaError
+(503) and `ready` clears -- and is rebuilt on its devices in the background (closed first, to free
+its memory; warmed up and started as the others were), then routed to again. `replica_health()`:
+each replica's state, restarts, steps, tokens and step time (/metrics labels them `replica`).
+In manual mode (`step()` called by hand, no loop) a failed step raises to its caller, as with one Engine.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import threading
 from typing import Callable, Sequence
 
@@ -31,8 +40,12 @@ from jtp.core.block_hash import block_keys, root_key
 from jtp.core.multimodal import ImagePrompt
 from jtp.core.sampling_params import SamplingParams
 from jtp.engine.engine import Completion, Engine
+from jtp.engine.output_processor import generate_all
 from jtp.engine.stats import EngineStats
-from jtp.errors import ConfigError, RequestError
+from jtp.engine.step_timing import StepTiming
+from jtp.errors import ConfigError, NoReplicaError, RequestError, WorkerGroupError
+
+log = logging.getLogger(__name__)
 
 AFFINITY_KEYS = 1 << 16  # block keys remembered for routing (LRU): about 1M prompt tokens at 16 per block
 
@@ -59,12 +72,41 @@ def replica_devices(args: EngineArgs) -> list[list]:
     return [devices[r * tp:(r + 1) * tp] for r in range(dp)]
 
 
+@dataclasses.dataclass
+class ReplicaHealth:
+    """One replica's health and work; the counters add up over its restarts (they never go back)."""
+
+    serving: bool = True  # routed to; False from a failure until its rebuild serves
+    restarts: int = 0  # rebuilds that came back
+    steps: int = 0
+    tokens: int = 0  # tokens generated
+    step_seconds: float = 0.0  # the steps' time, all together
+    failure: str | None = None  # why it last failed
+
+    @property
+    def state(self) -> str:
+        return "healthy" if self.serving else "restarting"
+
+    @property
+    def mean_step_seconds(self) -> float:
+        return self.step_seconds / self.steps if self.steps else 0.0
+
+    def record(self, timing: StepTiming) -> None:
+        """The replica's `step_timings` hook (on its loop thread)."""
+        self.steps += 1
+        self.tokens += timing.tokens
+        self.step_seconds += timing.total
+
+
 class DataParallelEngine:
     group = None  # replicas are single-process (see replica_devices)
-    failure = None  # only a worker group fails an engine as a whole
+    failure = None  # a failed replica is rebuilt: the engine as a whole never fails (jtp serve's restart)
 
     def __init__(self, replicas: Sequence[Engine]):
         self.replicas = list(replicas)
+        # What a rebuild needs: each replica's devices, in its mesh's order.
+        self.devices = [list(replica.runner.mesh.devices.flat) for replica in self.replicas]
+        self.health = [ReplicaHealth() for _ in self.replicas]
         first = self.replicas[0]
         # What every replica shares (one config, one checkpoint): read off the first.
         self.config, self.cfg, self.tokenizer = first.config, first.cfg, first.tokenizer
@@ -73,7 +115,7 @@ class DataParallelEngine:
         self.ready = threading.Event()  # every replica warmed up (or the server says so without warm-up)
         self.failed = threading.Event()
         self.warmup_report = None
-        self._lock = threading.Lock()  # routing state: owners, pending, affinity
+        self._lock = threading.Lock()  # routing state (owners, pending, affinity), the replicas and their health
         self._owner: dict[str, Engine] = {}  # request id -> replica (stale once the replica released it)
         self._pending: dict[str, Engine] = {}  # ids being submitted right now
         self._sweep_at = 1024
@@ -82,6 +124,12 @@ class DataParallelEngine:
         self._root = root_key(first.cache_identity)
         self._block_size = first.config.block_size
         self._prefix_caching = first.config.enable_prefix_caching
+        # How a rebuilt replica joins the others (set by warmup / start / stop, under the lock).
+        self._warmed = self._started = self._ready_lost = False
+        self._retired = threading.Event()  # draining or closed: a failed replica is not rebuilt
+        self._rebuilds: dict[int, threading.Thread] = {}
+        for r, replica in enumerate(self.replicas):
+            self._watch(r, replica)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "DataParallelEngine":
@@ -110,14 +158,16 @@ class DataParallelEngine:
         return stats.num_running + stats.num_waiting + pending, used
 
     def _route(self, prompt_ids: list[int]) -> int:
-        """The replica for a new prompt (routing lock held); remembers its blocks' keys there."""
-        loads = [self._load(r, e.stats()) for r, e in enumerate(self.replicas)]
-        least = min(range(len(loads)), key=lambda r: (loads[r], r))
+        """The serving replica for a new prompt (routing lock held); remembers its blocks' keys there."""
+        loads = {r: self._load(r, self.replicas[r].stats()) for r, h in enumerate(self.health) if h.serving}
+        if not loads:
+            raise NoReplicaError(f"all {len(self.replicas)} replicas failed and are being rebuilt; retry shortly")
+        least = min(loads, key=lambda r: (loads[r], r))
         keys = block_keys(self._root, prompt_ids, self._block_size) if self._prefix_caching else []
         chosen = least
         # The longest remembered prefix wins, unless its replica's batch is full and another has room.
         home = next((self._affinity[k] for k in reversed(keys) if k in self._affinity), None)
-        if home is not None and not (loads[home][0] >= self.config.max_num_seqs and loads[home][0] > loads[least][0]):
+        if home in loads and not (loads[home][0] >= self.config.max_num_seqs and loads[home][0] > loads[least][0]):
             chosen = home
         for key in keys:
             self._affinity[key] = chosen
@@ -135,8 +185,17 @@ class DataParallelEngine:
 
     def submit(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None,
                images: Sequence[ImagePrompt] = ()) -> str:
-        """Route the request to a replica and submit it there; the id is unique across replicas."""
+        """Route the request to a serving replica and submit it there; the id is unique across replicas.
+        A replica that fails between the routing and its submit passes the request on to another."""
         prompt_ids = [int(t) for t in prompt_ids]
+        for attempt in itertools.count(1):
+            try:
+                return self._submit_once(prompt_ids, params, request_id, images)
+            except WorkerGroupError:  # the replica failed (it is out of routing now): route again
+                if attempt >= len(self.replicas):
+                    raise
+
+    def _submit_once(self, prompt_ids: list[int], params, request_id, images) -> str:
         with self._lock:
             rid = request_id
             while rid is None or (request_id is None and self._in_use(rid)):
@@ -187,43 +246,62 @@ class DataParallelEngine:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
         """Offline batch, spread over the replicas; results in input order."""
-        return Engine.generate(self, prompts, params)  # only submit / abort / release / result: ours
+        return generate_all(self, prompts, params)
 
     # ------------------------------------------------------------------ stepping and lifetime
 
+    def _serving(self) -> list[Engine]:
+        with self._lock:
+            return [replica for replica, health in zip(self.replicas, self.health) if health.serving]
+
     def step(self) -> list:
-        """Manual mode: one step of every replica (each dispatches before it waits on its previous
-        step, so the replicas' devices overlap)."""
-        return [event for replica in self.replicas for event in replica.step()]
+        """Manual mode: one step of every serving replica (each dispatches before it waits on its
+        previous step, so the replicas' devices overlap)."""
+        return [event for replica in self._serving() for event in replica.step()]
 
     def has_unfinished(self) -> bool:
-        return any(replica.has_unfinished() for replica in self.replicas)
+        return any(replica.has_unfinished() for replica in self._serving())
 
-    def _each(self, fn: Callable[[Engine], object]) -> list:
+    def _each(self, fn: Callable[[Engine], object], replicas: Sequence[Engine] | None = None) -> list:
         """fn on every replica at once (warm-up, drain: each waits on its own devices)."""
-        with concurrent.futures.ThreadPoolExecutor(len(self.replicas), "jtp-dp") as pool:
-            return list(pool.map(fn, self.replicas))
+        replicas = self.replicas if replicas is None else replicas
+        with concurrent.futures.ThreadPoolExecutor(len(replicas), "jtp-dp") as pool:
+            return list(pool.map(fn, replicas))
 
     def warmup(self, progress: bool = False, interrupted: Callable[[], bool] = lambda: False) -> int:
         compiled = self._each(lambda e: e.warmup(progress and e is self.replicas[0], interrupted))
         self.warmup_report = self.replicas[0].warmup_report
-        if all(replica.ready.is_set() for replica in self.replicas):
-            self.ready.set()
+        with self._lock:
+            if all(replica.ready.is_set() for replica in self.replicas):
+                self._warmed = True  # a rebuilt replica is warmed up too
+                self.ready.set()
         return sum(compiled)
 
     def start(self) -> None:
-        for replica in self.replicas:
+        with self._lock:
+            self._started = True  # a rebuilt replica starts its loop too
+        for replica in self._serving():
             replica.start()
 
     def stop(self) -> None:
-        for replica in self.replicas:
+        with self._lock:
+            self._started = False
+            replicas = list(self.replicas)
+        for replica in replicas:
             replica.stop()
 
     def drain(self, timeout: float) -> bool:
-        return all(self._each(lambda e: e.drain(timeout)))
+        self._retired.set()  # shutting down: no rebuilds
+        serving = self._serving()
+        return all(self._each(lambda e: e.drain(timeout), serving)) if serving else True
 
     def close(self) -> None:
+        self._retired.set()
         self.ready.clear()
+        with self._lock:
+            rebuilds = list(self._rebuilds.values())
+        for thread in rebuilds:  # a rebuild gives up at its next look at _retired (a load runs to its end)
+            thread.join()
         for replica in self.replicas:
             replica.close()
 
@@ -236,7 +314,81 @@ class DataParallelEngine:
     def reset_prefix_cache(self) -> int:
         with self._lock:
             self._affinity.clear()
-        return sum(replica.reset_prefix_cache() for replica in self.replicas)
+        return sum(replica.reset_prefix_cache() for replica in self._serving())
+
+    # ------------------------------------------------------------------ health
+
+    def _watch(self, r: int, replica: Engine) -> None:
+        """Hook replica `r` up: its failure is reported here, its steps counted in its health."""
+        replica.on_failure = self._on_replica_failure
+        replica.step_timings = self.health[r].record
+
+    def _on_replica_failure(self, replica: Engine) -> None:
+        """A replica failed (its requests have ended, retryable): out of the routing at once, and
+        rebuilt in the background. Called on its loop thread."""
+        with self._lock:
+            r = next((i for i, e in enumerate(self.replicas) if e is replica), None)
+            if r is None or not self.health[r].serving:
+                return  # an old replica, or a failure already reported
+            health = self.health[r]
+            health.serving, health.failure = False, replica.failure
+            for key in [k for k, home in self._affinity.items() if home == r]:  # its prefix cache is lost
+                del self._affinity[key]
+            if not any(h.serving for h in self.health) and self.ready.is_set():
+                self.ready.clear()  # nothing serves: /ready says so until a replica is back
+                self._ready_lost = True
+            if self._retired.is_set():
+                return
+            thread = self._rebuilds[r] = threading.Thread(target=self._rebuild, args=(r, replica),
+                                                          name=f"jtp-dp-rebuild-{r}", daemon=True)
+        log.error("replica %d failed (%s); rebuilding it on its devices", r, replica.failure)
+        thread.start()
+
+    def build_replica(self, r: int) -> Engine:
+        """A new engine on replica `r`'s devices (a rebuild's; tests hold it up)."""
+        return Engine(self.config, devices=self.devices[r])
+
+    def _rebuild(self, r: int, failed: Engine) -> None:
+        """Free the failed replica's device memory, then build its successor there, warm it up and start
+        it as the others were, and route to it; an attempt that fails is retried after a pause."""
+        try:
+            failed.close()
+        except Exception:  # noqa: BLE001 - what it held is dropped with it anyway
+            log.exception("closing failed replica %d", r)
+        pause = 1.0
+        while not self._retired.is_set():
+            replica = None
+            try:
+                replica = self.build_replica(r)
+                self._watch(r, replica)
+                if self._warmed:
+                    replica.warmup(interrupted=self._retired.is_set)
+                with self._lock:
+                    if self._retired.is_set():  # closed meanwhile: this one is not needed
+                        replica.close()
+                        return
+                    self.replicas[r] = replica
+                    if self._started:
+                        replica.start()
+                    self.health[r].serving = True
+                    self.health[r].restarts += 1
+                    if self._ready_lost:
+                        self.ready.set()
+                        self._ready_lost = False
+                    del self._rebuilds[r]
+                log.warning("replica %d is back (restart %d)", r, self.health[r].restarts)
+                return
+            except Exception:  # noqa: BLE001 - a rebuild must not die: the slot would stay out for good
+                log.exception("rebuilding replica %d failed; retrying in %.0f s", r, pause)
+                if replica is not None:
+                    replica.close()
+                self._retired.wait(pause)
+                pause = min(2 * pause, 60.0)
+
+    def replica_health(self) -> list[ReplicaHealth]:
+        """Each replica's health and work, in replica order (a copy)."""
+        with self._lock:
+            return [dataclasses.replace(health) for health in self.health]
 
     # ------------------------------------------------------------------ stats
 

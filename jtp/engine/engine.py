@@ -48,7 +48,7 @@ from jtp.core.step_input import mask_words
 from jtp.engine.input_processor import InputProcessor
 from jtp.engine.memory import allocate_pools
 from jtp.engine.multimodal import engine_vision, live_images, prompt_images
-from jtp.engine.output_processor import Completion, OutputProcessor, RequestStream, TokenEvent
+from jtp.engine.output_processor import Completion, OutputProcessor, RequestStream, TokenEvent, generate_all
 from jtp.engine.snapshot_api import EngineSnapshots
 from jtp.engine.snapshot_manager import SnapshotManager
 from jtp.engine.stats import EngineStats, collect_stats
@@ -81,6 +81,9 @@ def _drafts_of(row) -> list[int]:
 class Engine(EngineSnapshots):
     # Called after every step with its `StepTiming` (host time by phase), when set.
     step_timings = None
+    # Called with the engine once it has failed (`fail`), when set; a failed step then fails the
+    # whole engine (a data-parallel replica, which is rebuilt: jtp/engine/data_parallel.py).
+    on_failure = None
     _timing: StepTiming | None = None  # the current step's
     warmup_report = None  # the last warm-up's WarmupReport
 
@@ -101,7 +104,7 @@ class Engine(EngineSnapshots):
 
             self.runner = group_runner(group, config, devices)
         self.group = group
-        self.failure: str | None = None  # why the worker group failed (then this engine runs no more steps)
+        self.failure: str | None = None  # why the engine failed: its worker group, or a replica's step (`fail`)
         self.failed = threading.Event()
         self.model_dir = Path(config.model)
         cfg = self.cfg = self.runner.cfg
@@ -160,7 +163,7 @@ class Engine(EngineSnapshots):
         self._stopping = False
         self._draining = False
         if group is not None:
-            group.on_failure(self._on_group_failure)
+            group.on_failure(lambda reason: self.fail(f"the worker group failed ({reason}); retry the request"))
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "Engine":
@@ -315,7 +318,7 @@ class Engine(EngineSnapshots):
                 events += self._process(*inflight.popleft(), start_masks)
             if sample is not None:
                 inflight.append((rows, sample()))
-        timing.total = time.perf_counter() - start
+        timing.total, timing.tokens = time.perf_counter() - start, len(events)
         if self.step_timings is not None:
             self.step_timings(timing)
         return events
@@ -469,17 +472,7 @@ class Engine(EngineSnapshots):
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
         """Offline batch: submit everything at once, run until all finish, results in input order."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = []
-        try:
-            for p, sp in zip(prompts, params_list, strict=True):
-                ids.append(self.submit(p, sp))
-        except Exception:
-            for rid in ids:  # all or nothing: don't leave the valid ones running unowned
-                self.abort(rid)
-                self.release(rid)
-            raise
-        return [self.result(rid) for rid in ids]
+        return generate_all(self, prompts, params)
 
     def warmup(self, progress: bool = False, interrupted: Callable[[], bool] = lambda: False) -> int:
         """Compile every step shape (engine/warmup.py), then set `ready`; give up on stop() or `interrupted()`."""
@@ -510,7 +503,7 @@ class Engine(EngineSnapshots):
             # After a worker-group failure the loop may be stuck in a collective that never ends.
             self._loop.join(None if self.failure is None else 5.0)
         self._loop = None
-        if self.failure is not None:  # its requests were ended by _on_group_failure
+        if self.failure is not None:  # its requests were ended by `fail`
             return
         with self._lock:
             try:
@@ -529,7 +522,7 @@ class Engine(EngineSnapshots):
         self.stop()
         self.ready.clear()
         self._masks.shutdown(wait=True)  # the mask thread: nothing is stepping any more
-        if self.failure is None:
+        if self.failure is None or self.group is None:
             self.runner.close()
         else:  # the device may be stuck in a collective: free nothing there, just end the group
             self.group.close(kill=True)
@@ -553,15 +546,16 @@ class Engine(EngineSnapshots):
                 time.sleep(0.05)
         return not self.has_unfinished()
 
-    def _on_group_failure(self, reason: str) -> None:
-        """A follower died, hung or diverged (called from the group's monitor): end every unfinished
-        request with a retryable error and run no more steps. The step thread may be stuck in a
-        collective, so the step lock is only waited for briefly."""
-        message = f"the worker group failed ({reason}); retry the request"
+    def fail(self, message: str) -> None:
+        """End every unfinished request with the retryable error `message` and run no more steps: a
+        follower died, hung or diverged (the group's monitor calls it), or a replica's step failed.
+        The step thread may be stuck in a collective, so the step lock is only waited for briefly."""
         with self._intake:
             self.failure = message
             self._stopping = True
             self._intake.notify_all()
+        if self.on_failure is not None:  # first: a request retried once it has ended must not come back here
+            self.on_failure(self)
         locked = self._lock.acquire(timeout=2.0)
         try:
             with self._intake:
@@ -588,7 +582,11 @@ class Engine(EngineSnapshots):
                 if self.group is not None:  # in a group a failed step means a broken group
                     if not self.group.failed.wait(1.0):  # let the monitor name the cause if it can
                         self.group.fail(f"a step failed: {type(e).__name__}: {e}")
-                    self.failed.wait(10.0)  # _on_group_failure ends the requests (retryable)
+                    self.failed.wait(10.0)  # `fail` ends the requests (retryable)
+                    return
+                if self.on_failure is not None:  # its device state is no longer trustworthy: rebuilt whole
+                    log.exception("engine step failed; failing the engine")
+                    self.fail(f"a step failed ({type(e).__name__}: {e}); retry the request")
                     return
                 log.exception("engine step failed; failing the running requests")
                 with self._lock:

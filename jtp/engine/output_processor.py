@@ -46,7 +46,7 @@ class TokenEvent:
     finish_reason: str | None = None
     error: str | None = None  # set when finish_reason == "error"
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (finished event)
-    retryable: bool = False  # an "error" the same request may succeed on later (worker group restart)
+    retryable: bool = False  # an "error" the same request may succeed on later (a failed group or replica)
     # What stopped a "stop" (vLLM's stop_reason): the stop string matched, or the stop token id given in
     # stop_token_ids; None for an end-of-sequence token (or any other end).
     stop_reason: str | int | None = None
@@ -64,6 +64,7 @@ class Completion:
     top_logprobs: list[dict[int, float]] | None = None
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    retryable: bool = False  # an "error" the same request may succeed on later (a failed group or replica)
 
 
 class RequestStream:
@@ -335,4 +336,21 @@ class OutputProcessor:
         return Completion(
             req.id, req.prompt_ids, list(req.output_ids), out.text, req.finish_reason,
             out.logprobs or None, out.top_logprobs or None, out.error, out.prompt_logprobs,
+            out.retryable,
         )
+
+
+def generate_all(engine, prompts, params=None) -> list[Completion]:
+    """An offline batch on `engine` (an Engine, or anything with its submit / abort / release /
+    result): submit everything at once, run until all finish, results in input order."""
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    ids = []
+    try:
+        for p, sp in zip(prompts, params_list, strict=True):
+            ids.append(engine.submit(p, sp))
+    except Exception:
+        for rid in ids:  # all or nothing: don't leave the valid ones running unowned
+            engine.abort(rid)
+            engine.release(rid)
+        raise
+    return [engine.result(rid) for rid in ids]

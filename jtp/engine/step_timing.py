@@ -22,6 +22,7 @@ class StepTiming:
     total: float = 0.0
     shape: tuple[int, int, int] | None = None  # (tokens, rows, blocks per row) of the dispatched step
     compiled: bool = False  # the dispatch traced (and compiled) a new step variant
+    tokens: int = 0  # tokens handed out to requests (the processed step's)
 
     @property
     def host_s(self) -> float:

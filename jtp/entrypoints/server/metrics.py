@@ -17,6 +17,11 @@ each stage's steps, busy seconds and bubble share.
 Compilation (`jtp:compilations`, `jtp:compilation_seconds`): the runner's count of step programs
 traced and the time they took; after the warm-up it should not move, and when it does, that step
 stalled every request in it.
+
+Data parallelism (`--data-parallel-size`): the engine's series above come one per replica, labelled
+`replica`, and each replica's health and work beside them (`jtp:replica_*`): 1 while it serves and 0
+while it is rebuilt after a failure, its restarts, steps, tokens generated and the steps' time (the
+mean step time: step seconds over steps).
 """
 
 from __future__ import annotations
@@ -66,6 +71,30 @@ class _EngineStats(Collector):
                 for label_values, table in tables:
                     family.add_metric(label_values, table[kind][i][2])
                 yield family
+        health = getattr(self.engine, "replica_health", None)
+        if health is not None:
+            yield from _replica_health(self.model_name, health())
+
+
+def _replica_health(model_name: str, health: list) -> list:
+    """Each replica's health and work (a data-parallel engine's `replica_health()`), labelled `replica`."""
+    series = (
+        (GaugeMetricFamily, "jtp:replica_healthy", "1 while the replica serves, 0 while it is rebuilt after a failure.",
+         lambda h: float(h.serving)),
+        (CounterMetricFamily, "jtp:replica_restarts", "Times the replica was rebuilt after a failure.",
+         lambda h: h.restarts),
+        (CounterMetricFamily, "jtp:replica_steps", "Engine steps the replica ran.", lambda h: h.steps),
+        (CounterMetricFamily, "jtp:replica_generation_tokens", "Tokens the replica generated.", lambda h: h.tokens),
+        (CounterMetricFamily, "jtp:replica_step_seconds", "Seconds the replica's steps took (over its steps: the "
+         "mean step time).", lambda h: h.step_seconds),
+    )
+    families = []
+    for kind, name, doc, value in series:
+        family = kind(name, doc, labels=["model_name", "replica"])
+        for r, h in enumerate(health):
+            family.add_metric([model_name, str(r)], value(h))
+        families.append(family)
+    return families
 
 
 def _values(stats) -> dict:
@@ -115,7 +144,11 @@ def stats_report(engine) -> dict:
     report = {"engine": dataclasses.asdict(engine.stats())}
     per_replica = getattr(engine, "replica_stats", None)
     if per_replica is not None:
-        report["replicas"] = [{"replica": r, **dataclasses.asdict(s)} for r, s in enumerate(per_replica())]
+        report["replicas"] = [
+            {"replica": r, "state": health.state, "restarts": health.restarts, "steps": health.steps,
+             "tokens": health.tokens, "mean_step_ms": round(1e3 * health.mean_step_seconds, 4),
+             "failure": health.failure, **dataclasses.asdict(stats)}
+            for r, (stats, health) in enumerate(zip(per_replica(), engine.replica_health()))]
     stages = stage_stats(engine)
     if stages:
         report["stages"] = stages

@@ -459,7 +459,7 @@ def _raise_if_failed(event) -> None:
         raise APIError("the server is shutting down; retry the request", 503, code="server_shutting_down",
                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if event.finished and event.finish_reason == "error":
-        if event.retryable:  # the worker group failed and is being restarted: the same request may succeed
+        if event.retryable:  # a worker group or a replica failed and is being restarted: the same request may succeed
             raise APIError(f"generation failed: {event.error}", 503, code="worker_group_failed",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         raise APIError(f"generation failed: {event.error}", 500)
