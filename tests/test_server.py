@@ -206,10 +206,30 @@ def dense_group(dense):
         proc.kill()
 
 
-@pytest.fixture(scope="module", params=["one process", pytest.param("2 processes x 2 devices", marks=pytest.mark.distributed)])
+@pytest.fixture(scope="module")
+def dense_pipeline(dense):
+    """`jtp serve --num-processes 2 -tp 2 -pp 2`: two pipeline stages, one per process, tp=2 in each."""
+    proc, url, log = start_serve(2, "--reasoning-parser", "qwen3", "--num-processes", "2", "--tensor-parallel-size", "2",
+                                 "--pipeline-parallel-size", "2")
+    try:
+        yield Served(dense.engine, url, dense.model, remote=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "".join(log[-50:])
+    finally:
+        proc.kill()
+
+
+# (Data-parallel replicas serve through the openai client in test_data_parallel: in one process the
+# demo finishes a request before a client reads its first event, which the disconnect test needs.)
+SERVED = {"one process": "dense", "2 processes x 2 devices": "dense_group", "pipeline 2 x tp 2": "dense_pipeline"}
+
+
+@pytest.fixture(scope="module", params=[
+    "one process", *(pytest.param(name, marks=pytest.mark.distributed) for name in list(SERVED)[1:])])
 def served(request):
-    """The OpenAI-client tests run against one process and against a two-process tp=4 group."""
-    return request.getfixturevalue("dense" if request.param == "one process" else "dense_group")
+    """The OpenAI-client tests run against one process, a two-process tp=4 group and two pipeline
+    stages in two processes (tp=2 each); the one-process engine is every reference."""
+    return request.getfixturevalue(SERVED[request.param])
 
 
 @pytest.fixture(scope="module")
