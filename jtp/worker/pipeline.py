@@ -348,7 +348,7 @@ class PipelineRunner(ModelRunner):
 
 
 class StageClock:
-    FIELDS = ("steps", "busy_seconds", "mean_step_ms", "bubble_fraction")
+    FIELDS = ("steps", "busy_seconds", "active_seconds", "mean_step_ms", "bubble_fraction")
     """Per-stage timing from when each stage's outputs become ready, one watcher thread per stage
     (a stage's programs finish in the order they were dispatched).
 
@@ -413,7 +413,7 @@ class StageClock:
         with self._lock:
             steps, busy = self._steps[stage], self._busy[stage]
             active = self._active
-        return {"steps": steps, "busy_seconds": round(busy, 6),
+        return {"steps": steps, "busy_seconds": round(busy, 6), "active_seconds": round(active, 6),
                 "mean_step_ms": round(1e3 * busy / steps, 4) if steps else None,
                 "bubble_fraction": round(max(0.0, 1 - busy / active), 4) if active > 0 else None}
 
