@@ -25,7 +25,7 @@ from jtp.core.sampling_params import SamplingParams
 from jtp.engine.data_parallel import build_engine
 from jtp.engine.engine import Engine
 from jtp.errors import ConfigError, RequestError
-from jtp.worker.pipeline import PipelineRunner, stage_layers
+from jtp.worker.pipeline import PipelineRunner, StageClock, stage_layers
 
 
 def staggered_tokens(args: EngineArgs) -> list[list[int]]:
@@ -59,6 +59,23 @@ def test_stage_layers_split_evenly_and_refuse_more_stages_than_layers():
     assert [len(r) for r in stage_layers(5, 2)] == [2, 3]
     with pytest.raises(ConfigError, match="only 2 layers"):
         stage_layers(2, 3)
+
+
+def test_stage_clock_counts_busy_time_and_bubbles_of_a_hand_drawn_timeline():
+    """Two stages, two steps: step 0 dispatched at 0 (stage 0 ends at 1, stage 1 at 2), step 1 at 0.5
+    (stage 0 waits for itself until 1 and ends at 2; stage 1 waits until 2, ends at 3). Each stage is
+    busy 2 of the 3 active seconds: stage 1 idle in [0, 1], stage 0 in [2, 3]."""
+    clock = StageClock(2)
+    try:
+        clock._dispatched_at.update({0: 0.0, 1: 0.5})
+        for stage, end in [(0, 1.0), (1, 2.0), (0, 2.0), (1, 3.0)]:
+            clock._done(stage, end)
+        for stage in (0, 1):
+            stats = clock.stats(stage)
+            assert stats["steps"] == 2 and stats["busy_seconds"] == 2.0 and stats["active_seconds"] == 3.0
+            assert stats["mean_step_ms"] == 1000.0 and stats["bubble_fraction"] == round(1 - 2 / 3, 4)
+    finally:
+        clock.close()
 
 
 PIPE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_blocks=64, max_model_len=128,
