@@ -64,6 +64,7 @@ class FakeRunner:
         self.load_format = "dummy"
         self.mtp_drafts = 0
         self.images = None  # (no vision tower)
+        self.pipeline_depth = 1  # (one stage)
         # As many device leaves as the real model passes (per layer: 11 weights, K and V; plus the
         # embedding, final norm and an untied head).
         L = self.cfg.num_layers
@@ -206,11 +207,11 @@ def make_engine(model_dir: Path, max_num_seqs: int, max_model_len: int, chunk: i
     args = EngineArgs(model=str(model_dir), max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk,
                       max_model_len=max_model_len, skip_tokenizer_init=True, enable_prefix_caching=True,
                       num_blocks=max_num_seqs * (-(-max_model_len // 16)) + 16)
-    real, engine_module.ModelRunner = engine_module.ModelRunner, FakeRunner
+    real, engine_module.runner_class = engine_module.runner_class, lambda config: FakeRunner
     try:
         return engine_module.Engine(EngineConfig.from_args(args))
     finally:
-        engine_module.ModelRunner = real
+        engine_module.runner_class = real
 
 
 def table(results: list[dict], title: str) -> str:
