@@ -54,6 +54,35 @@ def test_stages_give_the_tokens_of_one_engine(model, demo_dir, request):
         assert staggered_tokens(EngineArgs(**base, **split)) == expected, split
 
 
+def test_after_warm_up_a_pipeline_compiles_nothing(demo_dir):
+    """Warm-up lowers every stage's program, hand-off and sampling program ahead; a staggered batch
+    afterwards compiles nothing (JAX's own compile log, which sees every jit) and gives the tokens
+    of one engine."""
+    import logging
+
+    import jax
+
+    base = dict(ENGINE_ARGS, model=str(demo_dir), skip_tokenizer_init=True, dtype="float32")
+    expected = staggered_tokens(EngineArgs(**base))
+    compiled: list[str] = []
+
+    class Compiles(logging.Handler):
+        def emit(self, record):
+            if "Finished XLA compilation" in record.getMessage():
+                compiled.append(record.getMessage())
+
+    with Engine.from_args(EngineArgs(**{**base, "warmup": True}, pipeline_parallel_size=2)) as engine:
+        assert engine.warmup() > 0
+        handler, logger = Compiles(), logging.getLogger("jax")
+        logger.addHandler(handler)
+        try:
+            with jax.log_compiles(True):
+                tokens = run_staggered(engine, engine.cfg.vocab_size)
+        finally:
+            logger.removeHandler(handler)
+    assert tokens == expected and compiled == []
+
+
 def test_stage_layers_split_evenly_and_refuse_more_stages_than_layers():
     assert stage_layers(28, 4) == [range(0, 7), range(7, 14), range(14, 21), range(21, 28)]
     assert [len(r) for r in stage_layers(5, 2)] == [2, 3]

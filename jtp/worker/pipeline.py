@@ -290,14 +290,14 @@ class PipelineRunner(ModelRunner):
         prompt-scores) programs (one process: warm-up compiles ahead only outside groups)."""
         ints, floats, layout, targets = host_buffers(step, self.images is not None)
         forward = layout.forward
-        ints = ints[: forward.offsets()[2]]
+        plan = ints[: forward.offsets()[2]]
         out = []
         x = jax.ShapeDtypeStruct(self._no_sampled.shape, self._no_sampled.dtype, sharding=self._no_sampled.sharding)
         for stage in self.stages:
             key = ("stage", stage.index, forward)
             start = time.perf_counter()
             with count_traces(self):
-                lowered = stage.program.lower(*self._stage_args(stage, x, ints), layout=forward)
+                lowered = stage.program.lower(*self._stage_args(stage, x, plan), layout=forward)
             self.compile_seconds += time.perf_counter() - start
             if key not in skip and (again or key not in self._executables):
                 out.append((key, lowered))
