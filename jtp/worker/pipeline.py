@@ -1,12 +1,15 @@
 """Pipeline parallelism: the model's layers in P contiguous stages, each on its own tensor-parallel
-mesh over a disjoint slice of the devices (stage s: devices [s*tp, (s+1)*tp)), behind the
-ModelRunner interface.
+mesh over a disjoint slice of the devices, behind the ModelRunner interface. Stages are balanced by
+parameter count (`stage_layers`), the LM head counted on the last stage; the last stage sits on the
+first devices, which in a multi-process group are the leader's (it samples).
 
 A step's forward program becomes one program per stage: stage 0 embeds the tokens and runs its
-layers; each later stage runs its layers on the hidden states the one before handed over
-(`jax.device_put` onto the next stage's mesh: a device-to-device copy, never through the host);
-the last applies the final norm and the LM head, and sampling runs on its mesh. Each stage holds
-only its layers' weights and K/V pages (or recurrent states).
+layers; each later stage runs its layers on the hidden states the one before handed over; the last
+applies the final norm and the LM head, and sampling runs on its mesh. Each stage holds only its
+layers' weights and K/V pages (or recurrent states). The hand-off is a collective permute over a
+(stage: 2, tp) mesh of the two stages' devices, which XLA emits (NCCL between GPUs, gloo between
+CPU processes): the same program whether the stages share a process or not. Each process runs
+the stages on its own devices and the hand-offs it takes part in.
 
 The host never waits between stages: JAX dispatches asynchronously and each stage's devices run
 their own queue, so while stage 1 runs step N, stage 0 already runs step N+1 -- provided step N+1
@@ -16,17 +19,20 @@ flight (micro-batch groups: Scheduler's `pipeline_depth`) so every stage has wor
 `StageClock` watches each stage's outputs become ready and keeps per-stage counts for /stats:
 steps, time busy, and the bubble (the share of the pipeline's active time a stage sat idle).
 
-Not yet: stages in several processes (the launcher's groups), snapshots of a pipeline's KV (its
-pages live on several meshes), images (the vision tower needs stage 0's mesh; the text model serves).
+Not yet: snapshots of a pipeline's KV (its pages live on several meshes), images (the vision tower
+would sit with stage 0; the text model serves), the multi-step decode loop, speculative decoding.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import math
 import queue
 import threading
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +45,7 @@ from jtp.core.packed_step import PackedStep, StepLayout
 from jtp.core.step_input import PROMPT_CHUNK, StepInput
 from jtp.errors import ConfigError, RequestError
 from jtp.loading.weights import load_params
+from jtp.models import family_of
 from jtp.models.attention import choose_attention
 from jtp.models.layers import use_fp8_kernel
 from jtp.models.moe import choose_experts
@@ -47,12 +54,44 @@ from jtp.worker.runner import ModelRunner, fp8_kernel_wanted, host_buffers, plan
 from jtp.worker.trace_count import count_traces, note_trace
 
 
-def stage_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Each stage's contiguous layers, as even as they split (earlier stages one fewer when they do not)."""
-    if num_layers < num_stages:
-        raise ConfigError(f"--pipeline-parallel-size {num_stages}: the model has only {num_layers} layers")
-    bounds = [s * num_layers // num_stages for s in range(num_stages + 1)]
+def stage_layers(layer_costs: Sequence[float], num_stages: int, head_cost: float = 0.0) -> list[range]:
+    """Each stage's contiguous layers, so that the costliest stage costs least (the last stage also
+    pays `head_cost`, the LM head). Costs are parameter counts: a decode step reads every weight
+    once, so a stage's time follows its bytes."""
+    L = len(layer_costs)
+    if L < num_stages:
+        raise ConfigError(f"--pipeline-parallel-size {num_stages}: the model has only {L} layers")
+    prefix = [0.0, *itertools.accumulate(layer_costs)]
+    # best[s][i]: the least max-stage cost of layers [0, i) in s stages (the head comes last, below).
+    best = [[math.inf] * (L + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (L + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        extra = head_cost if s == num_stages else 0.0
+        for i in range(s, L + 1):
+            for j in range(s - 1, i):  # stage s holds layers [j, i)
+                cost = max(best[s - 1][j], prefix[i] - prefix[j] + extra)
+                if cost < best[s][i] - 1e-9:  # ties keep the earliest cut: even splits stay even
+                    best[s][i], cut[s][i] = cost, j
+    bounds, i = [L], L
+    for s in range(num_stages, 0, -1):
+        i = cut[s][i]
+        bounds.append(i)
+    bounds.reverse()
     return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def layer_costs(family, cfg) -> tuple[list[float], float]:
+    """(each layer's parameter count, the LM head's): what `stage_layers` balances."""
+    layers = [0.0] * cfg.num_layers
+    head = 0.0
+    for path, source in family.param_layout(cfg, 1).items():
+        size = float(math.prod(source.shape))
+        if path.startswith("layers."):
+            layers[int(path.split(".", 2)[1])] += size
+        elif path == "lm_head" or (path == "embed" and cfg.tie_word_embeddings):
+            head += size
+    return layers, head
 
 
 def stage_keeps(layer_ids: range, first: bool, last: bool, tied: bool, path: str) -> bool:
@@ -158,7 +197,8 @@ class PipelineRunner(ModelRunner):
     def _load_params(self) -> dict:
         """Each local stage's weights on its own mesh; returns the last stage's (the LM head's)."""
         config, cfg = self.config, self.cfg
-        layers = stage_layers(cfg.num_layers, len(self.stage_devices))
+        costs, head = layer_costs(family_of(cfg), cfg)
+        layers = stage_layers(costs, len(self.stage_devices), head)
         self.stages = []
         for s, (devices, layer_ids) in enumerate(zip(self.stage_devices, layers)):
             last = s == len(layers) - 1
