@@ -62,8 +62,8 @@ def hf_greedy(model, ids, images) -> tuple[list[int], np.ndarray]:
     return tokens, np.array(logprobs)
 
 
-def make_engine(path, tp=1, **overrides):
-    args = dict(model=str(path), dtype="float32", tensor_parallel_size=tp, num_blocks=64, block_size=8,
+def make_engine(path, tp=1, pp=1, **overrides):
+    args = dict(model=str(path), dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, num_blocks=64, block_size=8,
                 max_num_seqs=4, max_num_batched_tokens=16, skip_tokenizer_init=True, warmup=False) | overrides
     return Engine.from_args(EngineArgs(**args))
 
@@ -79,12 +79,13 @@ def greedy(engine, ids, prompts, logprobs: list | None = None) -> tuple[list[int
     return [t for e in events for t in e.token_ids], events[-1].cached_tokens
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_image_prompts_give_hf_greedy_tokens(checkpoint, tp):
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
+def test_image_prompts_give_hf_greedy_tokens(checkpoint, tp, pp):
+    """At tp 1 and 2, and as two pipeline stages (the tower and image pool with stage 0)."""
     model, path = checkpoint
     one = [image((1, 8, 8), 1)]  # 16 image tokens: chunks of 16 tokens cut inside them
     two = [image((1, 8, 8), 1), image((1, 4, 6), 2)]
-    engine = make_engine(path, tp)
+    engine = make_engine(path, tp, pp)
     try:
         assert engine.vision is not None and engine.runner.images is not None
         # Text alone through the same (multimodal) engine too: three equal M-RoPE rows.
@@ -93,8 +94,8 @@ def test_image_prompts_give_hf_greedy_tokens(checkpoint, tp):
             ours = []
             tokens = greedy(engine, ids, prompts, ours)[0]
             ref_tokens, ref_logprobs = hf_greedy(model, ids, images)
-            assert tokens == ref_tokens, (tp, len(images))
-            np.testing.assert_allclose(ours, ref_logprobs, atol=2e-4, err_msg=f"tp={tp}, {len(images)} image(s)")
+            assert tokens == ref_tokens, (tp, pp, len(images))
+            np.testing.assert_allclose(ours, ref_logprobs, atol=2e-4, err_msg=f"tp={tp}, pp={pp}, {len(images)} image(s)")
     finally:
         engine.close()
 

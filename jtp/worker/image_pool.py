@@ -70,9 +70,6 @@ def image_pool_for(config, cfg, mesh, dtype) -> tuple["ImagePool | None", object
     config with the tower's M-RoPE split."""
     vision_cfg = vision_config_of(config.model, cfg.model_type, config.load_format, config.num_processes,
                                   cfg.rope_yarn is not None)
-    if vision_cfg is not None and config.pipeline_parallel_size > 1:
-        log.warning("images with --pipeline-parallel-size > 1 are not supported yet: this checkpoint serves text only")
-        vision_cfg = None
     if vision_cfg is None:
         return None, cfg
     pool = ImagePool(config.model, vision_cfg, mesh, dtype, min(config.max_model_len, IMAGE_POOL_TOKENS),

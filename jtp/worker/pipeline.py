@@ -19,8 +19,9 @@ flight (micro-batch groups: Scheduler's `pipeline_depth`) so every stage has wor
 `StageClock` watches each stage's outputs become ready and keeps per-stage counts for /stats:
 steps, time busy, and the bubble (the share of the pipeline's active time a stage sat idle).
 
-Not yet: snapshots of a pipeline's KV (its pages live on several meshes), images (the vision tower
-would sit with stage 0; the text model serves), the multi-step decode loop, speculative decoding.
+Images: the vision tower and the image pool live with stage 0 (its embedding reads the pool); the
+later stages see the M-RoPE positions in the step's metadata. Not yet: snapshots of a pipeline's KV
+(its pages live on several meshes), the multi-step decode loop, speculative decoding.
 """
 
 from __future__ import annotations
@@ -221,6 +222,14 @@ class PipelineRunner(ModelRunner):
     @property
     def all_devices(self) -> list:
         return list(self._devices)
+
+    @property
+    def embedding_mesh(self):
+        return self.stages[0].mesh
+
+    def _use_image_pool(self) -> None:
+        first = self.stages[0]
+        first.params = {**first.params, "image_pool": self.images.pool}
 
     # ------------------------------------------------------------------ the cache
 

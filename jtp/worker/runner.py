@@ -120,9 +120,9 @@ class ModelRunner:
         self.params = self._load_params()
         self.load_format = config.load_format  # "dummy": no files to fingerprint (snapshots, launcher)
         # A checkpoint with a vision tower: its encoder and the pool of image-token embeddings the steps read.
-        self.images, self.cfg = image_pool_for(config, self.cfg, self.mesh, self.dtype)
+        self.images, self.cfg = image_pool_for(config, self.cfg, self.embedding_mesh, self.dtype)
         if self.images is not None:
-            self.params = {**self.params, "image_pool": self.images.pool}
+            self._use_image_pool()
         if fp8_kernel_wanted(self.mesh):
             self.params = use_fp8_kernel(self.params)
         self.block_size = block_size = config.block_size
@@ -210,7 +210,16 @@ class ModelRunner:
         try:
             return self.images.place(images, in_use)
         finally:  # the pool the steps read: the new one, also when an encode failed half way
-            self.params = {**self.params, "image_pool": self.images.pool}
+            self._use_image_pool()
+
+    @property
+    def embedding_mesh(self):
+        """Where the embedding (and the image pool it reads) lives."""
+        return self.mesh
+
+    def _use_image_pool(self) -> None:
+        """The steps read the image pool as it is now (the pool is replaced as images are placed)."""
+        self.params = {**self.params, "image_pool": self.images.pool}
 
     def warm_images(self) -> int:
         """Compile the vision encoder's patch buckets (warm-up); how many (0: no tower)."""
@@ -219,7 +228,7 @@ class ModelRunner:
         try:
             return self.images.warm(MAX_IMAGE_PATCHES)
         finally:
-            self.params = {**self.params, "image_pool": self.images.pool}
+            self._use_image_pool()
 
     def allocate_cache(self, num_blocks: int) -> None:
         self.cache = None  # drop the old buffers before allocating the new ones
