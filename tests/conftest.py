@@ -92,6 +92,23 @@ def demo_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory):
+    """A tiny Qwen3 MoE checkpoint (tests/hf_models.py): its directory."""
+    pytest.importorskip("torch")
+    from hf_models import make_hf_checkpoint
+
+    return str(make_hf_checkpoint("qwen3_moe", tmp_path_factory.mktemp("tiny-moe"))[1])
+
+
+@pytest.fixture(scope="session", params=["demo", "moe", "hybrid"])
+def staggered_model(request):
+    """The three families a staggered batch is checked on: the demo Qwen3, a tiny MoE, a tiny hybrid."""
+    fixture = {"demo": "demo_dir", "moe": "tiny_moe_dir", "hybrid": "hybrid_hk4"}[request.param]
+    value = request.getfixturevalue(fixture)
+    return str(value[1] if request.param == "hybrid" else value)
+
+
+@pytest.fixture(scope="session")
 def hybrid_hk4(tmp_path_factory):
     """A tiny Qwen3.5 hybrid with 4 key heads and 4 KV heads (tp 1, 2 and 4 all split it), seed 1:
     (the HF model, its directory)."""

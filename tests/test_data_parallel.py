@@ -20,9 +20,8 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
-from loopback import serving
+from loopback import chat_whole_and_streamed, serving, serving_engine
 from prometheus_client.parser import text_string_to_metric_families
 from staggered import ENGINE_ARGS, run_staggered
 
@@ -43,19 +42,8 @@ def staggered_tokens(args: EngineArgs) -> list[list[int]]:
         return run_staggered(engine, engine.cfg.vocab_size)
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    pytest.importorskip("torch")
-    from hf_models import make_hf_checkpoint
-
-    return str(make_hf_checkpoint("qwen3_moe", tmp_path_factory.mktemp("dp-moe"))[1])
-
-
-@pytest.mark.parametrize("model", ["demo", "moe", "hybrid"])
-def test_replicas_give_the_tokens_of_one_engine(model, demo_dir, request):
-    path = {"demo": lambda: str(demo_dir), "moe": lambda: request.getfixturevalue("moe_dir"),
-            "hybrid": lambda: str(request.getfixturevalue("hybrid_hk4")[1])}[model]()
-    base = dict(ENGINE_ARGS, model=path, skip_tokenizer_init=True, dtype="float32")
+def test_replicas_give_the_tokens_of_one_engine(staggered_model):
+    base = dict(ENGINE_ARGS, model=staggered_model, skip_tokenizer_init=True, dtype="float32")
     expected = staggered_tokens(EngineArgs(**base))
     for dp, tp in ((2, 1), (2, 2)):
         assert staggered_tokens(EngineArgs(**base, data_parallel_size=dp, tensor_parallel_size=tp)) == expected, (dp, tp)
@@ -136,32 +124,17 @@ def test_stats_add_up_the_replicas(dp_engine):
 
 
 def test_served_chat_and_stream_and_metrics_per_replica(demo_dir):
-    from jtp.entrypoints.server import build_app
-
     args = EngineArgs(model=str(demo_dir), data_parallel_size=2, max_num_seqs=4, max_num_batched_tokens=32,
                       max_model_len=128, block_size=8, num_blocks=64, warmup=False)
-    engine = build_engine(args)
-    engine.start()
-    engine.ready.set()  # no warm-up: the test compiles only what it uses
-    try:
-        with serving(build_app(engine, args.model_name())) as url:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-            chat = [{"role": "user", "content": "Hello! How are you today?"}]
-            whole = client.chat.completions.create(model=args.model_name(), messages=chat, max_tokens=8,
-                                                   temperature=0)
-            parts = client.chat.completions.create(model=args.model_name(), messages=chat, max_tokens=8,
-                                                   temperature=0, stream=True)
-            streamed = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
-            assert whole.choices[0].message.content and streamed == whole.choices[0].message.content
-            assert whole.usage.completion_tokens == 8
-            # A different chat, while both replicas are idle, still answers (whichever replica).
-            other = client.chat.completions.create(model=args.model_name(), max_tokens=4, temperature=0,
-                                                   messages=[{"role": "user", "content": "Numbers: 1 2 3"}])
-            assert other.choices[0].finish_reason in ("stop", "length")
-            text = httpx.get(f"{url}/metrics").text
-            stats = httpx.get(f"{url}/stats").json()
-    finally:
-        engine.close()
+    with serving_engine(args) as (engine, url, client):
+        whole = chat_whole_and_streamed(client, args.model_name())
+        assert whole.usage.completion_tokens == 8
+        # A different chat, while both replicas are idle, still answers (whichever replica).
+        other = client.chat.completions.create(model=args.model_name(), max_tokens=4, temperature=0,
+                                               messages=[{"role": "user", "content": "Numbers: 1 2 3"}])
+        assert other.choices[0].finish_reason in ("stop", "length")
+        text = httpx.get(f"{url}/metrics").text
+        stats = httpx.get(f"{url}/stats").json()
     replicas = stats["replicas"]
     assert [r["replica"] for r in replicas] == [0, 1] and all(r["state"] == "healthy" for r in replicas)
     assert sum(r["tokens"] for r in replicas) == 8 + 8 + 4 and stats["engine"]["kv_blocks_total"] == 128

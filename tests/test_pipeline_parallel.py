@@ -14,9 +14,8 @@
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
-from loopback import serving
+from loopback import CHAT, chat_whole_and_streamed, serving_engine
 from prometheus_client.parser import text_string_to_metric_families
 from staggered import ENGINE_ARGS, run_staggered
 
@@ -33,22 +32,11 @@ def staggered_tokens(args: EngineArgs) -> list[list[int]]:
         return run_staggered(engine, engine.cfg.vocab_size)
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    pytest.importorskip("torch")
-    from hf_models import make_hf_checkpoint
-
-    return str(make_hf_checkpoint("qwen3_moe", tmp_path_factory.mktemp("pp-moe"))[1])
-
-
-@pytest.mark.parametrize("model", ["demo", "moe", "hybrid"])
-def test_stages_give_the_tokens_of_one_engine(model, demo_dir, request):
-    path = {"demo": lambda: str(demo_dir), "moe": lambda: request.getfixturevalue("moe_dir"),
-            "hybrid": lambda: str(request.getfixturevalue("hybrid_hk4")[1])}[model]()
-    base = dict(ENGINE_ARGS, model=path, skip_tokenizer_init=True, dtype="float32")
+def test_stages_give_the_tokens_of_one_engine(staggered_model, demo_dir):
+    base = dict(ENGINE_ARGS, model=staggered_model, skip_tokenizer_init=True, dtype="float32")
     expected = staggered_tokens(EngineArgs(**base))
     splits = [dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=2, tensor_parallel_size=2)]
-    if model == "demo":
+    if staggered_model == str(demo_dir):
         splits.append(dict(pipeline_parallel_size=2, data_parallel_size=2))
     for split in splits:
         assert staggered_tokens(EngineArgs(**base, **split)) == expected, split
@@ -176,31 +164,16 @@ def test_bad_settings_are_one_line_errors(demo_dir):
 
 
 def test_served_chat_stream_and_stage_stats(demo_dir):
-    from jtp.entrypoints.server import build_app
-
     args = EngineArgs(model=str(demo_dir), pipeline_parallel_size=2, max_num_seqs=4, max_num_batched_tokens=32,
                       max_model_len=128, block_size=8, num_blocks=64, warmup=False)
-    engine = build_engine(args)
-    engine.start()
-    engine.ready.set()  # no warm-up: the test compiles only what it uses
-    try:
-        with serving(build_app(engine, args.model_name())) as url:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-            chat = [{"role": "user", "content": "Hello! How are you today?"}]
-            whole = client.chat.completions.create(model=args.model_name(), messages=chat, max_tokens=8,
-                                                   temperature=0, logprobs=True)
-            parts = client.chat.completions.create(model=args.model_name(), messages=chat, max_tokens=8,
-                                                   temperature=0, stream=True)
-            streamed = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
-            assert whole.choices[0].message.content and streamed == whole.choices[0].message.content
-            # The engine's own greedy tokens for the same prompt.
-            prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True))
-            own = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
-            assert engine.tokenizer.decode(own.token_ids) == whole.choices[0].message.content
-            stats = httpx.get(f"{url}/stats").json()
-            text = httpx.get(f"{url}/metrics").text
-    finally:
-        engine.close()
+    with serving_engine(args) as (engine, url, client):
+        whole = chat_whole_and_streamed(client, args.model_name(), logprobs=True)
+        # The engine's own greedy tokens for the same prompt.
+        prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True))
+        own = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
+        assert engine.tokenizer.decode(own.token_ids) == whole.choices[0].message.content
+        stats = httpx.get(f"{url}/stats").json()
+        text = httpx.get(f"{url}/metrics").text
     stages = stats["stages"]
     assert [s["stage"] for s in stages] == [0, 1] and [s["layers"] for s in stages] == [[0, 1], [1, 2]]
     assert all(s["steps"] > 0 and s["mean_step_ms"] > 0 for s in stages)

@@ -193,30 +193,28 @@ def dense():
         engine.close()
 
 
-@pytest.fixture(scope="module")
-def dense_group(dense):
-    """`jtp serve --num-processes 2 -tp 4` (2 forced CPU devices each) with the dense settings; the
-    one-process `dense` engine is the reference its answers must equal."""
-    proc, url, log = start_serve(2, "--reasoning-parser", "qwen3", "--num-processes", "2", "--tensor-parallel-size", "4")
+def serve_group(dense, *flags: str):
+    """`jtp serve --num-processes 2 FLAGS` (2 forced CPU devices each) with the dense settings; the
+    one-process `dense` engine is the reference its answers must equal. Drains on SIGTERM at the end."""
+    proc, url, log = start_serve(2, "--reasoning-parser", "qwen3", "--num-processes", "2", *flags)
     try:
         yield Served(dense.engine, url, dense.model, remote=True)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, "".join(log[-50:])
     finally:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def dense_group(dense):
+    """A tp=4 group over two processes."""
+    yield from serve_group(dense, "--tensor-parallel-size", "4")
 
 
 @pytest.fixture(scope="module")
 def dense_pipeline(dense):
-    """`jtp serve --num-processes 2 -tp 2 -pp 2`: two pipeline stages, one per process, tp=2 in each."""
-    proc, url, log = start_serve(2, "--reasoning-parser", "qwen3", "--num-processes", "2", "--tensor-parallel-size", "2",
-                                 "--pipeline-parallel-size", "2")
-    try:
-        yield Served(dense.engine, url, dense.model, remote=True)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, "".join(log[-50:])
-    finally:
-        proc.kill()
+    """Two pipeline stages, one per process, tp=2 in each."""
+    yield from serve_group(dense, "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2")
 
 
 # (Data-parallel replicas serve the openai client in test_data_parallel: with requests this short the
