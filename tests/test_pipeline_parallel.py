@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from loopback import CHAT, chat_whole_and_streamed, serving_engine
@@ -135,10 +137,9 @@ def test_steps_in_flight_hold_disjoint_requests_one_per_stage(pipe_engine, demo_
     for prompt, tokens in zip(prompts, results):
         assert engine.generate([prompt], greedy)[0].token_ids == tokens
     # Both stages ran every step the engine dispatched.
-    stats = runner.stage_stats()
-    for _ in range(200):  # the watcher threads see the last outputs become ready
-        if stats[0]["steps"] == stats[1]["steps"]:
-            break
+    stats, deadline = runner.stage_stats(), time.monotonic() + 10
+    while stats[0]["steps"] != stats[1]["steps"] and time.monotonic() < deadline:  # the watchers catch up
+        time.sleep(0.01)
         stats = runner.stage_stats()
     assert stats[0]["steps"] == stats[1]["steps"] > steps_before
 
