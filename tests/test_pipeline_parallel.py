@@ -8,7 +8,8 @@
   once; each stage holds only its own layers' weights and cache.
 - Served: an openai-client chat, streamed and not, equals the engine's own greedy tokens; /stats
   and /metrics count each stage's steps (as many as the engine dispatched).
-- Bad settings are one-line errors; a snapshot save is refused with a clear message.
+- Snapshots saved and loaded through a pipeline continue like one engine's, and load into one.
+- Bad settings are one-line errors.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import httpx
 import pytest
 from loopback import CHAT, chat_whole_and_streamed, serving_engine
 from prometheus_client.parser import text_string_to_metric_families
-from staggered import ENGINE_ARGS, run_staggered
+from staggered import ENGINE_ARGS, run_staggered, snapshot_roundtrip
 
 from jtp.config.engine_args import EngineArgs
 from jtp.core.sampling_params import SamplingParams
 from jtp.engine.data_parallel import build_engine
 from jtp.engine.engine import Engine
-from jtp.errors import ConfigError, RequestError
+from jtp.errors import ConfigError
 from jtp.worker.pipeline import PipelineRunner, StageClock, stage_layers
 
 
@@ -144,13 +145,22 @@ def test_steps_in_flight_hold_disjoint_requests_one_per_stage(pipe_engine, demo_
     assert stats[0]["steps"] == stats[1]["steps"] > steps_before
 
 
-def test_a_snapshot_save_is_refused_with_a_clear_error(pipe_engine, tmp_path):
-    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    rid = pipe_engine.submit(list(range(1, 20)), greedy)
-    pipe_engine.result(rid)
-    pipe_engine.snapshot(tokens=list(range(1, 20)))
-    with pytest.raises(RequestError, match="pipeline-parallel-size"):
-        pipe_engine.save_snapshots(str(tmp_path / "snaps"))
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+def test_snapshots_of_a_pipeline_continue_like_one_engine_and_load_into_one(kind, demo_dir, request, tmp_path):
+    """Save / load through a pipeline (pages and, for the hybrid, state slots gathered and scattered
+    stage by stage): the continuation is one engine's; and the pipeline's files load into an engine
+    without stages (the layers keep their global names) with the same continuation."""
+    model = str(demo_dir) if kind == "qwen3" else str(request.getfixturevalue("hybrid_hk4")[1])
+    args = dict(ENGINE_ARGS, model=model, skip_tokenizer_init=True, dtype="float32", enable_prefix_caching=True)
+    with Engine.from_args(EngineArgs(**args)) as engine:
+        solo = snapshot_roundtrip(engine, str(tmp_path / "solo"))
+    with Engine.from_args(EngineArgs(**args, pipeline_parallel_size=2)) as engine:
+        assert snapshot_roundtrip(engine, str(tmp_path / "pipe")) == solo and solo["hits"] > 0
+    with Engine.from_args(EngineArgs(**args)) as engine:
+        (loaded,) = engine.load_snapshots(str(tmp_path / "pipe"))
+        greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        assert engine.result(engine.restore(loaded, [3, 1, 4, 1, 5], greedy)).token_ids == solo["follow"]
+        assert engine.stats().prefix_cache_hits > 0
 
 
 def test_bad_settings_are_one_line_errors(demo_dir):

@@ -77,10 +77,11 @@ FORMAT_VERSION = 2  # 2: digests of the array files and of the metadata
 
 
 def _refuse_pipeline(engine: "Engine") -> None:
-    """Before anything reaches a group's followers: a pipeline's pages live on several meshes."""
-    if engine.runner.pipeline_depth > 1:
-        raise RequestError("snapshots on disk are not supported with --pipeline-parallel-size > 1 yet (the KV "
-                           "pages live on each stage's devices)")
+    """Before anything reaches a group's followers: a pipeline across processes writes no snapshots yet
+    (each process would hold only its stages' pages)."""
+    if engine.runner.pipeline_depth > 1 and engine.group is not None:
+        raise RequestError("snapshots on disk are not supported yet for a pipeline across processes "
+                           "(--pipeline-parallel-size with --num-processes)")
 
 
 def _model_dir(engine: "Engine", model_dir: str | Path | None) -> Path:

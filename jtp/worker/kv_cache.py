@@ -31,10 +31,11 @@ def shardings_of(tree):
     return jax.tree.map(lambda a: a.sharding, tree)
 
 
-def cache_views(cache) -> tuple[dict[str, dict[str, jax.Array]], dict[str, dict[str, jax.Array]]]:
-    """The engine cache as {"layer_NN": {field: array}}: paged K/V layers, and state-slot layers."""
+def cache_views(cache, first: int = 0) -> tuple[dict[str, dict[str, jax.Array]], dict[str, dict[str, jax.Array]]]:
+    """The engine cache as {"layer_NN": {field: array}}: paged K/V layers, and state-slot layers
+    (`cache` may be a pipeline stage's, whose first layer is `first`)."""
     kv, state = {}, {}
-    for i, layer in enumerate(cache):
+    for i, layer in enumerate(cache, first):
         (kv if isinstance(layer, LayerKV) else state)[layer_name(i)] = dict(layer._asdict())
     return kv, state
 
@@ -58,13 +59,14 @@ def gather_pages(kv, state, block_ids: np.ndarray, slot_ids: np.ndarray) -> dict
     return fn(tree, block_ids, slot_ids)
 
 
-def scatter_pages(cache, block_ids, block_rows, pages, slot_ids, slot_rows, states):
+def scatter_pages(cache, block_ids, block_rows, pages, slot_ids, slot_rows, states, first: int = 0):
     """The cache with pages[block_rows] written to blocks block_ids and states[slot_rows] to slots
-    slot_ids (pages / states: {"layer_NN": {field: array}}); the old cache is donated."""
+    slot_ids (pages / states: {"layer_NN": {field: array}}; `cache` may be a pipeline stage's, whose
+    first layer is `first`); the old cache is donated."""
 
     def fn(cache, block_ids, block_rows, pages, slot_ids, slot_rows, states):
         out = []
-        for i, layer in enumerate(cache):
+        for i, layer in enumerate(cache, first):
             name = layer_name(i)
             if name in pages:
                 src, ids, rows = pages[name], block_ids, block_rows

@@ -20,8 +20,10 @@ flight (micro-batch groups: Scheduler's `pipeline_depth`) so every stage has wor
 steps, time busy, and the bubble (the share of the pipeline's active time a stage sat idle).
 
 Images: the vision tower and the image pool live with stage 0 (its embedding reads the pool); the
-later stages see the M-RoPE positions in the step's metadata. Not yet: snapshots of a pipeline's KV
-(its pages live on several meshes), the multi-step decode loop, speculative decoding.
+later stages see the M-RoPE positions in the step's metadata. Snapshot pages are gathered and
+scattered stage by stage, under the layers' global names (a pipeline's snapshot loads into an engine
+of the same tp without stages, and back). Not yet: snapshots of a pipeline across processes, the
+multi-step decode loop, speculative decoding.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from jtp.models.attention import choose_attention
 from jtp.models.layers import use_fp8_kernel
 from jtp.models.moe import choose_experts
 from jtp.parallel.sharding import make_mesh, replicated
+from jtp.worker import kv_cache
 from jtp.worker.runner import ModelRunner, fp8_kernel_wanted, host_buffers, plan_arrays
 from jtp.worker.trace_count import count_traces, note_trace
 
@@ -370,12 +373,28 @@ class PipelineRunner(ModelRunner):
                 out.append((key, fn.lower(*args) if static is None else fn.lower(*args, layout=static)))
         return out
 
-    # ------------------------------------------------------------------ what a pipeline does not do yet
+    # ------------------------------------------------------------------ snapshot pages, stage by stage
 
-    def gather_pages(self, block_ids, slot_ids):
-        raise RequestError("snapshot pages of a pipeline: not supported yet (jtp/engine/snapshot_store.py refuses)")
+    def gather_pages(self, block_ids: np.ndarray, slot_ids: np.ndarray) -> dict:
+        """As ModelRunner.gather_pages, each stage's layers gathered on its own mesh (one process)."""
+        out: dict = {}
+        for stage in self.stages:
+            views = kv_cache.cache_views(self._stage_cache(stage), stage.layer_ids.start)
+            for kind, layers in kv_cache.gather_pages(*views, block_ids, slot_ids).items():
+                out.setdefault(kind, {}).update(layers)
+        return out
 
-    read_pages = scatter_pages = write_pages = gather_pages
+    def scatter_pages(self, block_ids, block_rows, slot_ids, slot_rows, arrays: dict) -> None:
+        pages = arrays.get("kv", {}) if len(block_ids) else {}
+        states = arrays.get("state", {}) if len(slot_ids) else {}
+        cache = []
+        for stage in self.stages:
+            first = stage.layer_ids.start
+            names = {kv_cache.layer_name(i) for i in stage.layer_ids}
+            cache += kv_cache.scatter_pages(
+                self._stage_cache(stage), block_ids, block_rows, {n: v for n, v in pages.items() if n in names},
+                slot_ids, slot_rows, {n: v for n, v in states.items() if n in names}, first)
+        self.cache = cache
 
     def stage_stats(self) -> list[dict]:
         """Per stage: its layers, devices, steps, busy seconds, mean step time and bubble share
