@@ -646,9 +646,11 @@ def test_a_killed_pipeline_stage_fails_requests_retryably_then_the_pipeline_reco
     server = GroupServer("--no-warmup", "-tp", "2", "-pp", "2")
     try:
         fail_mid_generation(server, lambda pid: os.kill(pid, signal.SIGKILL), stream=True)
-        stats = httpx.get(server.url + "/stats", timeout=10).json()
-        last = stats["stages"][-1]  # the leader's stage counts its steps; the follower's are its own
-        assert last["steps"] > 0 and stats["stages"][0]["steps"] is None
+        # Each stage's steps, the follower's as it reported them (every heartbeat_timeout / 4 = 0.5 s).
+        server.complete()
+        time.sleep(1.5)
+        stages = httpx.get(server.url + "/stats", timeout=10).json()["stages"]
+        assert [s["stage"] for s in stages] == [0, 1] and stages[0]["steps"] == stages[1]["steps"] > 0, stages
     finally:
         server.close()
 

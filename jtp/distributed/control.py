@@ -53,6 +53,7 @@ class Kind(enum.IntEnum):
     FAILED = 8  # follower -> leader: a local operation raised (JSON)
     SHUTDOWN = 9  # leader -> follower: exit cleanly (empty)
     PAGES = 10  # leader -> follower: one snapshot-pages operation (JSON: op and its arguments)
+    STAGES = 11  # follower -> leader: its pipeline stages' counts (JSON: PipelineRunner.stage_stats() entries)
 
 
 class ChannelError(ConnectionError):

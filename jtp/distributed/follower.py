@@ -108,6 +108,9 @@ def run_follower(args: EngineArgs, spec: LaunchSpec, init_timeout: float = 300.0
     runner = runner_class(config)(config, devices)
     every = digest_interval(args)
     channel.send(Kind.READY, json.dumps(describe_mesh(devices)).encode())
+    if hasattr(runner, "stage_stats"):  # a pipeline: its stages' counts for the leader's /stats
+        threading.Thread(target=_report_stages, args=(channel, runner, args.heartbeat_timeout / 4),
+                         name="jtp-stages", daemon=True).start()
     log.info("follower %d ready: %d devices", spec.process_id, len(devices))
     step = 0
     pages: dict = {}  # this process's shards of snapshot pages between two PAGES operations
@@ -178,6 +181,17 @@ def _heartbeat(channel: Channel, interval: float) -> None:
         time.sleep(interval)
         try:
             channel.send(Kind.HEARTBEAT)
+        except ChannelError:
+            return
+
+
+def _report_stages(channel: Channel, runner, interval: float) -> None:
+    """Send this process's pipeline stages' counts (steps, busy time, bubbles) every `interval` s."""
+    while True:
+        time.sleep(interval)
+        mine = [stage for stage in runner.stage_stats() if stage["steps"] is not None]
+        try:
+            channel.send(Kind.STAGES, json.dumps(mine).encode())
         except ChannelError:
             return
 

@@ -63,6 +63,7 @@ class _Follower:
         self.ready_event = threading.Event()
         self.gone = threading.Event()  # its channel closed (it exited)
         self.last_digest = -1  # the latest step it sent a digest of
+        self.stages: list[dict] = []  # its pipeline stages' latest counts (Kind.STAGES)
 
     def name(self) -> str:
         return f"follower {self.process_id} (pid {self.pid})"
@@ -219,6 +220,8 @@ class WorkerGroup:
                 with self._lock:
                     self._their_digests.append((f, msg["step"], msg["digest"]))
                     f.last_digest = max(f.last_digest, msg["step"])
+            elif kind is Kind.STAGES:
+                f.stages = json.loads(payload)
             elif kind is Kind.FAILED:
                 self.fail(f"{f.name()} failed: {json.loads(payload).get('error')}")
 
@@ -378,6 +381,12 @@ class GroupRunner(ModelRunner):
 class GroupPipelineRunner(GroupRunner, PipelineRunner):
     """A pipeline's runner in a group: every process runs the stages on its own devices and the
     hand-offs it takes part in; the leader holds the last stage (it samples)."""
+
+    def stage_stats(self) -> list[dict]:
+        """Each stage's counts: the leader's own, and what the followers last reported of theirs."""
+        reported = {stage["stage"]: stage for f in self.group.followers for stage in f.stages}
+        return [reported.get(stage["stage"], stage) if stage["steps"] is None else stage
+                for stage in super().stage_stats()]
 
 
 def group_runner(group: WorkerGroup, config, devices) -> GroupRunner:
