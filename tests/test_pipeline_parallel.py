@@ -45,15 +45,17 @@ def test_stages_give_the_tokens_of_one_engine(staggered_model, demo_dir):
         assert staggered_tokens(EngineArgs(**base, **split)) == expected, split
 
 
-def test_after_warm_up_a_pipeline_compiles_nothing(demo_dir):
-    """Warm-up lowers every stage's program, hand-off and sampling program ahead; a staggered batch
-    afterwards compiles nothing (JAX's own compile log, which sees every jit) and gives the tokens
-    of one engine."""
+@pytest.mark.parametrize("stages", [2, 3])
+def test_after_warm_up_a_pipeline_compiles_nothing(stages, demo_dir, request):
+    """Warm-up lowers every stage's program, hand-off and sampling program ahead (two stages' equal
+    code stays two executables: 3 stages of the 4-layer hybrid); a staggered batch afterwards
+    compiles nothing (JAX's own compile log, which sees every jit) and gives one engine's tokens."""
     import logging
 
     import jax
 
-    base = dict(ENGINE_ARGS, model=str(demo_dir), skip_tokenizer_init=True, dtype="float32")
+    model = str(demo_dir) if stages == 2 else str(request.getfixturevalue("hybrid_hk4")[1])
+    base = dict(ENGINE_ARGS, model=model, skip_tokenizer_init=True, dtype="float32")
     expected = staggered_tokens(EngineArgs(**base))
     compiled: list[str] = []
 
@@ -62,7 +64,7 @@ def test_after_warm_up_a_pipeline_compiles_nothing(demo_dir):
             if "Finished XLA compilation" in record.getMessage():
                 compiled.append(record.getMessage())
 
-    with Engine.from_args(EngineArgs(**{**base, "warmup": True}, pipeline_parallel_size=2)) as engine:
+    with Engine.from_args(EngineArgs(**{**base, "warmup": True}, pipeline_parallel_size=stages)) as engine:
         assert engine.warmup() > 0
         handler, logger = Compiles(), logging.getLogger("jax")
         logger.addHandler(handler)
@@ -94,6 +96,30 @@ def test_stage_layers_balance_parameter_counts_like_a_brute_force_search():
         assert all(len(r) for r in got) and worst((0, *(r.stop for r in got))) == best, (costs, stages, head)
     with pytest.raises(ConfigError, match="only 2 layers"):
         stage_layers([1, 1], 3)
+
+
+def test_stage_clock_counts_busy_time_and_bubbles_of_a_hand_drawn_timeline():
+    """Two stages, two steps: step 0 dispatched at 0 (stage 0 ends at 1; stage 1's input is ready at
+    1, it ends at 2), step 1 at 0.5 (stage 0 waits for itself until 1 and ends at 2; stage 1's input
+    is ready at 2, it ends at 3). Each stage is busy 2 of the 3 active seconds: stage 1 idle in
+    [0, 1], stage 0 in [2, 3]. Across processes the bubble is unknown."""
+    clock = StageClock([True, True])
+    try:
+        for stage, dispatched, input_at, end in [(0, 0.0, 0.0, 1.0), (1, 0.0, 1.0, 2.0), (0, 0.5, 0.5, 2.0),
+                                                 (1, 0.5, 2.0, 3.0)]:
+            clock._done(stage, dispatched, input_at, end)
+        for stage in (0, 1):
+            stats = clock.stats(stage)
+            assert stats["steps"] == 2 and stats["busy_seconds"] == 2.0 and stats["active_seconds"] == 3.0
+            assert stats["mean_step_ms"] == 1000.0 and stats["bubble_fraction"] == round(1 - 2 / 3, 4)
+    finally:
+        clock.close()
+    remote = StageClock([False, True])  # the leader of a two-process pipeline: the last stage
+    try:
+        remote._done(1, 0.0, 1.0, 2.0)
+        assert remote.stats(1)["busy_seconds"] == 1.0 and remote.stats(1)["bubble_fraction"] is None
+    finally:
+        remote.close()
 
 
 PIPE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_blocks=64, max_model_len=128,

@@ -61,6 +61,7 @@ class Request:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V (and recurrent state) are in the cache
     num_unseen_tokens: int = 0  # tokens sampled by a dispatched step that the host has not seen yet
+    last_scheduled: int = -1  # the scheduler's step count when it last ran (a pipeline serves the oldest first)
     seq_slot: int = -1  # row of the device's sampled-token buffer while running
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -158,6 +159,7 @@ class Scheduler:
         self.num_scheduler_steps = num_scheduler_steps
         self.speculative = speculative
         self.pipeline_depth = pipeline_depth
+        self.steps_scheduled = 0
         max_blocks = -(-max_model_len // pool.block_size)
         self.buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, max_blocks, bucket_row_lens)
         self.waiting: deque[Request] = deque()
@@ -210,7 +212,10 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = Status.FINISHED
 
-    def schedule(self) -> list[ScheduledRow]:
+    def schedule(self, overlap: bool = True) -> list[ScheduledRow]:
+        """The next step's rows. `overlap=False`: the engine runs this step alone (lockstep), so a
+        pipeline's step takes every request it can rather than its share."""
+        self.steps_scheduled += 1
         if self.caching:
             bs = self.pool.block_size
             for r in self.running:
@@ -224,8 +229,11 @@ class Scheduler:
         active = [r for r in self.running if r.num_generated < r.params.max_tokens
                   and not (pipelined and r.num_unseen_tokens)]
         max_rows = self.max_num_seqs
-        if pipelined:  # this step's share of the requests (the running and those that could be)
-            max_rows = -(-min(self.max_num_seqs, len(self.running) + len(self.waiting)) // self.pipeline_depth)
+        if pipelined:
+            active.sort(key=lambda r: r.last_scheduled)  # (stable) those that waited longest first
+            if overlap:  # this step's share of the requests: the running and those a free row could admit
+                admissible = min(len(self.waiting), self.max_num_seqs - len(self.running))
+                max_rows = -(-(len(self.running) + admissible) // self.pipeline_depth)
         decoding = [r for r in active if r.num_tokens - r.num_computed == 1]
         prefilling = [r for r in active if r.num_tokens - r.num_computed > 1]
         for r in decoding + prefilling:
@@ -249,6 +257,7 @@ class Scheduler:
         steps = self._decode_steps(rows)
         for row in rows:
             row.steps = steps
+            row.request.last_scheduled = self.steps_scheduled
             self.pool.append_slots(row.request.id, row.start + row.num_tokens + steps - 1)
             if self.states is not None:
                 self._assign_state_slots(row)

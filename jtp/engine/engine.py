@@ -283,8 +283,9 @@ class Engine(EngineSnapshots):
         history, so batches that use them run in lockstep. A step with a grammar's token masks
         (structured outputs) enqueues its forward program, feeds step N's tokens to the grammars,
         fills the masks on the mask thread while it processes the rest of step N, then enqueues its
-        sampling program (where the runner cannot sample late: lockstep). Returns the events of the
-        step whose results were processed."""
+        sampling program (where the runner cannot sample late: lockstep). A pipeline keeps one step of
+        other requests per stage in flight (`pipeline_depth`), processing the oldest once that many
+        are, or once nothing new can run. Returns the events of the steps processed."""
         timing = self._timing = StepTiming()
         start = time.perf_counter()
         with self._lock:
@@ -298,7 +299,7 @@ class Engine(EngineSnapshots):
             while inflight and (lockstep or self.step_done(inflight[0][1])):
                 events += self._process(*inflight.popleft())
             t = time.perf_counter()
-            rows = self.scheduler.schedule()
+            rows = self.scheduler.schedule(overlap=not lockstep)
             while not rows and self.scheduler.waiting and not self.scheduler.running and len(self.snapshots):
                 # Snapshots are a cache: they never hold a request back for good.
                 victim = self.snapshots.evict_oldest()

@@ -218,7 +218,8 @@ def _compile_ahead(runner: ModelRunner, steps: list[StepInput], workers: int, sh
             for key, program_ir in runner.lower(step, skip=lowered_keys):
                 lowered_keys.add(key)
                 found(1)
-                program = _program_digest(program_ir)
+                # (the same program on other devices, e.g. two pipeline stages', is another executable)
+                program = _program_digest(program_ir) + repr(runner.placement(key)).encode()
                 if program in executables:
                     runner.install(key, executables[program], 0.0)
                     done()

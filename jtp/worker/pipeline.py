@@ -60,8 +60,9 @@ from jtp.worker.trace_count import count_traces, note_trace
 
 def stage_layers(layer_costs: Sequence[float], num_stages: int, head_cost: float = 0.0) -> list[range]:
     """Each stage's contiguous layers, so that the costliest stage costs least (the last stage also
-    pays `head_cost`, the LM head). Costs are parameter counts: a decode step reads every weight
-    once, so a stage's time follows its bytes."""
+    pays `head_cost`, the LM head). Costs are parameter counts: a dense decode step reads every
+    weight once, so a stage's time follows its bytes (a MoE layer reads only the experts its tokens
+    chose, but every layer alike, so the split between layers holds; the head weighs less there)."""
     L = len(layer_costs)
     if L < num_stages:
         raise ConfigError(f"--pipeline-parallel-size {num_stages}: the model has only {L} layers")
@@ -142,7 +143,7 @@ def stage_forward(family, cfg, attention, experts, stage: Stage, params, cache, 
     """A stage before the last: (its output hidden states [1, T, H], its updated cache)."""
     note_trace()
     x, cache, _ = _layers(family, cfg, attention, experts, stage, params, cache, x, ints, layout)
-    return x[None], cache
+    return jax.lax.with_sharding_constraint(x[None], replicated(stage.mesh)), cache  # each device sends it whole
 
 
 def last_stage_forward(family, cfg, attention, experts, logits_sharding, stage: Stage, params, cache, x, hidden_out,
@@ -176,6 +177,7 @@ class PipelineRunner(ModelRunner):
         self.local = [any(d.process_index == me for d in stage) for stage in self.stage_devices]
         # The base runner's mesh is the last stage's: sampling, logits and prompt scores live there.
         super().__init__(config, self.stage_devices[-1])
+        self.stages[-1].params = self.params  # as the base runner left them (FP8 kernel weights)
         for stage in self.stages:
             attention, experts = choose_attention(stage.mesh), choose_experts(stage.mesh, config.enable_expert_parallel)
             if stage is self.stages[-1]:
@@ -185,18 +187,18 @@ class PipelineRunner(ModelRunner):
             else:
                 fn = functools.partial(stage_forward, self.family, self.cfg, attention, experts, stage)
                 stage.program = jax.jit(fn, donate_argnums=(1,), static_argnames=("layout",))
-        # Stage s -> s+1 (and the last -> stage 0, for the sampled tokens): a collective permute over a
-        # (stage: 2, tp) mesh of the two stages' devices, device i of one to device i of the other.
+        # Stage s -> s+1: a collective permute over a (stage: 2, tp) mesh of the two stages' devices,
+        # device i of one to device i of the other.
         self._links = {}
-        for src, dst in [(s, s + 1) for s in range(pp - 1)] + [(pp - 1, 0)]:
+        for src, dst in [(s, s + 1) for s in range(pp - 1)]:
             mesh = Mesh(np.array([self.stage_devices[src], self.stage_devices[dst]]), ("stage", "tp"))
             program = jax.jit(jax.shard_map(_send, mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
             self._links[src, dst] = (mesh, program)
         self._zeros: dict[tuple, jax.Array] = {}  # the receiving side's blocks, by (shape, dtype, device)
-        # Stage 0's sampled-token input when no token of the step needs it (taking the real one makes
-        # stage 0 wait for the step before's sampling).
+        # Stage 0's sampled-token input: never read, as no step of a pipeline names a token still in
+        # flight (the scheduler skips those requests), so stage 0 never waits for the last's sampling.
         self._no_sampled = jax.device_put(np.zeros((1, config.max_num_seqs), np.int32), replicated(self.stages[0].mesh))
-        self.clock = StageClock(len(self.stages))
+        self.clock = StageClock(self.local)
 
     def _load_params(self) -> dict:
         """Each local stage's weights on its own mesh; returns the last stage's (the LM head's)."""
@@ -212,7 +214,7 @@ class PipelineRunner(ModelRunner):
                 keep = functools.partial(stage_keeps, layer_ids, s == 0, last, cfg.tie_word_embeddings)
                 params = load_params(config.model, cfg, mesh, self.dtype, config.enable_expert_parallel, False,
                                      config.load_format, config.quantization, keep)
-                if not last and fp8_kernel_wanted(mesh):  # (the base runner converts the last stage's)
+                if not last and fp8_kernel_wanted(mesh):  # (the base runner converts the last stage's: __init__)
                     params = use_fp8_kernel(params)
             self.stages.append(Stage(s, layer_ids, mesh, params))
         return self.stages[-1].params
@@ -260,6 +262,20 @@ class PipelineRunner(ModelRunner):
     def bytes_per_state_slot(self) -> int:
         return max(self._stage_bytes(s, 1, 2) - self._stage_bytes(s, 1, 1) for s in self.stages) // self.tp
 
+    def memory_stats(self) -> dict | None:
+        """The allocator stats of the local stage device with the least memory free (the pool must fit
+        on every stage: each holds all the blocks for its layers)."""
+        stats = []
+        for stage in self.stages:
+            if self.local[stage.index]:
+                try:
+                    stats.append(stage.mesh.devices.flat[0].memory_stats())
+                except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+                    return None
+        if not stats or any(not s or "bytes_limit" not in s for s in stats):
+            return None
+        return min(stats, key=lambda s: s["bytes_limit"] - s.get("bytes_in_use", 0))
+
     def _stage_cache(self, stage: Stage) -> list:
         return self.cache[stage.layer_ids.start:stage.layer_ids.stop]
 
@@ -306,10 +322,10 @@ class PipelineRunner(ModelRunner):
         return jax.make_array_from_single_device_arrays(shape, replicated(self.stages[dst].mesh), received)
 
     def _first_input(self, ints, layout: StepLayout):
-        """Stage 0's x: the sampled-token buffer, sent from the last stage only when a token needs it."""
+        """Stage 0's x (see `_no_sampled`); a step that names a token still in flight is a bug upstream."""
         if (layout.views(ints)["token_ids"] < 0).any():
-            sampled = self.sampled[None] if self.local[-1] else None
-            return self._hand_over(sampled, len(self.stages) - 1, 0, self._no_sampled.shape, jnp.int32)
+            raise ValueError("a pipeline's step named a token still in flight (token id -1): its scheduler "
+                             "must not schedule a request before its last step's tokens are processed")
         return self._no_sampled
 
     def _pipeline_forward(self, ints, layout: StepLayout):
@@ -327,7 +343,7 @@ class PipelineRunner(ModelRunner):
                 args = self._stage_args(stage, x, ints)
                 compiled = self._executables.get(("stage", stage.index, layout))
                 out = compiled(*args) if compiled is not None else stage.program(*args, layout=layout)
-                self.clock.dispatched(stage.index, out[0], dispatched)
+                self.clock.dispatched(stage.index, out[0], None if stage.first else x, dispatched)
                 cache += out[1]
             if stage is self.stages[-1]:
                 if self.local[-1]:
@@ -373,6 +389,10 @@ class PipelineRunner(ModelRunner):
                 out.append((key, fn.lower(*args) if static is None else fn.lower(*args, layout=static)))
         return out
 
+    def placement(self, key) -> object:
+        """A stage's program or a hand-off: its stages (the same code on two stages is two executables)."""
+        return key[:3] if key[0] == "link" else key[:2] if key[0] == "stage" else "last stage"
+
     # ------------------------------------------------------------------ snapshot pages, stage by stage
 
     def gather_pages(self, block_ids: np.ndarray, slot_ids: np.ndarray) -> dict:
@@ -416,74 +436,69 @@ class PipelineRunner(ModelRunner):
 
 
 class StageClock:
+    """Per-stage timing from when each stage's input and output become ready, one watcher thread per
+    stage (a stage's programs finish in the order they were dispatched).
+
+    Stage s's step n starts once its previous step is done and its input is ready (stage 0's input:
+    the step's dispatch); it is busy from then until its output is ready. Where this process holds
+    every stage, the pipeline is active while some step is between its dispatch and the last
+    stage's end (the union of those spans), and a stage's bubble is the share of that time it was
+    not busy; across processes the bubble is unknown here (None)."""
+
     FIELDS = ("steps", "busy_seconds", "active_seconds", "mean_step_ms", "bubble_fraction")
-    """Per-stage timing from when each stage's outputs become ready, one watcher thread per stage
-    (a stage's programs finish in the order they were dispatched).
 
-    Stage s's step n starts once its previous step and its input (stage s-1's step n) are done
-    (stage 0's: once dispatched); it is busy from then until its output is ready. The pipeline is
-    active while some step is between stage 0's start and the last stage's end (the union of those
-    spans); a stage's bubble is the share of that time it was not busy."""
-
-    def __init__(self, num_stages: int):
+    def __init__(self, local: list[bool]):
         self._lock = threading.Lock()
-        self._steps = [0] * num_stages  # steps each stage finished
-        self._last_ready = [0.0] * num_stages
-        self._busy = [0.0] * num_stages
-        self._ready_at: list[dict[int, float]] = [{} for _ in range(num_stages)]  # step n's end, for the next stage
-        self._dispatched_at: dict[int, float] = {}  # step n's dispatch, for stage 0
-        self._dispatched = 0
-        self._started: dict[int, float] = {}  # step n's start on stage 0, for the last stage
+        self._all_local = all(local)
+        self._last = len(local) - 1
+        self._steps = [0] * len(local)
+        self._last_ready = [0.0] * len(local)
+        self._busy = [0.0] * len(local)
         self._active = 0.0
         self._active_end = 0.0
-        self._queues = [queue.SimpleQueue() for _ in range(num_stages)]
-        for s in range(num_stages):
-            threading.Thread(target=self._watch, args=(s,), name=f"jtp-stage-{s}", daemon=True).start()
+        self._queues = [queue.SimpleQueue() for _ in local]
+        for s, here in enumerate(local):
+            if here:
+                threading.Thread(target=self._watch, args=(s,), name=f"jtp-stage-{s}", daemon=True).start()
 
-    def dispatched(self, stage: int, output, at: float) -> None:
-        if stage == 0:
-            with self._lock:
-                self._dispatched_at[self._dispatched] = at
-                self._dispatched += 1
-        self._queues[stage].put(output)
+    def dispatched(self, stage: int, output, received, at: float) -> None:
+        """Stage `stage` of a step dispatched at `at`: its output, and its input (None for stage 0)."""
+        self._queues[stage].put((output, received, at))
 
     def _watch(self, stage: int) -> None:
         q = self._queues[stage]
-        while (output := q.get()) is not None:
+        while (item := q.get()) is not None:
+            output, received, dispatched = item
+            input_at = dispatched
             try:
+                if received is not None:
+                    received.block_until_ready()
+                    input_at = time.perf_counter()
                 output.block_until_ready()
             except Exception:  # noqa: BLE001 - a failed step is the engine's to report; count it done
                 pass
-            self._done(stage, time.perf_counter())
+            self._done(stage, dispatched, input_at, time.perf_counter())
 
-    def _done(self, stage: int, now: float) -> None:
+    def _done(self, stage: int, dispatched: float, input_at: float, now: float) -> None:
         with self._lock:
-            n, last = self._steps[stage], len(self._steps) - 1
-            previous = self._last_ready[stage] if n else 0.0
-            if stage == 0:
-                start = max(previous, self._dispatched_at.pop(n, now))
-            else:  # (its input's end, if that stage's watcher has seen it yet)
-                start = max(previous, self._ready_at[stage - 1].pop(n, previous or now))
+            start = max(input_at, self._last_ready[stage]) if self._steps[stage] else input_at
             start = min(start, now)
             self._steps[stage] += 1
             self._last_ready[stage] = now
             self._busy[stage] += now - start
-            if stage < last:
-                self._ready_at[stage][n] = now
-            if stage == 0:
-                self._started[n] = start
-            if stage == last:
-                begin = self._started.pop(n, start)
-                self._active += max(0.0, now - max(begin, self._active_end))
+            if stage == self._last and self._all_local:
+                # (from the dispatch: until stage 0 starts it, stage 0 is busy with the step before)
+                self._active += max(0.0, now - max(dispatched, self._active_end))
                 self._active_end = max(self._active_end, now)
 
     def stats(self, stage: int) -> dict:
         with self._lock:
             steps, busy = self._steps[stage], self._busy[stage]
-            active = self._active
-        return {"steps": steps, "busy_seconds": round(busy, 6), "active_seconds": round(active, 6),
+            active = self._active if self._all_local else None
+        return {"steps": steps, "busy_seconds": round(busy, 6),
+                "active_seconds": None if active is None else round(active, 6),
                 "mean_step_ms": round(1e3 * busy / steps, 4) if steps else None,
-                "bubble_fraction": round(max(0.0, 1 - busy / active), 4) if active > 0 else None}
+                "bubble_fraction": round(max(0.0, 1 - busy / active), 4) if active else None}
 
     def close(self) -> None:
         for q in self._queues:

@@ -371,6 +371,8 @@ class ModelRunner:
             self.compile_seconds += time.perf_counter() - start
         return out
 
+    placement = staticmethod(lambda key: None)  # where the program of `key` runs (here: all on one mesh)
+
     def install(self, key, compiled: jax.stages.Compiled, seconds: float) -> None:
         """Use `compiled` (from `lower(...)[i][1].compile()`, which took `seconds`) for programs of `key`."""
         self._executables[key] = compiled

@@ -177,7 +177,8 @@ class _StageStats(Collector):
         ):
             family = kind(name, doc, labels=labels)
             for stage in stages:
-                family.add_metric([self.model_name, str(stage["replica"]), str(stage["stage"])], stage[key] or 0.0)
+                if stage[key] is not None:  # (unknown: a bubble across processes, a stage not yet reported)
+                    family.add_metric([self.model_name, str(stage["replica"]), str(stage["stage"])], stage[key])
             yield family
 
 
