@@ -73,8 +73,8 @@ class ScheduleSpy:
         self.running: list[int] = []
         inner = engine.scheduler.schedule
 
-        def schedule():
-            rows = inner()
+        def schedule(*args, **kwargs):
+            rows = inner(*args, **kwargs)
             if rows:
                 self.steps.append(
                     [(r.request.id, r.start, r.num_tokens, len(r.request.prompt_ids), r.request.num_tokens) for r in rows]

@@ -179,8 +179,8 @@ def record_schedule(engine) -> list:
     seen = []
     schedule = engine.scheduler.schedule
 
-    def spy():
-        rows = schedule()
+    def spy(*args, **kwargs):
+        rows = schedule(*args, **kwargs)
         for row in rows:
             req = row.request
             if row.picks_next_token:

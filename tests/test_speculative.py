@@ -227,8 +227,8 @@ def test_rows_that_cannot_speculate_never_draft(dense_path):
     seen = []
     schedule = engine.scheduler.schedule
 
-    def spy():
-        rows = schedule()
+    def spy(*args, **kwargs):
+        rows = schedule(*args, **kwargs)
         seen.extend((row.request.params, row.request.num_generated, len(row.drafts)) for row in rows)
         return rows
 
