@@ -41,6 +41,9 @@ def test_stages_give_the_tokens_of_one_engine(staggered_model, demo_dir):
     splits = [dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=2, tensor_parallel_size=2)]
     if staggered_model == str(demo_dir):
         splits.append(dict(pipeline_parallel_size=2, data_parallel_size=2))
+        with build_engine(EngineArgs(**base, pipeline_parallel_size=2, data_parallel_size=2)) as engine:
+            # What a failed replica is rebuilt on: all its stages' devices, none shared between replicas.
+            assert [len(d) for d in engine.devices] == [2, 2] and len({d.id for ds in engine.devices for d in ds}) == 4
     for split in splits:
         assert staggered_tokens(EngineArgs(**base, **split)) == expected, split
 

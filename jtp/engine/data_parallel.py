@@ -104,8 +104,8 @@ class DataParallelEngine:
 
     def __init__(self, replicas: Sequence[Engine]):
         self.replicas = list(replicas)
-        # What a rebuild needs: each replica's devices, in its mesh's order.
-        self.devices = [list(replica.runner.mesh.devices.flat) for replica in self.replicas]
+        # What a rebuild needs: each replica's devices (a pipeline's: every stage's), in the runner's order.
+        self.devices = [replica.runner.all_devices for replica in self.replicas]
         self.health = [ReplicaHealth() for _ in self.replicas]
         first = self.replicas[0]
         # What every replica shares (one config, one checkpoint): read off the first.
