@@ -38,14 +38,13 @@ import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jtp.config.engine_config import EngineConfig
 from jtp.core.packed_step import PackedStep, StepLayout
-from jtp.core.step_input import PROMPT_CHUNK, StepInput
+from jtp.core.step_input import StepInput
 from jtp.errors import ConfigError, RequestError
 from jtp.loading.weights import load_params
 from jtp.models import family_of
@@ -127,14 +126,9 @@ def runner_class(config: EngineConfig) -> type[ModelRunner]:
 
 
 def _layers(family, cfg, attention, experts, stage: Stage, params, cache, x, ints, layout: StepLayout):
-    """x [1, T, H] through the stage's layers; stage 0 takes the sampled-token buffer [1, S] as x and
-    embeds the step's tokens (token -1: the one last sampled for the row's slot)."""
-    tokens, meta, logits_indices, seq_slots = plan_arrays(layout, layout.views(ints))
-    if stage.first:
-        tokens = jnp.where(tokens >= 0, tokens, x[0, jnp.maximum(seq_slots[meta.token_rows], 0)])
-        x = family.embed(params, cfg, tokens, meta)
-    else:
-        x = x[0]
+    """x [1, T, H] through the stage's layers; stage 0 (x None) embeds the step's tokens."""
+    tokens, meta, logits_indices, _ = plan_arrays(layout, layout.views(ints))
+    x = family.embed(params, cfg, tokens, meta) if stage.first else x[0]
     x, cache = family.decoder_layers(params, cfg, x, cache, meta, attention, experts, stage.layer_ids)
     return x, cache, logits_indices
 
@@ -195,9 +189,6 @@ class PipelineRunner(ModelRunner):
             program = jax.jit(jax.shard_map(_send, mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
             self._links[src, dst] = (mesh, program)
         self._zeros: dict[tuple, jax.Array] = {}  # the receiving side's blocks, by (shape, dtype, device)
-        # Stage 0's sampled-token input: never read, as no step of a pipeline names a token still in
-        # flight (the scheduler skips those requests), so stage 0 never waits for the last's sampling.
-        self._no_sampled = jax.device_put(np.zeros((1, config.max_num_seqs), np.int32), replicated(self.stages[0].mesh))
         self.clock = StageClock(self.local)
 
     def _load_params(self) -> dict:
@@ -321,18 +312,24 @@ class PipelineRunner(ModelRunner):
             return None
         return jax.make_array_from_single_device_arrays(shape, replicated(self.stages[dst].mesh), received)
 
-    def _first_input(self, ints, layout: StepLayout):
-        """Stage 0's x (see `_no_sampled`); a step that names a token still in flight is a bug upstream."""
+    def _hidden_shape(self, layout: StepLayout) -> tuple[int, int, int]:
+        """What a stage hands to the next: hidden states [1, T, H]."""
+        return 1, layout.num_tokens, self.cfg.hidden_size
+
+    @staticmethod
+    def _refuse_tokens_in_flight(ints, layout: StepLayout) -> None:
+        """Stage 0 reads every token from the step (it never waits for the last stage's sampling): the
+        scheduler skips requests whose token is still in flight, so a -1 token is a bug upstream."""
         if (layout.views(ints)["token_ids"] < 0).any():
             raise ValueError("a pipeline's step named a token still in flight (token id -1): its scheduler "
                              "must not schedule a request before its last step's tokens are processed")
-        return self._no_sampled
 
     def _pipeline_forward(self, ints, layout: StepLayout):
         """Each local stage's program in turn, the hidden states handed from stage to stage; returns
         what the one-mesh forward program returns: (logits, the whole cache, hidden states), logits
         None where the last stage is another process's."""
-        x, cache = self._first_input(ints, layout), []
+        self._refuse_tokens_in_flight(ints, layout)
+        x, cache = None, []
         dispatched = time.perf_counter()
         logits = None
         for stage in self.stages:
@@ -350,44 +347,33 @@ class PipelineRunner(ModelRunner):
                     logits, self.hidden = out[0], out[2]
                 return logits, cache, self.hidden
             if self.local[stage.index] or self.local[stage.index + 1]:
-                x = self._hand_over(out[0], stage.index, stage.index + 1, (1, layout.num_tokens, self.cfg.hidden_size),
-                                    self.dtype)
+                x = self._hand_over(out[0], stage.index, stage.index + 1, self._hidden_shape(layout), self.dtype)
 
     def lower(self, step: PackedStep | StepInput, skip=frozenset(), again: bool = False) -> list:
-        """As ModelRunner.lower: each stage's program and hand-off, then the sampling (and
-        prompt-scores) programs (one process: warm-up compiles ahead only outside groups)."""
-        ints, floats, layout, targets = host_buffers(step, self.images is not None)
+        """As ModelRunner.lower, the forward program being each stage's program and hand-off (one
+        process: warm-up compiles ahead only outside groups)."""
+        ints, _, layout, _ = host_buffers(step, self.images is not None)
         forward = layout.forward
-        plan = ints[: forward.offsets()[2]]
+        plan, hidden = ints[: forward.offsets()[2]], self._hidden_shape(forward)
+        wanted = lambda key: key not in skip and (again or key not in self._executables)  # noqa: E731
         out = []
-        x = jax.ShapeDtypeStruct(self._no_sampled.shape, self._no_sampled.dtype, sharding=self._no_sampled.sharding)
         for stage in self.stages:
             key = ("stage", stage.index, forward)
-            start = time.perf_counter()
-            with count_traces(self):
-                lowered = stage.program.lower(*self._stage_args(stage, x, plan), layout=forward)
-            self.compile_seconds += time.perf_counter() - start
-            if key not in skip and (again or key not in self._executables):
-                out.append((key, lowered))
+            if wanted(key):
+                x = None if stage.first else jax.ShapeDtypeStruct(hidden, self.dtype, sharding=replicated(stage.mesh))
+                start = time.perf_counter()
+                with count_traces(self):
+                    out.append((key, stage.program.lower(*self._stage_args(stage, x, plan), layout=forward)))
+                self.compile_seconds += time.perf_counter() - start
             if stage is not self.stages[-1]:
-                h = lowered.out_info[0]
                 mesh, link = self._links[stage.index, stage.index + 1]
-                key = ("link", stage.index, stage.index + 1, (2, *h.shape[1:]))
-                if key not in skip and (again or key not in self._executables):
-                    sds = jax.ShapeDtypeStruct((2, *h.shape[1:]), h.dtype, sharding=NamedSharding(mesh, P("stage")))
-                    out.append((key, link.lower(sds)))
-                x = jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=replicated(self.stages[stage.index + 1].mesh))
-        positions = layout.num_rows * max(1, layout.verify_positions)
-        logits = jax.ShapeDtypeStruct((positions, self.cfg.vocab_size), jnp.float32, sharding=self._logits_sharding)
-        programs = [self._sampling_program(logits, ints, floats, layout)]
-        if targets is not None:
-            programs.append(self._prompt_program(targets[:, :PROMPT_CHUNK]))
-        for key, fn, args, static in programs:
-            if key in skip or (key in self._executables and not again):
-                continue
-            with count_traces(self):
-                out.append((key, fn.lower(*args) if static is None else fn.lower(*args, layout=static)))
-        return out
+                sent = (2, *hidden[1:])
+                key = ("link", stage.index, stage.index + 1, sent)
+                if wanted(key):
+                    out.append((key, link.lower(jax.ShapeDtypeStruct(sent, self.dtype,
+                                                                     sharding=NamedSharding(mesh, P("stage"))))))
+        # The sampling (and prompt-scores) programs: the base runner's, on the last stage's mesh.
+        return out + super().lower(step, frozenset(skip) | {("pipeline", forward)}, again)
 
     def placement(self, key) -> object:
         """A stage's program or a hand-off: its stages (the same code on two stages is two executables)."""
