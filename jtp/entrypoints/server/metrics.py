@@ -74,6 +74,10 @@ class _EngineStats(Collector):
         health = getattr(self.engine, "replica_health", None)
         if health is not None:
             yield from _replica_health(self.model_name, health())
+        stages = stage_stats(self.engine)
+        if stages:
+            yield from _labelled(STAGE_SERIES, ["model_name", "replica", "stage"],
+                                 [([self.model_name, str(s["replica"]), str(s["stage"])], s) for s in stages])
 
 
 def _replica_health(model_name: str, health: list) -> list:
@@ -88,11 +92,27 @@ def _replica_health(model_name: str, health: list) -> list:
         (CounterMetricFamily, "jtp:replica_step_seconds", "Seconds the replica's steps took (over its steps: the "
          "mean step time).", lambda h: h.step_seconds),
     )
+    return _labelled(series, ["model_name", "replica"], [([model_name, str(r)], h) for r, h in enumerate(health)])
+
+
+# Pipeline stages' (`stage_stats`) series; a value None (a bubble across processes, a stage that has
+# not reported yet) is left out.
+STAGE_SERIES = (
+    (CounterMetricFamily, "jtp:pipeline_stage_steps", "Steps a pipeline stage finished.", lambda s: s["steps"]),
+    (CounterMetricFamily, "jtp:pipeline_stage_busy_seconds", "Seconds a stage was busy.", lambda s: s["busy_seconds"]),
+    (GaugeMetricFamily, "jtp:pipeline_stage_bubble_fraction", "Share of the pipeline's active time a stage sat idle.",
+     lambda s: s["bubble_fraction"]),
+)
+
+
+def _labelled(series, labels: list[str], rows: list) -> list:
+    """One family per (kind, name, doc, value of a row) in `series`, a sample per (label values, row)."""
     families = []
     for kind, name, doc, value in series:
-        family = kind(name, doc, labels=["model_name", "replica"])
-        for r, h in enumerate(health):
-            family.add_metric([model_name, str(r)], value(h))
+        family = kind(name, doc, labels=labels)
+        for label_values, row in rows:
+            if (v := value(row)) is not None:
+                family.add_metric(label_values, v)
         families.append(family)
     return families
 
@@ -155,33 +175,6 @@ def stats_report(engine) -> dict:
     return report
 
 
-class _StageStats(Collector):
-    """Pipeline stages' steps, busy seconds and bubble share, labelled `replica` and `stage`."""
-
-    def __init__(self, engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        stages = stage_stats(self.engine)
-        if not stages:
-            return
-        labels = ["model_name", "replica", "stage"]
-        for kind, name, key, doc in (
-            (CounterMetricFamily, "jtp:pipeline_stage_steps", "steps", "Steps a pipeline stage finished."),
-            (CounterMetricFamily, "jtp:pipeline_stage_busy_seconds", "busy_seconds", "Seconds a stage was busy."),
-            (GaugeMetricFamily, "jtp:pipeline_stage_bubble_fraction", "bubble_fraction",
-             "Share of the pipeline's active time a stage sat idle."),
-        ):
-            family = kind(name, doc, labels=labels)
-            for stage in stages:
-                if stage[key] is not None:  # (unknown: a bubble across processes, a stage not yet reported)
-                    family.add_metric([self.model_name, str(stage["replica"]), str(stage["stage"])], stage[key])
-            yield family
-
-
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -208,7 +201,6 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._model_name = model_name
         self.registry.register(_EngineStats(engine, model_name))
-        self.registry.register(_StageStats(engine, model_name))
 
     def first_token(self, prompt_tokens: int, seconds: float) -> None:
         self.prompt_tokens.inc(prompt_tokens)
