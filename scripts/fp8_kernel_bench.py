@@ -38,13 +38,19 @@ SHAPES = {  # projection: (out, in), fused as the FP8 kernel path runs them
     "tiny": {"a": (256, 256)},  # a CPU smoke test (Pallas' interpreter)
 }
 LAYERS, REPS = (8, 8) if not INTERPRET else (1, 1)
-DECODE_SWEEP = {  # rows: configs (bn, splits, unroll, warps, stages, gemv)
-    1: [fp8_matmul.Fp8MatmulConfig(*c) for c in (
-        (64, 2, 1), (64, 8, 1), (32, 4, 1), (16, 1, 1, 4, 3, True), (16, 2, 2, 4, 3, True), (32, 2, 1, 4, 3, True),
-        (32, 4, 1, 4, 4, True), (64, 2, 1, 8, 3, True), (64, 4, 1, 4, 3, True), (8, 1, 2, 4, 3, True),
-        (16, 4, 1, 2, 4, True), (128, 4, 1, 8, 3, True))],
-    64: [fp8_matmul.Fp8MatmulConfig(*c) for c in ((64, 1, 1), (128, 1, 1), (64, 2, 1, 4, 4), (128, 2, 1, 8, 3))],
+C = fp8_matmul.Fp8MatmulConfig
+DECODE_SWEEP = {  # rows: configs (bn, splits, unroll, warps, stages, kind)
+    1: [C(64, 4, 1, 4, 4),
+        *(C(*c, kind="gemv") for c in ((16, 1, 1, 4, 3), (16, 2, 1, 4, 3), (16, 4, 1, 4, 3), (32, 2, 1, 4, 3),
+                                         (32, 4, 1, 4, 3), (32, 2, 2, 8, 3), (64, 4, 1, 8, 4), (8, 4, 2, 2, 3))),
+        *(C(*c, kind="w8a8") for c in ((64, 2, 1, 4, 3), (64, 4, 1, 4, 4), (32, 4, 1, 4, 3), (128, 2, 1, 8, 3)))],
+    16: [C(64, 2, 1, 4, 3), C(128, 2, 1, 8, 3),
+         *(C(*c, kind="w8a8") for c in ((64, 2, 1, 4, 3), (64, 4, 1, 4, 4), (32, 4, 1, 4, 3), (128, 2, 1, 8, 3)))],
+    64: [C(64, 1, 1), C(128, 1, 1),
+         *(C(*c, kind="w8a8") for c in ((64, 1, 1, 4, 3), (64, 2, 1, 4, 4), (128, 1, 1, 8, 3), (128, 2, 1, 8, 3)))],
 }
+# The CUDA-core kinds on a plain bf16 weight, against XLA's dot (issue 28's GEMV at the ceiling).
+BF16_SWEEP = {1: [C(*c, kind="gemv") for c in ((16, 2, 1, 4, 3), (32, 4, 1, 4, 3), (32, 2, 2, 8, 3), (64, 4, 1, 8, 4))]}
 _empty_loop: dict = {}
 
 
@@ -78,9 +84,11 @@ def rel_error(y, ref) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=SHAPES, default="qwen3-8b")
-    ap.add_argument("--rows", default="1,64,4096", help="rows of x; the kernel serves up to 64")
+    ap.add_argument("--rows", default="1,16,64,4096", help="rows of x; the kernel serves up to 64")
     ap.add_argument("--sweep", action="store_true", help="time a grid of tile configs per shape")
     ap.add_argument("--json")
+    ap.add_argument("--table", help="write the fastest FP8 kernel config per (rows, N, K) here, as JSON "
+                                    "(JTP_FP8_DECODE_TABLE reads it)")
     args = ap.parse_args()
     dtype = jnp.bfloat16
     ceilings = measure_ceilings(jax.devices()[0], dtype, copy_bytes=1 << 30 if not INTERPRET else 1 << 20,
@@ -91,6 +99,7 @@ def main() -> None:
     print("| rows | proj | N x K | op | config | us | weight GB/s | % of copy | TFLOP/s | rel. error |")
     print("|---:|---|---|---|---|---:|---:|---:|---:|---:|")
     rows_out = []
+    best: dict = {}  # (rows, N, K): {is w8a8: (seconds, config)} of the fastest accurate FP8 kernel configs
     key = jax.random.key(0)
 
     def report(rows, name, shape, op, config, seconds, weight_bytes, err):
@@ -130,10 +139,31 @@ def main() -> None:
                     if config is not None and ((K // 128) % (config.splits * config.unroll) or N % config.bn):
                         continue
                     op = lambda x, w, c=config: fp8_matmul.fp8_matmul(x, w.values, w.scale, c, interpret=INTERPRET)  # noqa: E731
-                    report(rows, name, (N, K), "fp8 decode kernel",
-                           config or fp8_matmul.choose_config(rows, N, K), per_layer_seconds(op, x, fp8), N * K,
-                           rel_error(op(x, fp8[0]), ref))
+                    config = config or fp8_matmul.choose_config(rows, N, K)
+                    try:
+                        seconds, err = per_layer_seconds(op, x, fp8), rel_error(op(x, fp8[0]), ref)
+                    except Exception as e:  # a kind Triton cannot compile here: say so, go on
+                        print(f"| {rows} | {name} | {N} x {K} | fp8 decode kernel | {config} | failed: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0][:120]} |", flush=True)
+                        continue
+                    report(rows, name, (N, K), "fp8 decode kernel", config, seconds, N * K, err)
+                    group = best.setdefault((rows, N, K), {})  # w8a8 apart: it also rounds x
+                    if err < 0.05 and seconds < group.get(config.kind == "w8a8", (float("inf"),))[0]:
+                        group[config.kind == "w8a8"] = (seconds, config)
+                for config in BF16_SWEEP.get(rows, []) if args.sweep else []:
+                    op = lambda x, w, c=config: fp8_matmul.fp8_matmul(x, w, None, c, interpret=INTERPRET)  # noqa: E731
+                    try:
+                        report(rows, name, (N, K), "bf16 gemv kernel", config, per_layer_seconds(op, x, bf16), N * K * 2,
+                               rel_error(op(x, bf16[0]), ref))
+                    except Exception as e:
+                        print(f"| {rows} | {name} | {N} x {K} | bf16 gemv kernel | {config} | failed: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0][:120]} |", flush=True)
         del fp8, bf16, per_tensor
+    if args.table:
+        # The weight-only kinds, unless quantizing x too buys at least 10%.
+        pick = lambda g: g[True] if True in g and (False not in g or g[True][0] < 0.9 * g[False][0]) else g[False]  # noqa: E731
+        Path(args.table).write_text(json.dumps(
+            {f"{r},{n},{k}": ",".join(map(str, pick(g)[1])) for (r, n, k), g in sorted(best.items()) if g}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(preset=args.preset, device=jax.devices()[0].device_kind,
                                                    ceilings=ceilings, rows=rows_out), indent=1))

@@ -114,14 +114,51 @@ def block_fp8(rng, n: int, k: int):
 
 
 @pytest.mark.parametrize("config", [None, fp8_matmul.Fp8MatmulConfig(16, 2, 2), fp8_matmul.Fp8MatmulConfig(64, 4),
-                                    fp8_matmul.Fp8MatmulConfig(128, 1, 4)])
+                                    fp8_matmul.Fp8MatmulConfig(128, 1, 4), fp8_matmul.Fp8MatmulConfig(32, 2, 1, kind="gemv"),
+                                    fp8_matmul.Fp8MatmulConfig(16, 4, 1, kind="gemv"),
+                                    fp8_matmul.Fp8MatmulConfig(64, 2, 2, kind="gemv")])
 def test_fp8_decode_kernel_equals_numpy_on_the_dequantized_weight(config):
     rng = np.random.default_rng(0)
     values, scale, weight = block_fp8(rng, 256, 512)
-    for rows in (1, 5, 64):
+    gemv = config is not None and config.kind.startswith("gemv")
+    for rows in (1, 3) if gemv else (1, 5, 64):
         x = rng.normal(size=(rows, 512)).astype(np.float32)
         ours = fp8_matmul.fp8_matmul(jnp.asarray(x), values, scale, config, interpret=True)
         np.testing.assert_allclose(ours, x @ weight.T, rtol=1e-5, atol=1e-5 * np.abs(x @ weight.T).max())
+        if config is not None:  # a plain weight (no scales): x @ w.T as it is
+            plain = np.asarray(values.astype(jnp.float32), np.float64)
+            ours = fp8_matmul.fp8_matmul(jnp.asarray(x), values.astype(jnp.float32), None, config, interpret=True)
+            np.testing.assert_allclose(ours, x @ plain.T, rtol=1e-5, atol=1e-5 * np.abs(x @ plain.T).max())
+
+
+def test_w8a8_kernel_is_the_product_of_x_quantized_per_row_and_block():
+    """The w8a8 kind quantizes each row's 128-column block of x to float8 (scale = its largest
+    magnitude / 448): it equals numpy's product of that quantized x with the dequantized weight, and
+    stays within float8's rounding (2^-4 relative per element) of the exact product."""
+    rng = np.random.default_rng(1)
+    values, scale, weight = block_fp8(rng, 256, 512)
+    config = fp8_matmul.Fp8MatmulConfig(64, 2, 1, kind="w8a8")
+    for rows in (1, 5, 64):
+        x = rng.normal(size=(rows, 512)).astype(np.float32)
+        blocks = x.reshape(rows, 4, 128)
+        amax = np.abs(blocks).max(axis=2, keepdims=True)
+        x_scale = amax * np.float32(1 / 448)
+        xq = np.asarray(jnp.asarray(blocks * (np.float32(448) / amax)).astype(jnp.float8_e4m3fn), np.float64)
+        ref = (xq * x_scale).reshape(rows, 512) @ weight.T
+        ours = np.asarray(fp8_matmul.fp8_matmul(jnp.asarray(x), values, scale, config, interpret=True))
+        np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        exact = x @ weight.T
+        assert np.abs(ours - exact).max() < 0.05 * np.abs(exact).max()
+
+
+def test_fp8_decode_kernel_configs_are_checked():
+    assert fp8_matmul.parse_config("32,4,1,4,4,gemv") == fp8_matmul.Fp8MatmulConfig(32, 4, 1, 4, 4, "gemv")
+    assert fp8_matmul.parse_config("64,2") == fp8_matmul.Fp8MatmulConfig(64, 2)
+    x, values = jnp.zeros((8, 256)), jnp.zeros((128, 256), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        fp8_matmul.fp8_matmul(x, values, None, fp8_matmul.Fp8MatmulConfig(32, 1, kind="gemv"), interpret=True)
+    with pytest.raises(ValueError, match="kind="):
+        fp8_matmul.fp8_matmul(x, values, None, fp8_matmul.Fp8MatmulConfig(32, 1, kind="tiles"), interpret=True)
 
 
 def test_fp8_kernels_give_the_dequantizing_paths_logprobs(tmp_path, monkeypatch):

@@ -9,14 +9,18 @@ block's width, so one scale per tile): x[:, k0 : k0 + 128] (its rows padded to a
 least 16, the MMA's minimum), the float8 tile [BN, 128] converted to x's dtype, their product
 scaled by the tile's block scale and accumulated in fp32. With one split the program writes x's
 dtype directly; with several (few output blocks would leave SMs idle) it writes fp32 partials that
-jnp sums afterwards, one more kernel. For up to 4 rows a GEMV variant multiplies and sums on the CUDA
-cores instead of the MMA (x is not padded to 16 rows). Meant for few rows (decode).
+jnp sums afterwards, one more kernel. For up to 4 rows a GEMV kind multiplies and adds on the CUDA
+cores instead of the MMA (x is not padded to 16 rows); a w8a8 kind quantizes x per row and block
+and multiplies two float8 tiles on the MMA (measured, not chosen: `choose_config`). Meant for few
+rows (decode).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -35,28 +39,61 @@ class Fp8MatmulConfig(NamedTuple):
     unroll: int = 1  # 128-column tiles loaded per loop step (more bytes in flight per program)
     warps: int = 4
     stages: int = 3
-    gemv: bool = False  # multiply-and-sum on the CUDA cores instead of an MMA (rows not padded to 16)
+    kind: str = "mma"  # see KINDS
+
+
+# How a program multiplies its x rows by a float8 tile:
+#   mma:    x (rows padded to 16, the MMA's minimum) times the tile converted to x's dtype, on the tensor cores;
+#   w8a8:   the same, with x quantized to float8 per 128 columns in the program (one scale per row and
+#           block, as Qwen's "dynamic" activation scheme) and the product of two float8 tiles on the tensor cores;
+#   gemv:   elementwise products on the CUDA cores, accumulated over the K range and summed at the end.
+KINDS = ("mma", "w8a8", "gemv")
+GEMV_MAX_ROWS = 4  # the CUDA-core kinds keep one accumulator per row
 
 
 def supported(rows: int, out: int, inner: int) -> bool:
     return out % 64 == 0 and inner % BLOCK == 0 and rows <= MAX_ROWS
 
 
+def parse_config(text: str) -> Fp8MatmulConfig:
+    """"bn,splits[,unroll,warps,stages,kind]" (JTP_FP8_DECODE's format)."""
+    *ints, last = [v.strip() for v in text.split(",")]
+    kind = () if last.isdigit() else (last,)
+    ints = [int(v) for v in (ints + [last] if not kind else ints)]
+    return Fp8MatmulConfig(*ints, *kind)
+
+
+@functools.cache
+def _read_table(path: str) -> dict[tuple[int, int, int], Fp8MatmulConfig]:
+    return {tuple(int(v) for v in key.split(",")): parse_config(config)
+            for key, config in json.loads(Path(path).read_text()).items()}
+
+
 def choose_config(rows: int, out: int, inner: int) -> Fp8MatmulConfig:
-    """The best of scripts/fp8_kernel_bench.py's sweep on an H200 at Qwen3-8B's shapes
-    (docs/bench/h200-fp8.md): up to 4 rows the CUDA-core GEMV, 32 columns and 4 K splits a program;
-    more rows the MMA, 64 columns a program and K split until there are about two programs per SM.
-    JTP_FP8_DECODE="bn,splits[,unroll,warps,stages,gemv]" overrides (benchmarks)."""
+    """The best weight-only kinds of scripts/fp8_kernel_bench.py's sweep on an H200 at Qwen3-8B's
+    shapes (docs/bench/h200-speed3.md): up to 4 rows the CUDA-core GEMV, 32 columns and 4 K splits a
+    program; more rows the MMA, 64 columns a program and K split until there are about two programs
+    per SM. The w8a8 kind (x quantized too) was faster only at 16 rows, by 18%, and would make a
+    request's numbers depend on its batch's size: not chosen.
+    Benchmarks override it: JTP_FP8_DECODE="bn,splits[,unroll,warps,stages,kind]" for every shape, or
+    JTP_FP8_DECODE_TABLE=FILE for the shapes it lists (scripts/fp8_kernel_bench.py --table writes it)."""
     forced = os.environ.get("JTP_FP8_DECODE", "").strip()
     if forced:
-        return Fp8MatmulConfig(*(int(v) for v in forced.split(",")))
+        return parse_config(forced)
+    table = os.environ.get("JTP_FP8_DECODE_TABLE")
+    if table and (rows, out, inner) in _read_table(table):
+        return _read_table(table)[rows, out, inner]
     kb = inner // BLOCK
-    if rows <= 4 and kb % 4 == 0 and out % 32 == 0:
-        return Fp8MatmulConfig(32, 4, 1, 4, 4, True)
+    if rows <= GEMV_MAX_ROWS and kb % 4 == 0 and out % 32 == 0:
+        return Fp8MatmulConfig(32, 4, 1, 4, 3, "gemv")
     splits = 1
     while ((out // 64) * splits < 264 or splits < 2) and kb % (splits * 2) == 0 and splits < 16:
         splits *= 2
     return Fp8MatmulConfig(64, splits, 1, 4, 4)
+
+
+def _tile_scale(s_ref, block_row, kb):
+    return 1.0 if s_ref is None else s_ref[block_row, kb]
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: int):
@@ -70,7 +107,31 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: int):
             x = x_ref[:, pl.ds(k0, BLOCK)]  # [T, 128]
             w = w_ref[:, pl.ds(k0, BLOCK)].astype(x.dtype)  # [BN, 128]: float8 -> x's dtype, exact
             part = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            acc = acc + part * s_ref[block_row, kb]
+            acc = acc + part * _tile_scale(s_ref, block_row, kb)
+        return acc
+
+    acc = lax.fori_loop(0, k_steps, body, jnp.zeros((x_ref.shape[0], w_ref.shape[0]), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _w8a8_kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: int):
+    """The MMA on two float8 tiles: x's [T, 128] tile is quantized here, one scale per row
+    (its largest magnitude / 448, float8_e4m3fn's largest finite value; x is multiplied by the
+    reciprocal)."""
+    split = pl.program_id(1)
+    block_row = pl.program_id(0) * bn // BLOCK
+
+    def body(i, acc):
+        for j in range(unroll):
+            kb = (split * k_steps + i) * unroll + j
+            k0 = pl.multiple_of(kb * BLOCK, BLOCK)
+            x = x_ref[:, pl.ds(k0, BLOCK)].astype(jnp.float32)  # [T, 128]
+            amax = jnp.maximum(jnp.max(jnp.abs(x), axis=1), 1e-30)  # [T]
+            x_scale = amax * (1.0 / 448.0)
+            xq = (x * (448.0 / amax)[:, None]).astype(jnp.float8_e4m3fn)
+            part = lax.dot_general(xq, w_ref[:, pl.ds(k0, BLOCK)], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+            acc = acc + part * (x_scale[:, None] * _tile_scale(s_ref, block_row, kb))
         return acc
 
     acc = lax.fori_loop(0, k_steps, body, jnp.zeros((x_ref.shape[0], w_ref.shape[0]), jnp.float32))
@@ -78,8 +139,10 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: int):
 
 
 def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: int):
-    """The same product for very few rows without the MMA: each row's dot products are sums of
-    elementwise products, so x is neither padded nor moved through shared memory."""
+    """The product for very few rows without the MMA, on the CUDA cores: x is neither padded to 16
+    rows nor moved through shared memory. Each row keeps a [BN, 128] accumulator, so a step is
+    elementwise multiply-adds only, and the sum over the 128 columns (a cross-thread reduction)
+    happens once, after the loop (summing every step measured 5-50% slower)."""
     split = pl.program_id(1)
     block_row = pl.program_id(0) * bn // BLOCK
     rows = x_ref.shape[0]
@@ -89,38 +152,51 @@ def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: i
         for j in range(unroll):
             kb = (split * k_steps + i) * unroll + j
             k0 = pl.multiple_of(kb * BLOCK, BLOCK)
-            w = w_ref[:, pl.ds(k0, BLOCK)].astype(jnp.float32) * s_ref[block_row, kb]  # [BN, 128]
+            w = w_ref[:, pl.ds(k0, BLOCK)].astype(jnp.float32) * _tile_scale(s_ref, block_row, kb)  # [BN, 128]
             for t in range(rows):
-                accs[t] = accs[t] + jnp.sum(w * x_ref[t, pl.ds(k0, BLOCK)].astype(jnp.float32)[None, :], axis=1)
+                accs[t] = accs[t] + w * x_ref[t, pl.ds(k0, BLOCK)].astype(jnp.float32)[None, :]
         return tuple(accs)
 
-    accs = lax.fori_loop(0, k_steps, body, tuple(jnp.zeros((bn,), jnp.float32) for _ in range(rows)))
+    accs = lax.fori_loop(0, k_steps, body, tuple(jnp.zeros((bn, BLOCK), jnp.float32) for _ in range(rows)))
     for t in range(rows):
-        o_ref[t, :] = accs[t].astype(o_ref.dtype)
+        o_ref[t, :] = jnp.sum(accs[t], axis=1).astype(o_ref.dtype)
 
 
-def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, config: Fp8MatmulConfig | None = None, *,
+_KERNELS = {"mma": _kernel, "w8a8": _w8a8_kernel, "gemv": _gemv_kernel}
+
+
+def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array | None, config: Fp8MatmulConfig | None = None, *,
                interpret: bool = False) -> jax.Array:
-    """x [T, K] (T <= 64), values float8 [N, K], scale f32 [N / 128, K / 128] -> [T, N] in x.dtype."""
+    """x [T, K] (T <= 64), values float8 [N, K], scale f32 [N / 128, K / 128] -> [T, N] in x.dtype.
+    `scale` None: `values` is a plain weight (bf16), multiplied as it is (the GEMV kinds measured
+    against XLA's dot)."""
     T, K = x.shape
     N = values.shape[0]
-    bn, splits, unroll, warps, stages, gemv = config or choose_config(T, N, K)
+    bn, splits, unroll, warps, stages, kind = config or choose_config(T, N, K)
     kb = K // BLOCK
-    if BLOCK % bn or kb % (splits * unroll):
-        raise ValueError(f"fp8_matmul: {bn=} must divide {BLOCK} and {splits=} x {unroll=} the {kb} K blocks")
+    if BLOCK % bn or kb % (splits * unroll) or kind not in KINDS:
+        raise ValueError(f"fp8_matmul: {bn=} must divide {BLOCK}, {splits=} x {unroll=} the {kb} K blocks, "
+                         f"and {kind=} be one of {KINDS}")
+    gemv = kind == "gemv"
+    if gemv and T > GEMV_MAX_ROWS:
+        raise ValueError(f"fp8_matmul: the {kind} kernel takes at most {GEMV_MAX_ROWS} rows, not {T}")
     rows = 1 << (T - 1).bit_length() if gemv else max(16, 1 << (T - 1).bit_length())
     x = jnp.pad(x, ((0, rows - T), (0, 0)))
     out_dtype = x.dtype if splits == 1 else jnp.float32
+    operands = [x, values] + ([] if scale is None else [scale.astype(jnp.float32)])
+    in_specs = [pl.BlockSpec((rows, K), lambda n, s: (0, 0)), pl.BlockSpec((bn, K), lambda n, s: (n, 0))]
+    if scale is not None:
+        in_specs.append(pl.BlockSpec(scale.shape, lambda n, s: (0, 0)))
+    body = functools.partial(_KERNELS[kind], k_steps=kb // splits // unroll, unroll=unroll, bn=bn)
+    kernel = body if scale is not None else lambda x_ref, w_ref, o_ref: body(x_ref, w_ref, None, o_ref)
     out = pl.pallas_call(
-        functools.partial(_gemv_kernel if gemv else _kernel, k_steps=kb // splits // unroll, unroll=unroll, bn=bn),
+        kernel,
         grid=(N // bn, splits),
-        in_specs=[pl.BlockSpec((rows, K), lambda n, s: (0, 0)),
-                  pl.BlockSpec((bn, K), lambda n, s: (n, 0)),
-                  pl.BlockSpec(scale.shape, lambda n, s: (0, 0))],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((None, rows, bn), lambda n, s: (s, 0, n)),
         out_shape=jax.ShapeDtypeStruct((splits, rows, N), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name=f"jtp_fp8_{'gemv' if gemv else 'matmul'}_n{bn}_s{splits}_u{unroll}",
-    )(x, values, scale.astype(jnp.float32))
+        name=f"jtp_fp8_{kind}_n{bn}_s{splits}_u{unroll}",
+    )(*operands)
     return (out[0] if splits == 1 else out.sum(axis=0))[:T].astype(x.dtype)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issues 27 and 28 on one H200 (docs/bench/h200-speed3.md): random weights at the real shapes, drawn
+# on the GPU from config.json alone. Run from the repository root on the GPU machine:
+#   OUT=dir bash scripts/speed3_h200.sh sweep     # FP8 decode kernel kinds per projection -> /tmp/fp8-table.json
+#   OUT=dir BASE=dir bash scripts/speed3_h200.sh bench [presets]  # bench.py, bf16 and FP8, this tree (and BASE's)
+# BASE: an older checkout's jtp/ and scripts/ (git archive REV jtp scripts), measured the same way.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+here=$(pwd)
+checkpoint() { [ -f "/tmp/ck/$1/config.json" ] || PYTHONPATH=$here python3 scripts/make_random_checkpoint.py --preset "$1" --out "/tmp/ck/$1" --config-only >/dev/null; }
+case "${1:-sweep}" in
+sweep)
+  PYTHONPATH=. timeout 420 python3 scripts/fp8_kernel_bench.py --preset qwen3-8b --rows 1,16,64 --sweep \
+    --json "$OUT/kernels.json" --table /tmp/fp8-table.json > "$OUT/kernels.md" 2> "$OUT/kernels.log"
+  cp /tmp/fp8-table.json "$OUT/" ; grep -v "^|" "$OUT/kernels.log" | tail -5
+  ;;
+bench)
+  for preset in ${2:-qwen3-8b}; do
+    checkpoint "$preset"
+    args="--model /tmp/ck/$preset --load-format dummy --batch-sizes ${SIZES:-1,8,64} --context 1024 --decode-steps 16
+          --prefill-len 2048 --prefill-requests 2 --prefill-runs 1 --max-seconds ${MAX_SECONDS:-100}"
+    for tree in . ${BASE:-}; do
+      tag=$([ "$tree" = . ] && echo new || echo base)
+      for q in ${QUANT:-bf16 fp8}; do
+        extra=$([ "$q" = fp8 ] && echo "--quantization fp8" || true)
+        table=${TABLE:-/tmp/fp8-table.json}; [ -f "$table" ] || table=
+        (cd "$tree" && JTP_FP8_DECODE_TABLE=$table PYTHONPATH=. timeout 200 python3 scripts/bench.py \
+          $args $extra --json "$OUT/$preset-$q-$tag.json" --markdown "$OUT/$preset-$q-$tag.md" > "$OUT/$preset-$q-$tag.log" 2>&1)
+        echo "== $preset $q $tag"; grep -E "decode B=|prefill" "$OUT/$preset-$q-$tag.md" | grep -v attention | cut -c1-110
+      done
+    done
+  done
+  ;;
+esac
