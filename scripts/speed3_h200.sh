@@ -19,14 +19,15 @@ sweep)
 bench)
   for preset in ${2:-qwen3-8b}; do
     checkpoint "$preset"
-    args="--model /tmp/ck/$preset --load-format dummy --batch-sizes ${SIZES:-1,8,64} --context 1024 --decode-steps 16
-          --prefill-len 2048 --prefill-requests 2 --prefill-runs 1 --max-seconds ${MAX_SECONDS:-100}"
     for tree in . ${BASE:-}; do
       tag=$([ "$tree" = . ] && echo new || echo base)
+      sizes=$([ "$tree" = . ] && echo "${SIZES:-1,8,64}" || echo "${BASE_SIZES:-${SIZES:-1,8,64}}")
+      args="--model /tmp/ck/$preset --load-format dummy --batch-sizes $sizes --context 1024 --decode-steps 16
+            --prefill-len 2048 --prefill-requests 2 --prefill-runs 1 --max-seconds ${MAX_SECONDS:-100}"
       for q in ${QUANT:-bf16 fp8}; do
         extra=$([ "$q" = fp8 ] && echo "--quantization fp8" || true)
         table=${TABLE:-/tmp/fp8-table.json}; [ -f "$table" ] || table=
-        (cd "$tree" && JTP_FP8_DECODE_TABLE=$table PYTHONPATH=. timeout 200 python3 scripts/bench.py \
+        (cd "$tree" && JTP_FP8_DECODE_TABLE=$table PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${RUN_SECONDS:-200} python3 scripts/bench.py \
           $args $extra --json "$OUT/$preset-$q-$tag.json" --markdown "$OUT/$preset-$q-$tag.md" > "$OUT/$preset-$q-$tag.log" 2>&1)
         echo "== $preset $q $tag"; grep -E "decode B=|prefill" "$OUT/$preset-$q-$tag.md" | grep -v attention | cut -c1-110
       done
