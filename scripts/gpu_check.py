@@ -11,7 +11,8 @@ downloaded), through the engine's real step (continuous batching, multi-step dec
      where the two bf16 runs part by more (MoE routers: bf16 rounding flips experts in the top-k),
      jtp's bf16 no further from float32 transformers than transformers' own bf16 (mean |diff|,
      within 25%).
-  4. with --fp8: FP8 weights (`--quantization fp8`) and, apart, the FP8 KV cache, each in bfloat16
+  4. with --fp8: FP8 weights (`--quantization fp8`; batched, and one request at a time, whose decode
+     steps have the one-token shape) and, apart, the FP8 KV cache, each in bfloat16
      against transformers' bfloat16 on the unquantized weights: mean |difference| <= --fp8-tol
      (the quantization's own error: this bounds it), with how often the argmaxes agree.
 
@@ -54,10 +55,10 @@ def run_engine(model_dir: Path, tp: int, dtype: str, prompts, max_tokens: int, b
     from jtp.parallel.collectives import step_collectives
 
     longest = max(map(len, prompts)) + max_tokens
-    engine = Engine.from_args(EngineArgs(
+    engine = Engine.from_args(EngineArgs(**{**dict(
         model=str(model_dir), tensor_parallel_size=tp, dtype=dtype or "auto", max_num_seqs=8, max_num_batched_tokens=256,
         block_size=block_size, num_blocks=len(prompts) * (-(-longest // block_size)) + 8,
-        max_model_len=longest + block_size, skip_tokenizer_init=True, **engine_args))
+        max_model_len=longest + block_size, skip_tokenizer_init=True), **engine_args}))
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=20)
         outs = [dict(tokens=c.token_ids, top=c.top_logprobs) for c in engine.generate(prompts, params)]
@@ -150,7 +151,10 @@ def check_preset(preset: str, args, root: Path) -> list[dict]:
     record("bfloat16 top-20 logprobs vs transformers", stats["max_abs_diff"] <= args.bf16_tol or peer_ok,
            tolerance=args.bf16_tol, **stats, jtp_bf16_vs_f32=ours, hf_bf16_vs_f32=theirs,
            seconds=round(time.perf_counter() - t, 1))
-    for name, engine_args in (("FP8 weights", dict(quantization="fp8")), ("FP8 KV cache", dict(kv_cache_dtype="fp8"))):
+    # One request at a time: every decode step has the one-token shape (the FP8 GEMV kernel's).
+    for name, engine_args in (("FP8 weights", dict(quantization="fp8")),
+                              ("FP8 weights, one request at a time", dict(quantization="fp8", max_num_seqs=1)),
+                              ("FP8 KV cache", dict(kv_cache_dtype="fp8"))):
         if not args.fp8:
             break
         t = time.perf_counter()

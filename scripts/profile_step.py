@@ -154,6 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sync", action="store_true",
                     help="let the device finish each timed step before the next: the host phases without any "
                          "wait inside the driver for the step still running")
+    ap.add_argument("--quantization", default=None, help="as jtp serve's (fp8: quantized at load)")
     ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                     help="dummy: random weights drawn on the devices from config.json alone")
     args = ap.parse_args(argv)
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
         model=str(args.model), tensor_parallel_size=args.tp, dtype=args.dtype, max_num_seqs=args.batch,
         max_num_batched_tokens=chunk, num_blocks=args.batch * (-(-(args.context + 3 * args.steps + 64) // 16) + 1),
         max_model_len=args.context + 3 * args.steps + 64, skip_tokenizer_init=True, enable_prefix_caching=False,
-        load_format=args.load_format))
+        load_format=args.load_format, quantization=args.quantization))
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=3 * args.steps + 32, temperature=0.0, ignore_eos=True)
     rids = [engine.submit(rng.integers(0, engine.cfg.vocab_size, args.context).tolist(), params)

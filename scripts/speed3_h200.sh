@@ -3,6 +3,8 @@
 # on the GPU from config.json alone. Run from the repository root on the GPU machine:
 #   OUT=dir bash scripts/speed3_h200.sh sweep     # FP8 decode kernel kinds per projection -> /tmp/fp8-table.json
 #   OUT=dir BASE=dir bash scripts/speed3_h200.sh bench [presets]  # bench.py, bf16 and FP8, this tree (and BASE's)
+#   OUT=dir bash scripts/speed3_h200.sh profile [presets]         # profile_step.py at B=1, bf16 and FP8
+#   OUT=dir bash scripts/speed3_h200.sh check [presets]           # gpu_check.py --fp8 at tp 1
 # BASE: an older checkout's jtp/ and scripts/ (git archive REV jtp scripts), measured the same way.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -33,5 +35,22 @@ bench)
       done
     done
   done
+  ;;
+profile)
+  for preset in ${2:-qwen3-8b}; do
+    checkpoint "$preset"
+    for q in ${QUANT:-bf16 fp8}; do
+      extra=$([ "$q" = fp8 ] && echo "--quantization fp8" || true)
+      PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout 200 python3 scripts/profile_step.py --model "/tmp/ck/$preset" \
+        --load-format dummy --batch ${BATCH:-1} --steps 12 --top 30 $extra --json "$OUT/profile-$preset-$q.json" \
+        --markdown "$OUT/profile-$preset-$q.md" > "$OUT/profile-$preset-$q.log" 2>&1
+      echo "== profile $preset $q"; head -c 1500 "$OUT/profile-$preset-$q.md"
+    done
+  done
+  ;;
+check)
+  PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout 400 python3 scripts/gpu_check.py --out "$OUT/check" --tp 1 --fp8 \
+    --presets "${2:-qwen3-0.6b}" --checkpoints /tmp/gpu_check > "$OUT/gpu_check.log" 2>&1
+  echo "gpu_check exit $?"; grep -E "PASS|FAIL|ok|check" "$OUT/gpu_check.log" | tail -12
   ;;
 esac
