@@ -14,7 +14,7 @@ here=$(pwd)
 checkpoint() { [ -f "/tmp/ck/$1/config.json" ] || PYTHONPATH=$here python3 scripts/make_random_checkpoint.py --preset "$1" --out "/tmp/ck/$1" --config-only >/dev/null; }
 case "${1:-sweep}" in
 sweep)
-  PYTHONPATH=. timeout 420 python3 scripts/fp8_kernel_bench.py --preset qwen3-8b --rows 1,16,64 --sweep \
+  PYTHONPATH=. timeout ${RUN_SECONDS:-420} python3 scripts/fp8_kernel_bench.py --preset qwen3-8b --rows ${ROWS:-1,16,64} --sweep \
     --json "$OUT/kernels.json" --table /tmp/fp8-table.json > "$OUT/kernels.md" 2> "$OUT/kernels.log"
   cp /tmp/fp8-table.json "$OUT/" ; grep -v "^|" "$OUT/kernels.log" | tail -5
   ;;
