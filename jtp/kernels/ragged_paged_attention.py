@@ -225,7 +225,7 @@ def ragged_paged_attention(
     num_blocks, block_size, hkv, _ = k_pages.shape
     group = hq // hkv
     B, max_blocks = block_tables.shape
-    if max_row_len == 1 and token_rows is not None and decode_supported(q.shape, k_pages.shape):
+    if max_row_len == 1 and token_rows is not None and supported(q.shape, k_pages.shape):
         return paged_decode_attention(
             q, k_pages, v_pages, positions, token_rows, block_tables, context_lens, row_starts, row_lens,
             scale=scale, config=config, interpret=interpret,
@@ -309,7 +309,8 @@ def ragged_paged_attention(
 # every real token is alone in its row. The grid runs over (token, kv head, split) of the flat
 # [T, Hq, D] q: a program takes the G query heads of kv head h of token t as a window of
 # M = max(16, G) consecutive rows of q viewed as [T*Hq, D] (16 = the smallest MMA; the window is
-# shifted left at the end of the array, the G real rows are a mask), streams the row's pages and
+# shifted left at the end of the array, the G real rows are a mask; a step too small for one window,
+# such as a lone request's 1 token with Hq < 16, is padded with tokens of no row), streams the row's pages and
 # writes its G output rows in place. Tokens that belong to no row (padding) get an empty key range
 # and so write zeros. The only XLA ops around the kernel are the free [T, Hq, D] <-> [T*Hq, D]
 # reshapes. With splits (few rows: not enough programs to pull HBM bandwidth) each program writes
@@ -319,13 +320,6 @@ def ragged_paged_attention(
 
 def _decode_rows(group: int) -> int:
     return max(16, group)
-
-
-def decode_supported(q_shape, k_shape) -> bool:
-    """The decode kernel's extra constraint: the q window of M rows fits in [T*Hq, D]."""
-    T, hq, _ = q_shape
-    hkv = k_shape[2]
-    return supported(q_shape, k_shape) and T * hq >= _decode_rows(hq // hkv)
 
 
 def choose_decode_config(T: int, B: int, num_kv_heads: int, group: int, block_size: int, max_blocks: int,
@@ -454,7 +448,11 @@ def paged_decode_attention(
     ppi = math.gcd(int(ppi), max_blocks)  # pl.ds over the block table must stay in bounds
     num_splits = _pow2_floor(num_splits)  # the merge's [S, G, D] block: Triton shapes are powers of 2
     m_rows = _decode_rows(group)
-    assert T * hq >= m_rows, "decode kernel needs T * Hq >= max(16, group); see decode_supported"
+    real_tokens = T
+    if T * hq < m_rows:  # the q window needs M rows of [T*Hq, D]: pad tokens (they belong to no row: zeros)
+        extra = -(-m_rows // hq) - T
+        q, positions, token_rows = (jnp.pad(a, ((0, extra),) + ((0, 0),) * (a.ndim - 1)) for a in (q, positions, token_rows))
+        T += extra
     n_keys = ppi * block_size
     i32 = lambda x: x if x.dtype == jnp.int32 else x.astype(jnp.int32)  # noqa: E731
     meta = (i32(token_rows), i32(positions), i32(row_starts), i32(row_lens), i32(context_lens))
@@ -499,7 +497,7 @@ def paged_decode_attention(
     )(*meta, block_tables if block_tables.dtype == jnp.int32 else block_tables.astype(jnp.int32),
       q.reshape(rows, d), k_pages, v_pages)
     if num_splits == 1:
-        return outs[0].reshape(T, hq, d)
+        return outs[0].reshape(T, hq, d)[:real_tokens]
 
     o_p, m_p, l_p = outs
     full1m = lambda n: pl.BlockSpec((n,), lambda t, h: (0,))  # noqa: E731
@@ -519,4 +517,4 @@ def paged_decode_attention(
         interpret=interpret,
         name=f"jtp_paged_decode_merge_g{group}_s{num_splits}",
     )(*meta, o_p.reshape(num_splits, T, hq, d), m_p.reshape(num_splits, T, hq), l_p.reshape(num_splits, T, hq))
-    return out
+    return out[:real_tokens]
