@@ -49,7 +49,7 @@ profile)
   done
   ;;
 check)
-  PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout 400 python3 scripts/gpu_check.py --out "$OUT/check" --tp 1 --fp8 \
+  PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${RUN_SECONDS:-400} python3 scripts/gpu_check.py --out "$OUT/check" --tp 1 --fp8 \
     --presets "${2:-qwen3-0.6b}" --checkpoints /tmp/gpu_check > "$OUT/gpu_check.log" 2>&1
   echo "gpu_check exit $?"; grep -E "PASS|FAIL|ok|check" "$OUT/gpu_check.log" | tail -12
   ;;
