@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -296,3 +297,20 @@ def test_fp8_kernels_keep_qwen3_5_moe_shared_expert(tmp_path, monkeypatch):
     layers = results["1"][1].runner.params["layers"]
     assert any("shared_gate+shared_up" in layer for layer in layers)
     np.testing.assert_allclose(results["1"][0], results["0"][0], atol=1e-4)
+
+
+@pytest.mark.parametrize("config", [fp8_matmul.Fp8MatmulConfig(32, 4, 1, 4, 3, "gemv"), fp8_matmul.Fp8MatmulConfig(64, 4),
+                                    fp8_matmul.Fp8MatmulConfig(64, 2, 1, 4, 3, "w8a8")])
+def test_fp8_decode_kernel_kinds_lower_to_triton_for_cuda(config):
+    """Pallas -> Triton lowering on the CPU: an op a kind uses that Triton lacks fails here, not on a lent GPU."""
+    S = jax.ShapeDtypeStruct
+    rows = 1 if config.kind == "gemv" else 16
+    f = jax.jit(lambda x, v, s: fp8_matmul.fp8_matmul(x, v, s, config))
+    args = S((rows, 1024), jnp.bfloat16), S((256, 1024), jnp.float8_e4m3fn), S((2, 8), jnp.float32)
+    try:
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # noqa: BLE001
+        if "cuda" in str(e).lower() and "platform" in str(e).lower():
+            pytest.skip(f"this jax cannot lower for cuda here: {e}")
+        raise
+    assert f"jtp_fp8_{config.kind}" in text and "triton" in text

@@ -96,7 +96,11 @@ def _tile_scale(s_ref, block_row, kb):
     return 1.0 if s_ref is None else s_ref[block_row, kb]
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: int):
+def _mma_kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: int, quantize_x: bool = False):
+    """x [T, 128] tile times the weight tile on the tensor cores, K step by K step. `quantize_x`
+    (the w8a8 kind): x's tile is quantized to float8 here, one scale per row (its largest magnitude
+    / 448, float8_e4m3fn's largest finite value; x is multiplied by the reciprocal), and the MMA
+    multiplies two float8 tiles; else the float8 tile is converted to x's dtype (exact)."""
     split = pl.program_id(1)
     block_row = pl.program_id(0) * bn // BLOCK
 
@@ -104,34 +108,15 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: int):
         for j in range(unroll):
             kb = (split * k_steps + i) * unroll + j
             k0 = pl.multiple_of(kb * BLOCK, BLOCK)
-            x = x_ref[:, pl.ds(k0, BLOCK)]  # [T, 128]
-            w = w_ref[:, pl.ds(k0, BLOCK)].astype(x.dtype)  # [BN, 128]: float8 -> x's dtype, exact
+            x, w = x_ref[:, pl.ds(k0, BLOCK)], w_ref[:, pl.ds(k0, BLOCK)]  # [T, 128], [BN, 128]
+            if quantize_x:
+                x = x.astype(jnp.float32)
+                amax = jnp.maximum(jnp.max(jnp.abs(x), axis=1), 1e-30)  # [T]
+                x, row_scale = (x * (448.0 / amax)[:, None]).astype(jnp.float8_e4m3fn), (amax * (1.0 / 448.0))[:, None]
+            else:
+                w, row_scale = w.astype(x.dtype), 1.0
             part = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            acc = acc + part * _tile_scale(s_ref, block_row, kb)
-        return acc
-
-    acc = lax.fori_loop(0, k_steps, body, jnp.zeros((x_ref.shape[0], w_ref.shape[0]), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
-
-
-def _w8a8_kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: int):
-    """The MMA on two float8 tiles: x's [T, 128] tile is quantized here, one scale per row
-    (its largest magnitude / 448, float8_e4m3fn's largest finite value; x is multiplied by the
-    reciprocal)."""
-    split = pl.program_id(1)
-    block_row = pl.program_id(0) * bn // BLOCK
-
-    def body(i, acc):
-        for j in range(unroll):
-            kb = (split * k_steps + i) * unroll + j
-            k0 = pl.multiple_of(kb * BLOCK, BLOCK)
-            x = x_ref[:, pl.ds(k0, BLOCK)].astype(jnp.float32)  # [T, 128]
-            amax = jnp.maximum(jnp.max(jnp.abs(x), axis=1), 1e-30)  # [T]
-            x_scale = amax * (1.0 / 448.0)
-            xq = (x * (448.0 / amax)[:, None]).astype(jnp.float8_e4m3fn)
-            part = lax.dot_general(xq, w_ref[:, pl.ds(k0, BLOCK)], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-            acc = acc + part * (x_scale[:, None] * _tile_scale(s_ref, block_row, kb))
+            acc = acc + part * (row_scale * _tile_scale(s_ref, block_row, kb))
         return acc
 
     acc = lax.fori_loop(0, k_steps, body, jnp.zeros((x_ref.shape[0], w_ref.shape[0]), jnp.float32))
@@ -162,7 +147,7 @@ def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, k_steps: int, unroll: int, bn: i
         o_ref[t, :] = jnp.sum(accs[t], axis=1).astype(o_ref.dtype)
 
 
-_KERNELS = {"mma": _kernel, "w8a8": _w8a8_kernel, "gemv": _gemv_kernel}
+_KERNELS = {"mma": _mma_kernel, "w8a8": functools.partial(_mma_kernel, quantize_x=True), "gemv": _gemv_kernel}
 
 
 def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array | None, config: Fp8MatmulConfig | None = None, *,
