@@ -5,6 +5,7 @@
 #   OUT=dir BASE=dir bash scripts/speed3_h200.sh bench [presets]  # bench.py, bf16 and FP8, this tree (and BASE's)
 #   OUT=dir bash scripts/speed3_h200.sh profile [presets]         # profile_step.py at B=1, bf16 and FP8
 #   OUT=dir bash scripts/speed3_h200.sh check [presets]           # gpu_check.py --fp8 at tp 1
+#   OUT=dir bash scripts/speed3_h200.sh attention [presets]       # B=1 decode at 8, 16 and 32 attention K splits
 # BASE: an older checkout's jtp/ and scripts/ (git archive REV jtp scripts), measured the same way.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -45,6 +46,18 @@ profile)
         --load-format dummy --batch ${BATCH:-1} --steps 12 --top 30 $extra --json "$OUT/profile-$preset-$q.json" \
         --markdown "$OUT/profile-$preset-$q.md" > "$OUT/profile-$preset-$q.log" 2>&1
       echo "== profile $preset $q"; head -c 1500 "$OUT/profile-$preset-$q.md"
+    done
+  done
+  ;;
+attention)
+  # The one-token attention is latency-bound (docs/bench/h200-speed3.md): more splits, fewer keys each.
+  for preset in ${2:-qwen3-8b}; do
+    checkpoint "$preset"
+    for splits in ${SPLITS:-8 16 32}; do
+      JTP_ATTN_DECODE_SPLITS=$splits PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${RUN_SECONDS:-120} python3 scripts/bench.py \
+        --model "/tmp/ck/$preset" --load-format dummy --batch-sizes 1 --context 1024 --decode-steps 16 --max-seconds 20 \
+        --json "$OUT/$preset-attn-s$splits.json" --markdown "$OUT/$preset-attn-s$splits.md" > "$OUT/$preset-attn-s$splits.log" 2>&1
+      echo "== $preset splits=$splits"; grep -E "decode B=1" "$OUT/$preset-attn-s$splits.md" | cut -c1-120
     done
   done
   ;;
