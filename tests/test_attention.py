@@ -196,6 +196,7 @@ DECODE_CASES = [
     # (B real rows, group, hkv, D, dtype, config)  config = (unused, pages/iter, splits, warps, stages)
     (1, 4, 2, 128, jnp.bfloat16, None),  # B=1: default splits + merge kernel
     (1, 8, 1, 64, jnp.float32, (1, 1, 4, 4, 2)),
+    (1, 4, 8, 128, jnp.bfloat16, (1, 1, 32, 4, 2)),  # 32 splits of one page each (more splits than pages used)
     (3, 1, 2, 64, jnp.float32, None),
     (3, 2, 2, 128, jnp.bfloat16, (1, 2, 1, 4, 2)),  # no splits: the kernel writes the output
     (8, 4, 2, 64, jnp.bfloat16, (1, 4, 2, 4, 2)),
