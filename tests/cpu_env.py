@@ -29,3 +29,18 @@ def jit_optimized(fun, **jit_kwargs):
     import jax
 
     return jax.jit(fun, compiler_options=OPTIMIZED, **jit_kwargs)
+
+
+def cuda_lowering(fun, *args) -> str:
+    """The text of jitted `fun` lowered for CUDA on this CPU machine (Pallas -> Triton runs here too):
+    an op a kernel uses that Triton lacks fails on the CPU, not on a lent GPU. Skips where this jax
+    cannot lower for CUDA at all."""
+    import jax
+    import pytest
+
+    try:
+        return jax.jit(fun).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # noqa: BLE001
+        if "cuda" in str(e).lower() and "platform" in str(e).lower():
+            pytest.skip(f"this jax cannot lower for cuda here: {e}")
+        raise
