@@ -113,6 +113,18 @@ def main() -> None:
         print(f"| {rows} | {name} | {N} x {K} | {op} | {config} | {seconds * 1e6:.1f} | {rate / 1e9:.0f} | "
               f"{100 * rate / bw:.0f}% | {flops / 1e12:.1f} | {err:.1e} |", flush=True)
 
+    def kernel_run(rows, name, shape, op_name, config, op, x, weights, weight_bytes, ref):
+        """Time and report one kernel config: (seconds, error), or None (reported as failed) for a
+        config Triton cannot compile here."""
+        try:
+            seconds, err = per_layer_seconds(op, x, weights), rel_error(op(x, weights[0]), ref)
+        except Exception as e:  # noqa: BLE001
+            print(f"| {rows} | {name} | {shape[0]} x {shape[1]} | {op_name} | {config} | failed: "
+                  f"{type(e).__name__}: {str(e).splitlines()[0][:120]} |", flush=True)
+            return None
+        report(rows, name, shape, op_name, config, seconds, weight_bytes, err)
+        return seconds, err
+
     for name, (N, K) in SHAPES[args.preset].items():
         fp8 = [random_fp8(jax.random.fold_in(key, i), N, K) for i in range(LAYERS)]
         bf16 = [w.dequantize(dtype) for w in fp8]
@@ -142,24 +154,16 @@ def main() -> None:
                         continue
                     op = lambda x, w, c=config: fp8_matmul.fp8_matmul(x, w.values, w.scale, c, interpret=INTERPRET)  # noqa: E731
                     config = config or fp8_matmul.choose_config(rows, N, K)
-                    try:
-                        seconds, err = per_layer_seconds(op, x, fp8), rel_error(op(x, fp8[0]), ref)
-                    except Exception as e:  # a kind Triton cannot compile here: say so, go on
-                        print(f"| {rows} | {name} | {N} x {K} | fp8 decode kernel | {config} | failed: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0][:120]} |", flush=True)
+                    measured = kernel_run(rows, name, (N, K), "fp8 decode kernel", config, op, x, fp8, N * K, ref)
+                    if measured is None:
                         continue
-                    report(rows, name, (N, K), "fp8 decode kernel", config, seconds, N * K, err)
+                    seconds, err = measured
                     group = best.setdefault((rows, N, K), {})  # w8a8 apart: it also rounds x
                     if err < 0.05 and seconds < group.get(config.kind == "w8a8", (float("inf"),))[0]:
                         group[config.kind == "w8a8"] = (seconds, config)
                 for config in BF16_SWEEP.get(rows, []) if args.sweep else []:
                     op = lambda x, w, c=config: fp8_matmul.fp8_matmul(x, w, None, c, interpret=INTERPRET)  # noqa: E731
-                    try:
-                        report(rows, name, (N, K), "bf16 gemv kernel", config, per_layer_seconds(op, x, bf16), N * K * 2,
-                               rel_error(op(x, bf16[0]), ref))
-                    except Exception as e:
-                        print(f"| {rows} | {name} | {N} x {K} | bf16 gemv kernel | {config} | failed: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0][:120]} |", flush=True)
+                    kernel_run(rows, name, (N, K), "bf16 gemv kernel", config, op, x, bf16, N * K * 2, ref)
         del fp8, bf16, per_tensor
     if args.table:
         # The weight-only kinds, unless quantizing x too buys at least 10%.
