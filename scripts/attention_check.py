@@ -54,7 +54,7 @@ def bucket(n, lo):
 def make_plan(rng, rows, num_blocks, max_blocks=None, first_block=0):
     """rows: list of (query tokens, context). Padded like the scheduler (T, B powers of two)."""
     total = sum(n for n, _ in rows)
-    T, B = bucket(total, 16), bucket(len(rows), 8)
+    T, B = (1 if total == 1 else bucket(total, 16)), bucket(len(rows), 8)  # jtp.core.buckets: a lone decode token is T=1
     need = [-(-c // BS) for _, c in rows]
     M = max_blocks or bucket(max(need), 1)
     positions = np.zeros(T, np.int32)
@@ -148,6 +148,8 @@ def main():
     ap.add_argument("--max-seconds", type=float, default=240)
     ap.add_argument("--quick", action="store_true", help="fewer config variants")
     ap.add_argument("--cases", default="0,1,2,3,4", help="indices of the cases to run")
+    ap.add_argument("--decode-sweep", action="store_true",
+                    help="decode cases: a grid of (pages per iteration, splits, warps, stages) per batch size")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     args = ap.parse_args()
     global INTERPRET
@@ -180,6 +182,11 @@ def main():
     }
     if args.quick:
         variants = {True: variants[True][:3], False: variants[False][:2]}
+    decode_grid = {  # batch -> (pages per iteration, splits, warps, stages) variants, tile rows unused
+        1: [(1, p, s, 4, st) for p in (1, 2, 4) for s in (8, 16, 32, 64) for st in (2, 3)],
+        8: [(1, p, s, 4, st) for p in (2, 4) for s in (2, 4, 8, 16) for st in (2, 3)],
+        64: [(1, p, s, w, st) for p in (2, 4, 8) for s in (1, 2) for w in (4, 8) for st in (2, 3, 4)],
+    }
     cases = [cases[int(i)] for i in args.cases.split(",")]
     for name, rows_fn, is_decode in cases:
         if time.time() - t_start > args.max_seconds:
@@ -225,7 +232,10 @@ def main():
                                                [(qq, pages_hm, m) for qq, m in zip(qs, plans)], args.reps)
             except Exception as e:  # noqa: BLE001
                 timings["bundled_error"] = str(e)[:500]
-        for cfg in variants[is_decode]:
+        configs = variants[is_decode]
+        if is_decode and args.decode_sweep:
+            configs = [None] + decode_grid.get(len(rows), [])
+        for cfg in configs:
             key = "kernel" if cfg is None else "kernel general" if cfg == "general" else "kernel " + "x".join(map(str, cfg))
             if time.time() - t_start > args.max_seconds:
                 break

@@ -6,6 +6,7 @@
 #   OUT=dir bash scripts/speed3_h200.sh profile [presets]         # profile_step.py at B=1, bf16 and FP8
 #   OUT=dir bash scripts/speed3_h200.sh check [presets]           # gpu_check.py --fp8 at tp 1
 #   OUT=dir bash scripts/speed3_h200.sh attention [presets]       # B=1 decode at 8, 16 and 32 attention K splits
+#   OUT=dir bash scripts/speed3_h200.sh attn-sweep                # decode attention kernel configs at B=1, 8, 64
 # BASE: an older checkout's jtp/ and scripts/ (git archive REV jtp scripts), measured the same way.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -60,6 +61,11 @@ attention)
       echo "== $preset splits=$splits"; grep -E "decode B=1" "$OUT/$preset-attn-s$splits.md" | cut -c1-120
     done
   done
+  ;;
+attn-sweep)
+  PYTHONPATH=. timeout ${RUN_SECONDS:-420} python3 scripts/attention_check.py --cases 0,1,2 --decode-sweep \
+    --max-seconds ${MAX_SECONDS:-360} --json "$OUT/attn-sweep.json" > "$OUT/attn-sweep.md" 2> "$OUT/attn-sweep.log"
+  tail -8 "$OUT/attn-sweep.md"
   ;;
 check)
   PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${RUN_SECONDS:-400} python3 scripts/gpu_check.py --out "$OUT/check" --tp 1 --fp8 \

@@ -7,6 +7,7 @@ import pytest
 from jtp.config.engine_args import EngineArgs
 from jtp.config.model_config import ModelConfig
 from jtp.errors import ShardingError
+from jtp.models.layers import FusedWeight
 from jtp.loading.weights import SafetensorsCheckpoint
 from jtp.parallel.sharding import kv_head_replicas
 from jtp.worker.runner import ModelRunner
@@ -41,12 +42,21 @@ def greedy(runner: ModelRunner, prompt, n: int) -> StepOutput:
     return StepOutput.concat(outs)
 
 
+def fused_names(runner: ModelRunner) -> set[str]:
+    return {name for layer in runner.params["layers"] for name, w in layer.items() if isinstance(w, FusedWeight)}
+
+
 def test_tp_invariance(checkpoint):
+    """Also: one device multiplies q/k/v (and a dense MLP's gate/up) as one fused weight, a sharded mesh
+    keeps them apart, and both give the same tokens and logprobs."""
     kind, path = checkpoint
     prompt = np.random.default_rng(0).integers(0, 128, 19).tolist()
-    base = greedy(ModelRunner.from_args(EngineArgs(model=path, num_blocks=16, block_size=4)), prompt, 12)
+    single = ModelRunner.from_args(EngineArgs(model=path, num_blocks=16, block_size=4))
+    assert fused_names(single) >= {"q_proj+k_proj+v_proj"} | ({"gate_proj+up_proj"} if kind != "qwen3_moe" else set())
+    base = greedy(single, prompt, 12)
     for tp in (2, 4, 8):
         runner = ModelRunner.from_args(EngineArgs(model=path, tensor_parallel_size=tp, num_blocks=16, block_size=4))
+        assert not fused_names(runner)
         assert kv_head_replicas(runner.cfg, tp) == max(1, tp // 2)
         assert_same_outputs(greedy(runner, prompt, 12), base, atol=1e-5, msg=f"{kind} tp={tp}")
 

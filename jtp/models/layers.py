@@ -65,30 +65,56 @@ class FusedFp8KernelWeight:
         return BlockFp8(self.values, self.scale).dequantize(dtype)
 
 
-# Projections of one input that the FP8 kernel path fuses: each group's name in a layer is "+".join(group).
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values"], meta_fields=["sizes"])
+@dataclasses.dataclass(frozen=True)
+class FusedWeight:
+    """Plain weights that multiply the same input, concatenated along their outputs (`sizes` each):
+    one GEMM instead of one per projection (a small one, such as k or v, reads below the copy rate)."""
+
+    values: jax.Array
+    sizes: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+
+# Projections of one input that one device multiplies as one: each group's name in a layer is "+".join(group).
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("shared_gate", "shared_up"),
                      ("gdn_q", "gdn_k", "gdn_v", "gdn_z"))
 
 
-def use_fp8_kernel(params: dict) -> dict:
-    """`params` with each decoder-layer linear weight the FP8 kernels can serve as a Fp8KernelWeight,
-    and the FUSED_PROJECTIONS groups of them concatenated. Layers are replaced one at a time, so the
-    unfused copies are freed as it goes."""
+def fuse_projections(params: dict, fp8_kernel: bool) -> dict:
+    """`params` for a single device: with `fp8_kernel`, each decoder-layer linear weight the FP8 kernels
+    can serve becomes a Fp8KernelWeight; then each FUSED_PROJECTIONS group of plain weights, or of
+    Fp8KernelWeights, is concatenated. Layers are replaced one at a time, so the unfused copies are
+    freed as it goes. (Under tensor parallelism a concatenation of sharded weights would be resharded
+    on every step, so the runner calls this on one device only.)"""
     def pick(w):
-        if type(w) is BlockFp8 and w.values.ndim == 2 and w.values.shape[0] // w.scale.shape[0] == fp8_matmul.BLOCK \
+        if fp8_kernel and type(w) is BlockFp8 and w.values.ndim == 2 \
+                and w.values.shape[0] // w.scale.shape[0] == fp8_matmul.BLOCK \
                 and w.values.shape[1] // w.scale.shape[1] == fp8_matmul.BLOCK and fp8_matmul.supported(1, *w.shape):
             return Fp8KernelWeight(*w)
         return w
+
+    def plain(w):
+        return isinstance(w, jax.Array) and w.ndim == 2
 
     layers = params["layers"]
     for i, layer in enumerate(layers):
         layer = {k: pick(w) for k, w in layer.items()}
         for group in FUSED_PROJECTIONS:
-            if all(type(layer.get(name)) is Fp8KernelWeight for name in group):
-                parts = [layer.pop(name) for name in group]
+            parts = [layer.get(name) for name in group]
+            if all(type(w) is Fp8KernelWeight for w in parts):
                 layer["+".join(group)] = FusedFp8KernelWeight(
                     jnp.concatenate([w.values for w in parts]), jnp.concatenate([w.scale for w in parts]),
                     tuple(w.shape[0] for w in parts))
+            elif all(plain(w) for w in parts) and len({(w.dtype, w.shape[1]) for w in parts}) == 1:
+                layer["+".join(group)] = FusedWeight(jnp.concatenate(parts), tuple(w.shape[0] for w in parts))
+            else:
+                continue
+            for name in group:
+                del layer[name]
         layers[i] = layer
     return params
 
@@ -124,6 +150,8 @@ class Int4Groups(NamedTuple):
 
 def dense(weight, dtype) -> jax.Array:
     """The weight as an array of `dtype` (dequantized when stored quantized)."""
+    if isinstance(weight, FusedWeight):
+        return weight.values
     return weight.dequantize(dtype) if isinstance(weight, (BlockFp8, FusedFp8KernelWeight, Int4Groups)) else weight
 
 

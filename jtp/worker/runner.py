@@ -28,7 +28,7 @@ from jtp.core.packed_step import PackedStep, SamplingLayout, StepLayout
 from jtp.loading.weights import load_params, resolve_dtype
 from jtp.models import family_of, mtp
 from jtp.models.attention import AttentionMetadata, choose_attention, zeroed_layer_kv
-from jtp.models.layers import use_fp8_kernel
+from jtp.models.layers import fuse_projections
 from jtp.models.moe import choose_experts
 from jtp.parallel.sharding import make_mesh, replicated, tp_size
 from jtp.worker import kv_cache
@@ -123,8 +123,8 @@ class ModelRunner:
         self.images, self.cfg = image_pool_for(config, self.cfg, self.embedding_mesh, self.dtype)
         if self.images is not None:
             self._use_image_pool()
-        if fp8_kernel_wanted(self.mesh):
-            self.params = use_fp8_kernel(self.params)
+        if self.mesh.devices.size == 1:
+            self.params = fuse_projections(self.params, fp8_kernel_wanted(self.mesh))
         self.block_size = block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.num_state_slots = config.num_state_slots  # recurrent-state slots (hybrid models)
