@@ -5,7 +5,7 @@
 #   OUT=dir BASE=dir bash scripts/speed3_h200.sh bench [presets]  # bench.py, bf16 and FP8, this tree (and BASE's)
 #   OUT=dir bash scripts/speed3_h200.sh profile [presets]         # profile_step.py at B=1, bf16 and FP8
 #   OUT=dir bash scripts/speed3_h200.sh check [presets]           # gpu_check.py --fp8 at tp 1
-#   OUT=dir bash scripts/speed3_h200.sh attention [presets]       # B=1 decode at 8, 16 and 32 attention K splits
+#   OUT=dir bash scripts/speed3_h200.sh attention [presets]       # decode (SIZES, default B=1) at 8, 16 and 32 attention K splits, STAGES
 #   OUT=dir bash scripts/speed3_h200.sh attn-sweep                # decode attention kernel configs at B=1, 8, 64
 # BASE: an older checkout's jtp/ and scripts/ (git archive REV jtp scripts), measured the same way.
 set -uo pipefail
@@ -55,10 +55,10 @@ attention)
   for preset in ${2:-qwen3-8b}; do
     checkpoint "$preset"
     for splits in ${SPLITS:-8 16 32}; do
-      JTP_ATTN_DECODE_SPLITS=$splits PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${RUN_SECONDS:-120} python3 scripts/bench.py \
-        --model "/tmp/ck/$preset" --load-format dummy --batch-sizes 1 --context 1024 --decode-steps 16 --max-seconds 20 \
-        --json "$OUT/$preset-attn-s$splits.json" --markdown "$OUT/$preset-attn-s$splits.md" > "$OUT/$preset-attn-s$splits.log" 2>&1
-      echo "== $preset splits=$splits"; grep -E "decode B=1" "$OUT/$preset-attn-s$splits.md" | cut -c1-120
+      JTP_ATTN_DECODE_SPLITS=$splits JTP_ATTN_STAGES=${STAGES:-3} PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${RUN_SECONDS:-120} python3 scripts/bench.py \
+        --model "/tmp/ck/$preset" --load-format dummy --batch-sizes ${SIZES:-1} --context 1024 --decode-steps 16 --max-seconds ${MAX_SECONDS:-20} \
+        --json "$OUT/$preset-attn-s$splits-st${STAGES:-3}.json" --markdown "$OUT/$preset-attn-s$splits-st${STAGES:-3}.md" > "$OUT/$preset-attn-s$splits-st${STAGES:-3}.log" 2>&1
+      echo "== $preset splits=$splits stages=${STAGES:-3}"; grep -E "decode B=" "$OUT/$preset-attn-s$splits-st${STAGES:-3}.md" | cut -c1-120
     done
   done
   ;;

@@ -326,10 +326,10 @@ def choose_decode_config(T: int, B: int, num_kv_heads: int, group: int, block_si
                          head_dim: int = 128, itemsize: int = 2):
     """(unused, pages per iteration, splits, warps, stages) of the decode kernel; env vars override.
 
-    Splits: at most min(T, B) tokens are real; aim at ~512 programs (H200: 132 SMs) and at most 32
-    splits. Only splits that get keys write partials, so an over-estimate costs little: a lone
-    token's ~1k context in 64-key iterations fills 16 of 32 splits, one iteration each. Split
-    programs pipeline 3 stages, unsplit ones (large batches) 2 (docs/bench/h200-speed4.md).
+    Splits: at most min(T, B) tokens are real; aim at ~512 programs (H200: 132 SMs) and at most 8
+    splits (more made a lone token's call slower: the merge grows). Only splits that get keys write
+    partials, so an over-estimate costs little. Split programs pipeline 3 stages, unsplit ones (large
+    batches) 2 (docs/bench/h200-speed4.md).
     """
     keys = int(os.environ.get("JTP_ATTN_DECODE_KEYS", "64"))
     ppi = max(1, _pow2_floor(max(keys // block_size, 1)))
@@ -338,7 +338,7 @@ def choose_decode_config(T: int, B: int, num_kv_heads: int, group: int, block_si
     if env_splits:
         splits = int(env_splits)
     else:
-        splits = min(32, _pow2_floor(max(1, 512 // max(1, min(T, B) * num_kv_heads))))
+        splits = min(8, _pow2_floor(max(1, 512 // max(1, min(T, B) * num_kv_heads))))
     warps = int(os.environ.get("JTP_ATTN_WARPS", "4"))
     stages = int(os.environ.get("JTP_ATTN_STAGES", "3" if splits > 1 else "2"))
     ppi, stages = fit_shared_memory(_decode_rows(group), ppi, stages, block_size, head_dim, itemsize)
