@@ -364,9 +364,10 @@ def _decode_kernel(
     q_ref,  # [T*Hq, D]
     k_ref, v_ref,  # [num_blocks, block_size, D] this kv head's pages
     *out_refs,
-    group: int, hq: int, m_rows: int, ppi: int, num_splits: int, scale_log2: float, precision, heads_first: bool,
+    group: int, hq: int, m_rows: int, ppi: int, num_splits: int, scale_log2: float, precision,
 ):
-    t, h = (pl.program_id(1), pl.program_id(0)) if heads_first else (pl.program_id(0), pl.program_id(1))
+    t = pl.program_id(0)
+    h = pl.program_id(1)
     s = pl.program_id(2)
     block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     n_keys = ppi * block_size
@@ -459,29 +460,22 @@ def paged_decode_attention(
     meta = (i32(token_rows), i32(positions), i32(row_starts), i32(row_lens), i32(context_lens))
 
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    # Launch order: token-major (the kv heads of one token far apart) or head-major (a token's kv
-    # heads adjacent, so the parts of each key row they read are fetched close in time).
-    heads_first = os.environ.get("JTP_ATTN_DECODE_ORDER", "tokens") == "heads"
     kernel = functools.partial(
         _decode_kernel, group=group, hq=hq, m_rows=m_rows, ppi=ppi, num_splits=num_splits,
-        scale_log2=float(scale) * _LOG2E, precision=precision, heads_first=heads_first,
+        scale_log2=float(scale) * _LOG2E, precision=precision,
     )
-
-    def spec(shape, index):  # index(t, h, s) in the grid's order
-        return pl.BlockSpec(shape, (lambda h, t, s: index(t, h, s)) if heads_first else index)
-
-    full1 = lambda n: spec((n,), lambda t, h, s: (0,))  # noqa: E731
+    full1 = lambda n: pl.BlockSpec((n,), lambda t, h, s: (0,))  # noqa: E731
     rows = T * hq
     in_specs = [
         full1(T), full1(T), full1(B), full1(B), full1(B),
-        spec((B, max_blocks), lambda t, h, s: (0, 0)),
-        spec((rows, d), lambda t, h, s: (0, 0)),
-        spec((num_blocks, block_size, None, d), lambda t, h, s: (0, 0, h, 0)),
-        spec((num_blocks, block_size, None, d), lambda t, h, s: (0, 0, h, 0)),
+        pl.BlockSpec((B, max_blocks), lambda t, h, s: (0, 0)),
+        pl.BlockSpec((rows, d), lambda t, h, s: (0, 0)),
+        pl.BlockSpec((num_blocks, block_size, None, d), lambda t, h, s: (0, 0, h, 0)),
+        pl.BlockSpec((num_blocks, block_size, None, d), lambda t, h, s: (0, 0, h, 0)),
     ]
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, d), q.dtype)]
-        out_specs = [spec((rows, d), lambda t, h, s: (0, 0))]
+        out_specs = [pl.BlockSpec((rows, d), lambda t, h, s: (0, 0))]
     else:
         out_shape = [
             jax.ShapeDtypeStruct((num_splits, rows, d), jnp.float32),
@@ -489,13 +483,13 @@ def paged_decode_attention(
             jax.ShapeDtypeStruct((num_splits, rows), jnp.float32),
         ]
         out_specs = [
-            spec((None, rows, d), lambda t, h, s: (s, 0, 0)),
-            spec((None, rows), lambda t, h, s: (s, 0)),
-            spec((None, rows), lambda t, h, s: (s, 0)),
+            pl.BlockSpec((None, rows, d), lambda t, h, s: (s, 0, 0)),
+            pl.BlockSpec((None, rows), lambda t, h, s: (s, 0)),
+            pl.BlockSpec((None, rows), lambda t, h, s: (s, 0)),
         ]
     outs = pl.pallas_call(
         kernel,
-        grid=(hkv, T, num_splits) if heads_first else (T, hkv, num_splits),
+        grid=(T, hkv, num_splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
