@@ -2,7 +2,7 @@
 # Issues 27 and 28 on one H200 (docs/bench/h200-speed3.md): random weights at the real shapes, drawn
 # on the GPU from config.json alone. Run from the repository root on the GPU machine:
 #   OUT=dir bash scripts/speed3_h200.sh sweep     # FP8 decode kernel kinds per projection -> /tmp/fp8-table.json
-#   OUT=dir BASE=dir bash scripts/speed3_h200.sh bench [presets]  # bench.py, bf16 and FP8, this tree (and BASE's)
+#   OUT=dir BASE=dir bash scripts/speed3_h200.sh bench [presets]  # bench.py, bf16 and FP8, this tree (and BASE's), REPEAT processes each
 #   OUT=dir bash scripts/speed3_h200.sh profile [presets]         # profile_step.py at B=1, bf16 and FP8
 #   OUT=dir bash scripts/speed3_h200.sh check [presets]           # gpu_check.py --fp8 at tp 1
 #   OUT=dir bash scripts/speed3_h200.sh attention [presets]       # decode (SIZES, default B=1) at 8, 16 and 32 attention K splits, STAGES
@@ -31,9 +31,12 @@ bench)
       for q in ${QUANT:-bf16 fp8}; do
         extra=$([ "$q" = fp8 ] && echo "--quantization fp8" || true)
         table=${TABLE:-/tmp/fp8-table.json}; [ -f "$table" ] || table=
-        (cd "$tree" && JTP_FP8_DECODE_TABLE=$table PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${RUN_SECONDS:-200} python3 scripts/bench.py \
-          $args $extra --json "$OUT/$preset-$q-$tag.json" --markdown "$OUT/$preset-$q-$tag.md" > "$OUT/$preset-$q-$tag.log" 2>&1)
-        echo "== $preset $q $tag"; grep -E "decode B=|prefill" "$OUT/$preset-$q-$tag.md" | grep -v attention | cut -c1-110
+        for r in $(seq ${REPEAT:-1}); do  # REPEAT > 1: separate processes (a lone request's step is host-bound, per process)
+          name=$preset-$q-$tag$([ "${REPEAT:-1}" = 1 ] || echo "-$r")
+          (cd "$tree" && JTP_FP8_DECODE_TABLE=$table PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${RUN_SECONDS:-200} python3 scripts/bench.py \
+            $args $extra --json "$OUT/$name.json" --markdown "$OUT/$name.md" > "$OUT/$name.log" 2>&1)
+          echo "== $name"; grep -E "decode B=|prefill" "$OUT/$name.md" | grep -v attention | cut -c1-110
+        done
       done
     done
   done
