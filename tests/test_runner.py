@@ -1,4 +1,5 @@
-"""ModelRunner on the demo checkpoint: `close()` gives back every byte of device memory it held."""
+"""ModelRunner on the demo checkpoint: `close()` gives back every byte of device memory it held; the
+allocator stats the KV pool is sized from."""
 
 import gc
 
@@ -56,3 +57,29 @@ def test_close_frees_weights_cache_and_sampled_tokens(tp):
     runner.close()
     assert live_bytes() == baseline
     assert runner.params is None and runner.cache is None and runner.sampled is None
+
+
+class FakeDevice:
+    def __init__(self, process_index: int, stats):
+        self.process_index, self.stats = process_index, stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_memory_stats_are_this_process_fullest_devices():
+    """The KV pool must fit on every device of this process (a pipeline's stages fill theirs unevenly);
+    other processes' devices and devices that keep no stats are not guessed at."""
+    gib = 1 << 30
+    here, there = jax.process_index(), jax.process_index() + 1
+    roomy = {"bytes_limit": 80 * gib, "bytes_in_use": 10 * gib}
+    full = {"bytes_limit": 80 * gib, "bytes_in_use": 50 * gib}
+    fuller_elsewhere = {"bytes_limit": 80 * gib, "bytes_in_use": 70 * gib}
+
+    def stats(*devices):
+        return ModelRunner.memory_stats(type("R", (), {"all_devices": list(devices)})())
+
+    assert stats(FakeDevice(here, roomy), FakeDevice(here, full), FakeDevice(there, fuller_elsewhere)) is full
+    assert stats(FakeDevice(here, roomy), FakeDevice(here, None)) is None
+    assert stats(FakeDevice(here, {"bytes_in_use": 1})) is None
+    assert stats(*jax.devices()) is None  # CPU devices keep no allocator stats

@@ -206,7 +206,7 @@ class PipelineRunner(ModelRunner):
                 params = load_params(config.model, cfg, mesh, self.dtype, config.enable_expert_parallel, False,
                                      config.load_format, config.quantization, keep)
                 if not last and mesh.devices.size == 1:  # (the base runner fuses the last stage's: __init__)
-                    params = fuse_projections(params, fp8_kernel_wanted(mesh))
+                    params = fuse_projections(params, fp8_kernel_wanted())
             self.stages.append(Stage(s, layer_ids, mesh, params))
         return self.stages[-1].params
 
@@ -252,20 +252,6 @@ class PipelineRunner(ModelRunner):
 
     def bytes_per_state_slot(self) -> int:
         return max(self._stage_bytes(s, 1, 2) - self._stage_bytes(s, 1, 1) for s in self.stages) // self.tp
-
-    def memory_stats(self) -> dict | None:
-        """The allocator stats of the local stage device with the least memory free (the pool must fit
-        on every stage: each holds all the blocks for its layers)."""
-        stats = []
-        for stage in self.stages:
-            if self.local[stage.index]:
-                try:
-                    stats.append(stage.mesh.devices.flat[0].memory_stats())
-                except Exception:  # noqa: BLE001 - some backends raise instead of returning None
-                    return None
-        if not stats or any(not s or "bytes_limit" not in s for s in stats):
-            return None
-        return min(stats, key=lambda s: s["bytes_limit"] - s.get("bytes_in_use", 0))
 
     def _stage_cache(self, stage: Stage) -> list:
         return self.cache[stage.layer_ids.start:stage.layer_ids.stop]

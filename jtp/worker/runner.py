@@ -83,14 +83,11 @@ def _sampling_arrays(penalty_len: int, f: dict):
     return sampling, penalty, f.get("token_mask"), f["stop_ids"], f["num_steps"][0]
 
 
-def fp8_kernel_wanted(mesh) -> bool:
-    """Whether FP8 weights' decode products run in the FP8 kernel: on one GPU (the kernel is opaque to
-    XLA's partitioner); JTP_FP8_KERNEL=1 forces it (interpreted off the GPU: tests), 0 keeps XLA's
-    dequantize-then-GEMM."""
+def fp8_kernel_wanted() -> bool:
+    """Whether one device's FP8 weights multiply in the FP8 kernel when decoding: on a GPU;
+    JTP_FP8_KERNEL=1 forces it (interpreted off the GPU: tests), 0 keeps XLA's dequantize-then-GEMM."""
     forced = os.environ.get("JTP_FP8_KERNEL", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    return jax.default_backend() == "gpu" and mesh.devices.size == 1
+    return forced == "1" if forced in ("0", "1") else jax.default_backend() == "gpu"
 
 
 def is_ready(result) -> bool:
@@ -124,7 +121,7 @@ class ModelRunner:
         if self.images is not None:
             self._use_image_pool()
         if self.mesh.devices.size == 1:
-            self.params = fuse_projections(self.params, fp8_kernel_wanted(self.mesh))
+            self.params = fuse_projections(self.params, fp8_kernel_wanted())
         self.block_size = block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.num_state_slots = config.num_state_slots  # recurrent-state slots (hybrid models)
@@ -257,11 +254,14 @@ class ModelRunner:
         return (self._cache_bytes(1, 2) - self._cache_bytes(1, 1)) // self.tp
 
     def memory_stats(self) -> dict | None:
-        """The first device's allocator stats (None on CPU, which keeps none)."""
+        """Allocator stats of this process's device with the least memory free (None on CPU: none kept)."""
         try:
-            return self.mesh.devices.flat[0].memory_stats()
+            stats = [d.memory_stats() for d in self.all_devices if d.process_index == jax.process_index()]
         except Exception:  # noqa: BLE001 - some backends raise instead of returning None
             return None
+        if not stats or any(not s or "bytes_limit" not in s for s in stats):
+            return None
+        return min(stats, key=lambda s: s["bytes_limit"] - s.get("bytes_in_use", 0))
 
     def dispatch(self, step: PackedStep | StepInput, late: bool = False):
         """Enqueue one step (forward + sampling) and return at once with device-side results.
