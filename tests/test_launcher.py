@@ -18,6 +18,7 @@ one tp=4 mesh, the leader deciding every step and the follower executing it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -410,6 +411,7 @@ def hybrid_dir(shallow_hybrid_hk4_dir):
     return shallow_hybrid_hk4_dir
 
 
+@functools.cache  # one reference run per (model, tp, args) for the whole module
 def in_process(model: str, tp: int, **engine_args) -> list[list[int]]:
     from jtp.config.engine_args import EngineArgs
     from jtp.engine.engine import Engine
