@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jtp.core.buckets import Buckets  # noqa: E402
 from jtp.kernels.ragged_paged_attention import (  # noqa: E402
     choose_config,
     choose_decode_config,
@@ -52,9 +53,9 @@ def bucket(n, lo):
 
 
 def make_plan(rng, rows, num_blocks, max_blocks=None, first_block=0):
-    """rows: list of (query tokens, context). Padded like the scheduler (T, B powers of two)."""
-    total = sum(n for n, _ in rows)
-    T, B = (1 if total == 1 else bucket(total, 16)), bucket(len(rows), 8)  # jtp.core.buckets: a lone decode token is T=1
+    """rows: list of (query tokens, context). Padded like the scheduler (jtp.core.buckets)."""
+    total, longest = sum(n for n, _ in rows), max(n for n, _ in rows)
+    T, B, row_bound = Buckets.make(bucket(total, 16), bucket(len(rows), 8), 1).step_shape(total, len(rows), longest)
     need = [-(-c // BS) for _, c in rows]
     M = max_blocks or bucket(max(need), 1)
     positions = np.zeros(T, np.int32)
@@ -75,7 +76,7 @@ def make_plan(rng, rows, num_blocks, max_blocks=None, first_block=0):
     meta = AttentionMetadata(
         jnp.asarray(positions), jnp.full(T, -1, jnp.int32), jnp.asarray(token_rows), jnp.asarray(tables),
         jnp.asarray(ctx), jnp.asarray(starts), jnp.asarray(lens), jnp.full(B, -1, jnp.int32), jnp.full(B, -1, jnp.int32),
-        jnp.arange(bucket(max(n for n, _ in rows), 1), dtype=jnp.int32),  # query_bound, as the runner
+        jnp.arange(row_bound, dtype=jnp.int32),  # query_bound, as the runner
     )
     kv_bytes = int(sum(c for _, c in rows)) * HKV * D * 2 * 2
     return meta, total, kv_bytes

@@ -58,10 +58,11 @@ attention)
   for preset in ${2:-qwen3-8b}; do
     checkpoint "$preset"
     for splits in ${SPLITS:-8 16 32}; do
+      name=$preset-attn-s$splits-st${STAGES:-3}
       JTP_ATTN_DECODE_SPLITS=$splits JTP_ATTN_STAGES=${STAGES:-3} PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${RUN_SECONDS:-120} python3 scripts/bench.py \
         --model "/tmp/ck/$preset" --load-format dummy --batch-sizes ${SIZES:-1} --context 1024 --decode-steps 16 --max-seconds ${MAX_SECONDS:-20} \
-        --json "$OUT/$preset-attn-s$splits-st${STAGES:-3}.json" --markdown "$OUT/$preset-attn-s$splits-st${STAGES:-3}.md" > "$OUT/$preset-attn-s$splits-st${STAGES:-3}.log" 2>&1
-      echo "== $preset splits=$splits stages=${STAGES:-3}"; grep -E "decode B=" "$OUT/$preset-attn-s$splits-st${STAGES:-3}.md" | cut -c1-120
+        --json "$OUT/$name.json" --markdown "$OUT/$name.md" > "$OUT/$name.log" 2>&1
+      echo "== $name"; grep -E "decode B=" "$OUT/$name.md" | cut -c1-120
     done
   done
   ;;

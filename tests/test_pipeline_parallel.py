@@ -36,13 +36,17 @@ def staggered_tokens(args: EngineArgs) -> list[list[int]]:
         return run_staggered(engine, engine.cfg.vocab_size)
 
 
+def base_args(model: str) -> dict:
+    return dict(ENGINE_ARGS, model=model, skip_tokenizer_init=True, dtype="float32")
+
+
 @functools.cache  # the one-engine reference, shared by the tests of one model
 def one_engine_tokens(model: str) -> list[list[int]]:
-    return staggered_tokens(EngineArgs(**ENGINE_ARGS, model=model, skip_tokenizer_init=True, dtype="float32"))
+    return staggered_tokens(EngineArgs(**base_args(model)))
 
 
 def test_stages_give_the_tokens_of_one_engine(staggered_model, demo_dir):
-    base = dict(ENGINE_ARGS, model=staggered_model, skip_tokenizer_init=True, dtype="float32")
+    base = base_args(staggered_model)
     expected = one_engine_tokens(staggered_model)
     splits = [dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=2, tensor_parallel_size=2)]
     if staggered_model == str(demo_dir):
@@ -64,7 +68,7 @@ def test_after_warm_up_a_pipeline_compiles_nothing(stages, demo_dir, request):
     import jax
 
     model = str(demo_dir) if stages == 2 else str(request.getfixturevalue("hybrid_hk4")[1])
-    base = dict(ENGINE_ARGS, model=model, skip_tokenizer_init=True, dtype="float32")
+    base = base_args(model)
     expected = one_engine_tokens(model)
     compiled: list[str] = []
 

@@ -49,11 +49,10 @@ from jtp.errors import ConfigError, RequestError
 from jtp.loading.weights import load_params
 from jtp.models import family_of
 from jtp.models.attention import choose_attention
-from jtp.models.layers import fuse_projections
 from jtp.models.moe import choose_experts
 from jtp.parallel.sharding import make_mesh, replicated
 from jtp.worker import kv_cache
-from jtp.worker.runner import ModelRunner, fp8_kernel_wanted, host_buffers, plan_arrays
+from jtp.worker.runner import ModelRunner, fused_for_one_device, host_buffers, plan_arrays
 from jtp.worker.trace_count import count_traces, note_trace
 
 
@@ -205,8 +204,8 @@ class PipelineRunner(ModelRunner):
                 keep = functools.partial(stage_keeps, layer_ids, s == 0, last, cfg.tie_word_embeddings)
                 params = load_params(config.model, cfg, mesh, self.dtype, config.enable_expert_parallel, False,
                                      config.load_format, config.quantization, keep)
-                if not last and mesh.devices.size == 1:  # (the base runner fuses the last stage's: __init__)
-                    params = fuse_projections(params, fp8_kernel_wanted())
+                if not last:  # (the base runner fuses the last stage's: __init__)
+                    params = fused_for_one_device(params, mesh)
             self.stages.append(Stage(s, layer_ids, mesh, params))
         return self.stages[-1].params
 

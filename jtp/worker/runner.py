@@ -83,11 +83,12 @@ def _sampling_arrays(penalty_len: int, f: dict):
     return sampling, penalty, f.get("token_mask"), f["stop_ids"], f["num_steps"][0]
 
 
-def fp8_kernel_wanted() -> bool:
-    """Whether one device's FP8 weights multiply in the FP8 kernel when decoding: on a GPU;
-    JTP_FP8_KERNEL=1 forces it (interpreted off the GPU: tests), 0 keeps XLA's dequantize-then-GEMM."""
+def fused_for_one_device(params: dict, mesh) -> dict:
+    """`fuse_projections` on a one-device mesh (FP8 weights through the FP8 kernel on a GPU, or as
+    JTP_FP8_KERNEL=1|0 forces: 1 interprets it off the GPU for tests); a sharded mesh keeps `params`."""
     forced = os.environ.get("JTP_FP8_KERNEL", "").strip()
-    return forced == "1" if forced in ("0", "1") else jax.default_backend() == "gpu"
+    fp8_kernel = forced == "1" if forced in ("0", "1") else jax.default_backend() == "gpu"
+    return fuse_projections(params, fp8_kernel) if mesh.devices.size == 1 else params
 
 
 def is_ready(result) -> bool:
@@ -120,8 +121,7 @@ class ModelRunner:
         self.images, self.cfg = image_pool_for(config, self.cfg, self.embedding_mesh, self.dtype)
         if self.images is not None:
             self._use_image_pool()
-        if self.mesh.devices.size == 1:
-            self.params = fuse_projections(self.params, fp8_kernel_wanted())
+        self.params = fused_for_one_device(self.params, self.mesh)
         self.block_size = block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.num_state_slots = config.num_state_slots  # recurrent-state slots (hybrid models)
