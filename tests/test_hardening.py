@@ -143,9 +143,11 @@ HEALTH_LATENCY_BOUND = 0.5
 
 def health_latencies(url: str, busy: threading.Event) -> list[float]:
     """/health round trips (seconds) while `busy` is set, one every 10 ms, and at least one (the busy
-    request may end before the first probe on a loaded machine)."""
+    request may end before the first probe on a loaded machine). Each probe on a new connection: the
+    server closes an idle keep-alive one after LIMITS' 1 s, and a probe thread descheduled that long
+    on a loaded machine would race the close (a reset, not a slow answer)."""
     out = []
-    with httpx.Client(timeout=10) as client:
+    with httpx.Client(timeout=10, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         client.get(url + "/health")
         while True:
             t = time.perf_counter()
