@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the host's phases and the device's kernels, from one run.
 
     python scripts/profile_step.py --model DIR [--tp 1] [--batch 1] [--context 1024] [--steps 24]
-                                   [--dtype bfloat16] [--out DIR] [--json FILE]
+                                   [--num-scheduler-steps K] [--dtype bfloat16] [--out DIR] [--json FILE]
 
 B requests of `--context` random tokens are prefilled, then `--steps` decode steps run through the
 engine's real `step()` twice:
@@ -12,7 +12,8 @@ engine's real `step()` twice:
    step, the largest kernels) and the host's own XLA events (argument parsing, input handling).
 
 The table says which side bounds a step: a device busy for less than the step's wall time waits
-for the host.
+for the host. With `--num-scheduler-steps K` each engine step is one dispatch of K decode steps: the
+host phases are per dispatch, the device's figures per decode step (kernels and busy time / K).
 """
 
 from __future__ import annotations
@@ -114,11 +115,12 @@ def summarize_trace(events: list[dict], names: dict[int, str], steps: int, top: 
 def markdown(res: dict) -> str:
     h = res["host_ms"]
     lines = [
-        f"# profile_step: {res['model']} tp={res['tp']} B={res['batch']} context {res['context']} ({res['device']})",
+        f"# profile_step: {res['model']} tp={res['tp']} B={res['batch']} context {res['context']}"
+        f"{' K=%d' % res['num_scheduler_steps'] if res.get('num_scheduler_steps', 1) > 1 else ''} ({res['device']})",
         "",
         f"`{res['command']}`" + (f" with XLA_FLAGS=`{res['xla_flags']}`" if res.get("xla_flags") else ""),
         "",
-        "| host phase (median ms/step) | ms |",
+        "| host phase (median ms per engine step) | ms |",
         "|---|---:|",
     ]
     for phase in ("schedule", "prepare", "dispatch", "wait", "other", "step"):
@@ -146,6 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per dispatch (the device loop)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=Path("/tmp/jtp-profile"))
     ap.add_argument("--json", type=Path, default=None)
@@ -169,11 +172,11 @@ def main(argv=None) -> int:
     chunk = max(512, 2 * args.batch)
     engine = Engine.from_args(EngineArgs(
         model=str(args.model), tensor_parallel_size=args.tp, dtype=args.dtype, max_num_seqs=args.batch,
-        max_num_batched_tokens=chunk, num_blocks=args.batch * (-(-(args.context + 3 * args.steps + 64) // 16) + 1),
-        max_model_len=args.context + 3 * args.steps + 64, skip_tokenizer_init=True, enable_prefix_caching=False,
-        load_format=args.load_format, quantization=args.quantization))
+        max_num_batched_tokens=chunk, num_blocks=args.batch * (-(-(args.context + 3 * args.steps * args.num_scheduler_steps + 64) // 16) + 1),
+        max_model_len=args.context + 3 * args.steps * args.num_scheduler_steps + 64, skip_tokenizer_init=True, enable_prefix_caching=False,
+        load_format=args.load_format, quantization=args.quantization, num_scheduler_steps=args.num_scheduler_steps))
     rng = np.random.default_rng(0)
-    params = SamplingParams(max_tokens=3 * args.steps + 32, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=3 * args.steps * args.num_scheduler_steps + 32, temperature=0.0, ignore_eos=True)
     rids = [engine.submit(rng.integers(0, engine.cfg.vocab_size, args.context).tolist(), params)
             for _ in range(args.batch)]
     outs = [engine.outputs.stream(r) for r in rids]
@@ -189,6 +192,7 @@ def main(argv=None) -> int:
     res = {
         "command": " ".join(["scripts/profile_step.py", *(argv if argv is not None else sys.argv[1:])]),
         "model": Path(args.model).name, "tp": args.tp, "batch": args.batch, "context": args.context, "sync": args.sync,
+        "num_scheduler_steps": args.num_scheduler_steps,
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "jax": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "host_ms": timer.medians_ms(),
     }
@@ -199,7 +203,7 @@ def main(argv=None) -> int:
                 jax.block_until_ready(engine.runner.sampled)
         jax.block_until_ready(engine.runner.sampled)
     try:
-        res["trace"] = summarize_trace(*trace_events(args.out), args.steps, args.top)
+        res["trace"] = summarize_trace(*trace_events(args.out), args.steps * args.num_scheduler_steps, args.top)
     except (FileNotFoundError, KeyError, ValueError) as e:
         res["trace_error"] = f"{type(e).__name__}: {e}"
     # Greedy tokens of every request: equal across runs that change only how the step is launched.

@@ -7,6 +7,7 @@
 #   OUT=dir bash scripts/speed3_h200.sh check [presets]           # gpu_check.py --fp8 at tp 1
 #   OUT=dir bash scripts/speed3_h200.sh attention [presets]       # decode (SIZES, default B=1) at 8, 16 and 32 attention K splits, STAGES
 #   OUT=dir bash scripts/speed3_h200.sh attn-sweep                # decode attention kernel configs at B=1, 8, 64
+#   OUT=dir bash scripts/speed3_h200.sh loop [presets]            # multi-step decode (K steps a dispatch) under VARIANTS of XLA's graphs
 # BASE: an older checkout's jtp/ and scripts/ (git archive REV jtp scripts), measured the same way.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -46,10 +47,11 @@ profile)
     checkpoint "$preset"
     for q in ${QUANT:-bf16 fp8}; do
       extra=$([ "$q" = fp8 ] && echo "--quantization fp8" || true)
+      name=profile-$preset-$q-k${K:-1}  # K: decode steps per dispatch (the device loop)
       PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout 200 python3 scripts/profile_step.py --model "/tmp/ck/$preset" \
-        --load-format dummy --batch ${BATCH:-1} --steps 12 --top 30 $extra --json "$OUT/profile-$preset-$q.json" \
-        --markdown "$OUT/profile-$preset-$q.md" > "$OUT/profile-$preset-$q.log" 2>&1
-      echo "== profile $preset $q"; head -c 1500 "$OUT/profile-$preset-$q.md"
+        --load-format dummy --batch ${BATCH:-1} --steps 12 --num-scheduler-steps ${K:-1} --top 30 $extra \
+        --json "$OUT/$name.json" --markdown "$OUT/$name.md" > "$OUT/$name.log" 2>&1
+      echo "== $name"; head -c 1500 "$OUT/$name.md"
     done
   done
   ;;
@@ -70,6 +72,28 @@ attn-sweep)
   PYTHONPATH=. timeout ${RUN_SECONDS:-420} python3 scripts/attention_check.py --cases 0,1,2 --decode-sweep \
     --max-seconds ${MAX_SECONDS:-360} --json "$OUT/attn-sweep.json" > "$OUT/attn-sweep.md" 2> "$OUT/attn-sweep.log"
   tail -8 "$OUT/attn-sweep.md"
+  ;;
+loop)
+  # --num-scheduler-steps K runs K decode steps in one while loop; XLA puts a loop into a CUDA graph only when
+  # WHILE (and CONDITIONAL) are among its command-buffer types. Variant = K, XLA_FLAGS, and a core pin or none.
+  declare -A flags=([k1]="" [k8]="" [k8w]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+    [k8wc]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL,+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+    [k1pin]="" [k1w]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" [k4]="" [k16]="")
+  for preset in ${2:-qwen3-0.6b qwen3-8b}; do
+    checkpoint "$preset"
+    i=0
+    for v in ${VARIANTS:-k1 k8 k8w k8wc}; do  # a variant named twice runs in two processes
+      i=$((i + 1))
+      k=$(echo "$v" | sed -E 's/^k([0-9]+).*/\1/'); pin=$([[ $v == *pin* ]] && echo "taskset -c ${PIN_CORE:-3}" || true)
+      name=$preset-loop-$i-$v
+      XLA_FLAGS="${flags[$v]}${DUMP:+ --xla_dump_to=$OUT/dump-$name --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_steps.*}" \
+        PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${RUN_SECONDS:-150} $pin python3 scripts/bench.py \
+        --model "/tmp/ck/$preset" --load-format dummy --batch-sizes ${SIZES:-1,64} --context 1024 --decode-steps 16 \
+        --num-scheduler-steps "$k" --prefill-len 256 --prefill-requests 1 --prefill-runs 1 --max-seconds ${MAX_SECONDS:-60} \
+        --json "$OUT/$name.json" --markdown "$OUT/$name.md" > "$OUT/$name.log" 2>&1
+      echo "== $name"; grep -E "decode B=" "$OUT/$name.md" | grep -v attention | cut -c1-110
+    done
+  done
   ;;
 check)
   PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${RUN_SECONDS:-400} python3 scripts/gpu_check.py --out "$OUT/check" --tp 1 --fp8 \

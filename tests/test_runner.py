@@ -2,6 +2,9 @@
 allocator stats the KV pool is sized from."""
 
 import gc
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -83,3 +86,23 @@ def test_memory_stats_are_this_process_fullest_devices():
     assert stats(FakeDevice(here, roomy), FakeDevice(here, None)) is None
     assert stats(FakeDevice(here, {"bytes_in_use": 1})) is None
     assert stats(*jax.devices()) is None  # CPU devices keep no allocator stats
+
+
+def test_decode_loop_command_buffers_are_xla_defaults_plus_loops(tmp_path, monkeypatch):
+    """The decode loop's command-buffer types are the installed XLA's defaults with WHILE and
+    CONDITIONAL added (what `+WHILE,+CONDITIONAL` in XLA_FLAGS gives, read back from XLA's own dump),
+    and XLA_FLAGS that choose the types themselves are left alone."""
+    from jtp.worker.step_programs import DECODE_LOOP_COMMAND_BUFFER, decode_loop_compiler_options
+
+    flags = f"--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_dump_to={tmp_path}"
+    subprocess.run([sys.executable, "-c", "import jax, jax.numpy as jnp; jax.jit(lambda x: x + 1)(jnp.ones(2))"],
+                   env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, check=True)
+    dumped = next(tmp_path.glob("*.debug_options")).read_text().splitlines()
+    xla_types = {line.split(":")[1].strip() for line in dumped if line.startswith("xla_gpu_enable_command_buffer:")}
+    assert {"WHILE", "CONDITIONAL", "FUSION"} <= xla_types
+    assert set(DECODE_LOOP_COMMAND_BUFFER.split(",")) == xla_types
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+    assert decode_loop_compiler_options() == {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    assert decode_loop_compiler_options() == {"xla_gpu_enable_command_buffer": DECODE_LOOP_COMMAND_BUFFER}

@@ -45,14 +45,15 @@ from jax.sharding import PartitionSpec as P
 from jtp.config.engine_config import EngineConfig
 from jtp.core.packed_step import PackedStep, StepLayout
 from jtp.core.step_input import StepInput
-from jtp.errors import ConfigError, RequestError
+from jtp.errors import ConfigError
 from jtp.loading.weights import load_params
 from jtp.models import family_of
 from jtp.models.attention import choose_attention
 from jtp.models.moe import choose_experts
 from jtp.parallel.sharding import make_mesh, replicated
 from jtp.worker import kv_cache
-from jtp.worker.runner import ModelRunner, fused_for_one_device, host_buffers, plan_arrays
+from jtp.worker.runner import ModelRunner, fused_for_one_device, host_buffers
+from jtp.worker.step_programs import plan_arrays
 from jtp.worker.trace_count import count_traces, note_trace
 
 
