@@ -74,8 +74,9 @@ attn-sweep)
   tail -8 "$OUT/attn-sweep.md"
   ;;
 loop)
-  # --num-scheduler-steps K runs K decode steps in one while loop; XLA puts a loop into a CUDA graph only when
-  # WHILE (and CONDITIONAL) are among its command-buffer types. Variant = K, XLA_FLAGS, and a core pin or none.
+  # --num-scheduler-steps K runs K decode steps in one while loop, which the runner compiles with WHILE and
+  # CONDITIONAL among XLA's command-buffer types (one CUDA graph). Variant = K, XLA_FLAGS (which take
+  # precedence over the runner's choice), and a core pin or none.
   declare -A flags=([k1]="" [k8]="" [k8w]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
     [k8wc]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL,+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
     [k1pin]="" [k1w]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" [k4]="" [k16]="")
@@ -85,12 +86,12 @@ loop)
     for v in ${VARIANTS:-k1 k8 k8w k8wc}; do  # a variant named twice runs in two processes
       i=$((i + 1))
       k=$(echo "$v" | sed -E 's/^k([0-9]+).*/\1/'); pin=$([[ $v == *pin* ]] && echo "taskset -c ${PIN_CORE:-3}" || true)
-      name=$preset-loop-$i-$v
+      name=$preset-loop-$i-$v${Q:+-$Q}  # Q=fp8: quantized at load
       XLA_FLAGS="${flags[$v]}${DUMP:+ --xla_dump_to=$OUT/dump-$name --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_steps.*}" \
         PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${RUN_SECONDS:-150} $pin python3 scripts/bench.py \
         --model "/tmp/ck/$preset" --load-format dummy --batch-sizes ${SIZES:-1,64} --context 1024 --decode-steps 16 \
         --num-scheduler-steps "$k" --prefill-len 256 --prefill-requests 1 --prefill-runs 1 --max-seconds ${MAX_SECONDS:-60} \
-        --json "$OUT/$name.json" --markdown "$OUT/$name.md" > "$OUT/$name.log" 2>&1
+        ${Q:+--quantization $Q} --json "$OUT/$name.json" --markdown "$OUT/$name.md" > "$OUT/$name.log" 2>&1
       echo "== $name"; grep -E "decode B=" "$OUT/$name.md" | grep -v attention | cut -c1-110
     done
   done
