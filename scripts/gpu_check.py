@@ -4,6 +4,7 @@ downloaded), through the engine's real step (continuous batching, multi-step dec
 
   1. float32 greedy tokens at tp=N equal tp=1, token for token, and the compiled decode step at
      tp=N holds the all-reduces tensor parallelism needs and nothing larger (jtp/parallel/collectives.py);
+     the decode loop (8 steps a dispatch) gives one step per dispatch's tokens and logprobs;
   2. float32 top-20 logprobs against Hugging Face transformers (torch, float32, same device kind,
      TF32 off), teacher-forced on jtp's tokens: max |difference| <= --f32-tol;
   3. bfloat16 the same against transformers in bfloat16: max |difference| <= --bf16-tol (both
@@ -132,6 +133,14 @@ def check_preset(preset: str, args, root: Path) -> list[dict]:
         record(f"decode step collectives at tp={tp}: 2 x layers + 1 all-reduces of [T, H], nothing larger",
                found[0].ok, **found[0].summary())
 
+    # The decode loop (one CUDA graph on a GPU, its while loop a conditional node) against one step per dispatch.
+    t = time.perf_counter()
+    looped = run_engine(model_dir, 1, "float32", prompts, args.tokens, args.block_size, num_scheduler_steps=8)
+    stats = compare_logprobs(looped, [top_as_dense(o, vocab) for o in f32[1]])
+    record("decode loop (--num-scheduler-steps 8): float32 greedy tokens and top-20 logprobs == one step per dispatch",
+           [o["tokens"] for o in looped] == [o["tokens"] for o in f32[1]] and stats["max_abs_diff"] <= args.f32_tol,
+           tolerance=args.f32_tol, **stats, seconds=round(time.perf_counter() - t, 1))
+
     t = time.perf_counter()
     stats = compare_logprobs(f32[1], hf_logprobs(model_dir, "float32", prompts, f32[1]))
     record("float32 top-20 logprobs vs transformers", stats["max_abs_diff"] <= args.f32_tol, tolerance=args.f32_tol,
@@ -163,6 +172,14 @@ def check_preset(preset: str, args, root: Path) -> list[dict]:
         record(f"{name}: bfloat16 top-20 logprobs vs transformers' bfloat16", stats["mean_abs_diff"] <= args.fp8_tol,
                tolerance=args.fp8_tol, **stats, seconds=round(time.perf_counter() - t, 1))
     return checks
+
+
+def top_as_dense(out: dict, vocab: int) -> np.ndarray:
+    """A run's top-20 logprobs as [tokens, vocab] rows (-inf elsewhere): a reference for compare_logprobs."""
+    dense = np.full((len(out["top"]), vocab), -np.inf, np.float32)
+    for i, top in enumerate(out["top"]):
+        dense[i, list(top)] = list(top.values())
+    return dense
 
 
 def compare_hf(hf_bf16: list[np.ndarray], exact: list[np.ndarray], outs) -> dict:

@@ -32,6 +32,8 @@ def test_gpu_check_passes_on_tiny_presets(tmp_path):
         (coll,) = [c for c in report["checks"] if c["preset"] == preset and c["check"].startswith("decode step coll")]
         layers = json.loads((tmp_path / "ckpt" / preset / "config.json").read_text())["num_hidden_layers"]
         assert coll["ok"] and coll["activation_all_reduces"] == coll["expected"] == 2 * layers + 1
+        (loop,) = [c for c in report["checks"] if c["preset"] == preset and c["check"].startswith("decode loop")]
+        assert loop["ok"] and loop["argmax_agreement"] == 1.0 and loop["max_abs_diff"] <= 2e-3, loop
         for name in ("FP8 weights", "FP8 weights, one request at a time", "FP8 KV cache"):
             (fp8,) = [c for c in report["checks"] if c["preset"] == preset and c["check"].startswith(name + ":")]
             assert fp8["ok"] and 0 < fp8["mean_abs_diff"], fp8  # quantized: near HF's bf16, not equal
