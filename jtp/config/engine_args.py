@@ -241,9 +241,10 @@ class EngineArgs:
         p.add_argument("--max-snapshots", type=int, default=d.max_snapshots,
                        help="explicit KV snapshots kept (least recently used evicted beyond it)")
         p.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
-                       help="decode steps one dispatch runs on the device when every row decodes, so the host's cost "
-                            "per call is paid once for up to this many tokens; for host-bound setups (1: one "
-                            "step per call; docs/bench/h200-speed2.md measures when the host bounds the step)")
+                       help="decode steps one dispatch runs on the device (one CUDA graph) when every row decodes, "
+                            "so the host's cost per call is paid once for up to this many tokens: 8 for small "
+                            "models and few concurrent requests, where the host bounds the step (1: one step per "
+                            "call; docs/bench/h200-speed5.md)")
         p.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 3}\' (prompt-lookup drafts verified in one step) or '
