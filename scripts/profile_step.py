@@ -170,10 +170,11 @@ def main(argv=None) -> int:
     from jtp.engine.engine import Engine
 
     chunk = max(512, 2 * args.batch)
+    longest = args.context + 3 * args.steps * args.num_scheduler_steps + 64
     engine = Engine.from_args(EngineArgs(
         model=str(args.model), tensor_parallel_size=args.tp, dtype=args.dtype, max_num_seqs=args.batch,
-        max_num_batched_tokens=chunk, num_blocks=args.batch * (-(-(args.context + 3 * args.steps * args.num_scheduler_steps + 64) // 16) + 1),
-        max_model_len=args.context + 3 * args.steps * args.num_scheduler_steps + 64, skip_tokenizer_init=True, enable_prefix_caching=False,
+        max_num_batched_tokens=chunk, num_blocks=args.batch * (-(-longest // 16) + 1),
+        max_model_len=longest, skip_tokenizer_init=True, enable_prefix_caching=False,
         load_format=args.load_format, quantization=args.quantization, num_scheduler_steps=args.num_scheduler_steps))
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=3 * args.steps * args.num_scheduler_steps + 32, temperature=0.0, ignore_eos=True)

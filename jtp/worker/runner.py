@@ -95,8 +95,8 @@ class ModelRunner:
         self.num_scheduler_steps = num_scheduler_steps = config.num_scheduler_steps
         self._decode_fn = jax.jit(
             functools.partial(
-                step_programs.decode_steps, self.family, self.cfg, self.attention, self.experts, self.mtp_drafts, block_size,
-                num_scheduler_steps,
+                step_programs.decode_steps, self.family, self.cfg, self.attention, self.experts, self.mtp_drafts,
+                block_size, num_scheduler_steps,
             ),
             donate_argnums=(1, 2),
             static_argnames=("layout",),
@@ -118,7 +118,8 @@ class ModelRunner:
                                      replicated(self.mesh))
         self._prompt_fn = jax.jit(functools.partial(step_programs.score_prompt, self.family))
         # (a partial of its own: each runner traces, and counts, its programs, as for the others)
-        self._sample_fn = jax.jit(functools.partial(step_programs.sample_rows), donate_argnums=(1,), static_argnames=("layout",))
+        self._sample_fn = jax.jit(functools.partial(step_programs.sample_rows), donate_argnums=(1,),
+                                  static_argnames=("layout",))
         self.compilations = 0  # traces of the step's programs: bounded by the bucket sets
         self.compile_seconds = 0.0  # time spent in them: tracing, lowering, XLA or a persistent-cache load
         # Programs compiled ahead of time (`lower` + `install`), by (kind, layout): dispatch calls them.
