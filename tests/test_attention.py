@@ -423,3 +423,42 @@ def test_kernel_block_tables_keep_several_pages_per_iteration():
         assert width >= max_blocks and width % 16 == 0
         _, ppi, _, _, _ = choose_decode_config(16, 8, 8, 4, 16, width)
         assert ppi == 4  # JTP_ATTN_DECODE_KEYS 64 / block_size 16
+
+
+@pytest.mark.parametrize("slots", [[5], [-1], [3, -1, 17, -1], [-1, -1]])
+def test_write_kv_writes_its_slots_and_sends_padding_to_the_scratch_page(slots):
+    """Real tokens land in their slots (numpy's assignment is the reference); padding (-1) changes no
+    page of the pool, only the scratch page past it."""
+    num_blocks, block_size, heads, dim = 4, 8, 2, 16
+    rng = np.random.default_rng(len(slots))
+    shape = (num_blocks + 1, block_size, heads, dim)
+    old = LayerKV(*(jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2)))
+    k, v = (rng.normal(size=(len(slots), heads, dim)).astype(np.float32) for _ in range(2))
+    new = write_kv(old, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots, jnp.int32))
+    for pages, before, values in ((new.k, old.k, k), (new.v, old.v, v)):
+        want = np.asarray(before).reshape(-1, heads, dim).copy()
+        for i, slot in enumerate(slots):
+            if slot >= 0:
+                want[slot] = values[i]
+        got = np.asarray(pages).reshape(-1, heads, dim)
+        pool = num_blocks * block_size
+        np.testing.assert_array_equal(got[:pool], want[:pool])
+        if -1 not in slots:
+            np.testing.assert_array_equal(got[pool:], want[pool:])
+
+
+def test_cache_writes_need_no_bounds_check():
+    """Every index write_kv uses is in range (padding goes to the scratch page), so a one-token
+    step's write is a dynamic_update_slice and a longer one's a scatter that promises in-range
+    indices: no scatter that drops, which XLA lowers to a read of the old value and a select."""
+    S = jax.ShapeDtypeStruct
+    cache = LayerKV(S((9, 16, 8, 128), jnp.bfloat16), S((9, 16, 8, 128), jnp.bfloat16))
+    for T in (1, 3):
+        new = S((T, 8, 128), jnp.bfloat16)
+        eqns = jax.make_jaxpr(write_kv)(cache, new, new, S((T,), jnp.int32)).jaxpr.eqns
+        names = [e.primitive.name for e in eqns]
+        scatters = [e for e in eqns if e.primitive.name == "scatter"]
+        if T == 1:
+            assert names.count("dynamic_update_slice") == 2 and not scatters, names
+        else:
+            assert len(scatters) == 2 and all("PROMISE_IN_BOUNDS" in str(e.params["mode"]) for e in scatters), scatters

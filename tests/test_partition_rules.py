@@ -130,6 +130,7 @@ def test_the_kernels_specs_are_the_caches_and_weights_specs():
     cfg = qwen3_attention_bias_config()
     kv = zeroed_layer_kv(cfg, make_mesh(4), 2, 4, jnp.float32)
     assert kv.k.sharding.spec == partition_spec(KV_AXES) and kv.k.shape[2] == 4  # 2 KV heads, each twice
+    assert kv.k.shape[0] == 2 + 1  # the pool's 2 pages and the scratch page
 
 
 def test_deltanet_state_is_split_like_its_weights():
@@ -137,7 +138,7 @@ def test_deltanet_state_is_split_like_its_weights():
     cache = qwen3_5.init_cache(cfg, make_mesh(2), num_blocks=2, block_size=4, num_state_slots=3, dtype=jnp.float32)
     state = cache[0]
     assert [s.sharding.spec for s in state] == [P(None, "tp", None)] * 3 + [P(None, "tp", None, None)]
-    assert state.recurrent.dtype == jnp.float32 and state.conv_q.shape[0] == 3
+    assert state.recurrent.dtype == jnp.float32 and state.conv_q.shape[0] == 3 + 1  # the pool's 3 and the scratch slot
 
 
 def tiny_qwen3(**overrides) -> ModelConfig:

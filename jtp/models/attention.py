@@ -1,6 +1,7 @@
 """Paged attention: where K/V live and how a ragged batch of query tokens reads them.
 
-The KV cache of one layer is a pair of page arrays [num_blocks, block_size, kv_heads, head_dim].
+The KV cache of one layer is a pair of page arrays [num_blocks + 1, block_size, kv_heads, head_dim]:
+the pool's pages, then a scratch page that no block table names (padding tokens write there).
 A step processes T flattened query tokens that belong to B batch rows (decode tokens and
 prefill chunks mixed); `AttentionMetadata` says, for each token, where its K/V goes and which
 row it belongs to, and for each row, which pages hold its context.
@@ -59,7 +60,7 @@ class AttentionMetadata(NamedTuple):
 
 
 class LayerKV(NamedTuple):
-    k: jax.Array  # [num_blocks, block_size, kv_heads, head_dim]
+    k: jax.Array  # [num_blocks + 1, block_size, kv_heads, head_dim]: the last page is scratch
     v: jax.Array
 
 
@@ -68,26 +69,36 @@ Q_AXES = ("tokens", "q_heads", "head_dim")  # of the queries (and the output) of
 
 
 def zeroed_layer_kv(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, dtype) -> LayerKV:
-    """One attention layer's paged K/V, zeroed, heads split over tp (replicated heads counted)."""
+    """One attention layer's paged K/V, zeroed, heads split over tp (replicated heads counted): the
+    pool's `num_blocks` pages and the scratch page."""
     heads = cfg.num_kv_heads * kv_head_replicas(cfg, mesh.shape["tp"])
-    shape = (num_blocks, block_size, heads, cfg.head_dim)
+    shape = (num_blocks + 1, block_size, heads, cfg.head_dim)
     return LayerKV(sharded_zeros(mesh, "kv cache k", shape, KV_AXES, dtype),
                    sharded_zeros(mesh, "kv cache v", shape, KV_AXES, dtype))
 
 
+def set_rows(array: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    """array with values[i] at array[rows[i]], every row in range (padding points at a scratch row).
+
+    In-range rows need no bounds check: one row is a single dynamic-update-slice. A row that might
+    be dropped (mode="drop") costs a read of the old value and a select besides, two more kernels
+    per write on a GPU."""
+    values = values.astype(array.dtype)
+    if values.shape[0] == 1:
+        return jax.lax.dynamic_update_slice(array, values, (rows[0],) + (0,) * (array.ndim - 1))
+    return array.at[rows].set(values, mode="promise_in_bounds")
+
+
 def write_kv(cache: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:
-    """Scatter this step's k/v [T, kv_heads, head_dim] into their slots; padding (-1) is dropped."""
-    num_blocks, block_size = cache.k.shape[:2]
-    num_slots = num_blocks * block_size
-    # Out-of-range indices are dropped by mode="drop"; -1 would wrap around, so send it past the end.
-    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
+    """Scatter this step's k/v [T, kv_heads, head_dim] into their slots; padding (-1) writes the scratch page."""
+    num_slots = cache.k.shape[0] * cache.k.shape[1]
+    slots = jnp.where(slot_mapping < 0, num_slots - 1, slot_mapping)
 
     def scatter(pages, new):
         flat = pages.reshape(num_slots, *pages.shape[2:])
         if pages.dtype == jnp.float8_e4m3fn:  # e4m3 has no inf: saturate, as vLLM's fp8 pages do
             new = jnp.clip(new, -FP8_MAX, FP8_MAX)
-        flat = flat.at[slots].set(new.astype(pages.dtype), mode="drop")
-        return flat.reshape(pages.shape)
+        return set_rows(flat, slots, new).reshape(pages.shape)
 
     return LayerKV(scatter(cache.k, k), scatter(cache.v, v))
 

@@ -41,7 +41,8 @@ class ModelFamily(Protocol):
         kv_dtype=None, layer_ids: range | None = None,
     ) -> list:
         """One zeroed cache entry per layer of `layer_ids` (default all; paged K/V in `kv_dtype`,
-        default `dtype`, or a recurrent layer's state slots), sharded."""
+        default `dtype`, or a recurrent layer's state slots), sharded; each with one scratch page or
+        slot past the pool's, where padding tokens and rows write."""
         ...
 
     def forward(

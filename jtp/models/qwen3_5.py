@@ -51,6 +51,7 @@ from jtp.models.attention import (
     AttentionMetadata,
     LayerKV,
     PagedAttention,
+    set_rows,
     write_kv,
     zeroed_layer_kv,
 )
@@ -72,7 +73,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST  # the recurrence is fp32 math; no TF32 sho
 
 
 class DeltaNetState(NamedTuple):
-    """Per-sequence state of one DeltaNet layer, `num_state_slots` slots.
+    """Per-sequence state of one DeltaNet layer: `num_state_slots` slots and a scratch slot last.
 
     conv_*: the last K-1 pre-conv inputs of the q, k and v channels [slots, channels, K-1]
     (oldest first; HF keeps K columns, only the last K-1 matter). recurrent: [slots, Hv, dk, dv] fp32.
@@ -103,11 +104,11 @@ class RowLayout(NamedTuple):
     valid: jax.Array  # bool[B, L]
     fresh: jax.Array  # bool[B] the row starts from the zero state (no slot to read)
     read_slots: jax.Array  # i32[B]
-    write_slots: jax.Array  # i32[B] state slot to write, out of range for padding rows (dropped)
+    write_slots: jax.Array  # i32[B] state slot to write; the scratch slot (the last) for padding rows
     token_row: jax.Array  # i32[T] row of each flat token
     token_t: jax.Array  # i32[T] its index within the row
     # Verify steps: each row's state after its first keep_lens[b] tokens goes to keep_slots[b]
-    # (out of range: dropped). None in other steps.
+    # (the scratch slot: not kept). None in other steps.
     keep_slots: jax.Array | None = None
     keep_lens: jax.Array | None = None
 
@@ -124,10 +125,10 @@ def row_layout(meta: AttentionMetadata, num_tokens: int, length: int, num_slots:
         valid=valid,
         fresh=meta.state_reads < 0,
         read_slots=jnp.clip(meta.state_reads, 0, num_slots - 1),
-        write_slots=jnp.where(real, meta.state_writes, num_slots),
+        write_slots=jnp.where(real, meta.state_writes, num_slots - 1),
         token_row=token_row,
         token_t=token_t,
-        keep_slots=None if meta.state_keeps is None else jnp.where(real & (meta.state_keeps >= 0), meta.state_keeps, num_slots),
+        keep_slots=None if meta.state_keeps is None else jnp.where(real & (meta.state_keeps >= 0), meta.state_keeps, num_slots - 1),
         keep_lens=meta.keep_lens,
     )
 
@@ -158,9 +159,9 @@ def causal_conv(x: jax.Array, weight: jax.Array, state: jax.Array, rows: RowLayo
         cols = jnp.take_along_axis(full, (lens[:, None] + jnp.arange(K - 1))[:, :, None], axis=1)
         return cols.swapaxes(1, 2).astype(state.dtype)
 
-    state = state.at[rows.write_slots].set(tail(rows.valid.sum(axis=1)), mode="drop")
+    state = set_rows(state, rows.write_slots, tail(rows.valid.sum(axis=1)))
     if rows.keep_slots is not None:
-        state = state.at[rows.keep_slots].set(tail(rows.keep_lens), mode="drop")
+        state = set_rows(state, rows.keep_slots, tail(rows.keep_lens))
     return jax.nn.silu(out), state
 
 
@@ -175,8 +176,8 @@ def conv_step(x: jax.Array, weight: jax.Array, state: jax.Array, rows: RowLayout
     full = jnp.concatenate([_slot_state(state, rows).astype(xs.dtype), xs[:, :, None]], axis=2)  # [B, C, K]
     w = weight.astype(jnp.float32)
     out = sum(full[:, :, j].astype(jnp.float32) * w[:, j] for j in range(K))
-    # Empty rows are never written (write_slots), so the K-1 newest inputs are the new state.
-    state = state.at[rows.write_slots].set(full[:, :, 1:].astype(state.dtype), mode="drop")
+    # Empty rows write the scratch slot (write_slots), so the K-1 newest inputs are the new state.
+    state = set_rows(state, rows.write_slots, full[:, :, 1:])
     return jax.nn.silu(out)[:, None], state
 
 
@@ -301,9 +302,9 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: Row
         o = o[:, None]
     else:
         o, final, kept = chunked_gated_delta_rule(q, k, v, g, beta, initial, chunk, rows.keep_lens)
-    recurrent = state.recurrent.at[rows.write_slots].set(final, mode="drop")
+    recurrent = set_rows(state.recurrent, rows.write_slots, final)
     if rows.keep_slots is not None:  # (verify rows always have several tokens: never L = 1)
-        recurrent = recurrent.at[rows.keep_slots].set(kept, mode="drop")
+        recurrent = set_rows(recurrent, rows.keep_slots, kept)
 
     o = o[rows.token_row, rows.token_t].astype(x.dtype)  # back to the flat order [T, Hv, dv]
     o = gated_rms_norm(o, z.reshape(T, Hv, dv), p["gdn_norm"], cfg.rms_norm_eps).reshape(T, Hv * dv)
@@ -456,13 +457,14 @@ uses_row_len_bound = True  # the DeltaNet layers chunk each row by it
 def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype,
                kv_dtype=None, layer_ids: range | None = None) -> list:
     """Paged K/V for full-attention layers; zeroed slot states for DeltaNet layers (of `layer_ids`,
-    default every layer)."""
+    default every layer): the pool's `num_state_slots` slots, then a scratch slot padding rows write."""
     K = cfg.linear_conv_kernel_dim
+    slots = num_state_slots + 1
     shapes = DeltaNetState(
-        conv_q=(num_state_slots, cfg.linear_key_dim, K - 1),
-        conv_k=(num_state_slots, cfg.linear_key_dim, K - 1),
-        conv_v=(num_state_slots, cfg.linear_value_dim, K - 1),
-        recurrent=(num_state_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+        conv_q=(slots, cfg.linear_key_dim, K - 1),
+        conv_k=(slots, cfg.linear_key_dim, K - 1),
+        conv_v=(slots, cfg.linear_value_dim, K - 1),
+        recurrent=(slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
     )
     dtypes = DeltaNetState(dtype, dtype, dtype, jnp.float32)  # the recurrence is fp32
     cache = []
