@@ -76,10 +76,9 @@ attn-sweep)
 loop)
   # --num-scheduler-steps K runs K decode steps in one while loop, which the runner compiles with WHILE and
   # CONDITIONAL among XLA's command-buffer types (one CUDA graph). Variant = K, XLA_FLAGS (which take
-  # precedence over the runner's choice), and a core pin or none.
-  declare -A flags=([k1]="" [k8]="" [k8w]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
-    [k8wc]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL,+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-    [k1pin]="" [k1w]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" [k4]="" [k16]="")
+  # precedence over the runner's choice), and a core pin or none: k<K>, k<K>pin, or one of the named flag sets.
+  declare -A flags=([k8w]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+    [k8wc]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL,+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
   for preset in ${2:-qwen3-0.6b qwen3-8b}; do
     checkpoint "$preset"
     i=0
@@ -87,7 +86,7 @@ loop)
       i=$((i + 1))
       k=$(echo "$v" | sed -E 's/^k([0-9]+).*/\1/'); pin=$([[ $v == *pin* ]] && echo "taskset -c ${PIN_CORE:-3}" || true)
       name=$preset-loop-$i-$v${Q:+-$Q}  # Q=fp8: quantized at load
-      XLA_FLAGS="${flags[$v]}${DUMP:+ --xla_dump_to=$OUT/dump-$name --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_steps.*}" \
+      XLA_FLAGS="${flags[$v]:-}${DUMP:+ --xla_dump_to=$OUT/dump-$name --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_steps.*}" \
         PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${RUN_SECONDS:-150} $pin python3 scripts/bench.py \
         --model "/tmp/ck/$preset" --load-format dummy --batch-sizes ${SIZES:-1,64} --context 1024 --decode-steps 16 \
         --num-scheduler-steps "$k" --prefill-len 256 --prefill-requests 1 --prefill-runs 1 --max-seconds ${MAX_SECONDS:-60} \
