@@ -462,3 +462,139 @@ def test_cache_writes_need_no_bounds_check():
             assert names.count("dynamic_update_slice") == 2 and not scatters, names
         else:
             assert len(scatters) == 2 and all("PROMISE_IN_BOUNDS" in str(e.params["mode"]) for e in scatters), scatters
+
+
+# ----------------------------------------------------------------------------- rope + K/V write
+
+
+def _rope_case(rng, T, hq, hkv, D, dtype, norm, num_blocks=6, block_size=4):
+    """Random q/k/v, pages and cos/sin of random positions; slots: distinct real slots and padding (-1)."""
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+    num_slots = num_blocks * block_size
+    slots = rng.permutation(num_slots)[:T]
+    slots[rng.random(T) < 0.3] = -1
+    positions = rng.integers(0, 4096, T)
+    inv_freq = 1e6 ** (-np.arange(0, D, 2) / D)
+    angles = np.concatenate([positions[:, None] * inv_freq] * 2, axis=1)
+    pages = lambda: normal(num_blocks + 1, block_size, hkv, D)  # noqa: E731
+    return dict(q=normal(T, hq, D), k=normal(T, hkv, D), v=normal(T, hkv, D), cache=LayerKV(pages(), pages()),
+                slots=jnp.asarray(slots, jnp.int32), cos=jnp.asarray(np.cos(angles), dtype),
+                sin=jnp.asarray(np.sin(angles), dtype),
+                q_norm=normal(D) if norm else None, k_norm=normal(D) if norm else None)
+
+
+def _rope_numpy(x, cos, sin, weight, eps=1e-6):
+    """float64: per-head RMSNorm (if a weight), then NeoX rotation over the whole head."""
+    x, cos, sin = (np.asarray(a, np.float64) for a in (x, cos, sin))
+    if weight is not None:
+        x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(weight, np.float64)
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+ROPE_CASES = [  # (T, hq, hkv, D, dtype, norm)
+    (1, 32, 8, 128, jnp.bfloat16, True),  # Qwen3-8B decode, one request
+    (7, 4, 2, 64, jnp.float32, True),
+    (5, 6, 2, 64, jnp.float32, False),  # Qwen2: no q/k norm; heads not a power of two
+    (9, 8, 8, 128, jnp.bfloat16, False),
+    (3, 16, 8, 128, jnp.float32, True),  # Qwen3-0.6B
+]
+
+
+@pytest.mark.parametrize("case", range(len(ROPE_CASES)))
+def test_rope_and_write_kernel_matches_numpy(case):
+    """The fused kernel (interpreted) against float64 numpy: rotated q, k and v in their slots,
+    every other page of the pool untouched; and against the jnp reference within one rounding."""
+    from jtp.models.attention import rope_and_write_kernel, rope_and_write_reference
+
+    T, hq, hkv, D, dtype, norm = ROPE_CASES[case]
+    rng, tag = _rng(700 + case)
+    c = _rope_case(rng, T, hq, hkv, D, dtype, norm)
+    args = (c["q"], c["k"], c["v"], c["cache"], c["slots"], c["cos"], c["sin"], c["q_norm"], c["k_norm"])
+    q, cache = jax.jit(lambda *a: rope_and_write_kernel(*a, 1e-6))(*args)
+    ref_q, ref_cache = jax.jit(lambda *a: rope_and_write_reference(*a, 1e-6))(*args)
+
+    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    # vs the reference: bf16 rounds each of its ops, the kernel once (cancellation: a few ulps of the terms)
+    same = dict(rtol=1e-2, atol=3e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(f32(q), _rope_numpy(c["q"], c["cos"], c["sin"], c["q_norm"]), **tol, err_msg=tag)
+    want_k = _rope_numpy(c["k"], c["cos"], c["sin"], c["k_norm"])
+    slots = np.asarray(c["slots"])
+    pool = c["cache"].k.shape[0] * c["cache"].k.shape[1] - c["cache"].k.shape[1]  # slots before the scratch page
+    for pages, before, want, ref in ((cache.k, c["cache"].k, want_k, ref_cache.k),
+                                     (cache.v, c["cache"].v, np.asarray(c["v"], np.float64), ref_cache.v)):
+        got, old = f32(pages).reshape(-1, hkv, D), f32(before).reshape(-1, hkv, D)
+        written = slots[slots >= 0]
+        np.testing.assert_allclose(got[written], want[slots >= 0], **tol, err_msg=tag)
+        untouched = np.setdiff1d(np.arange(pool), written)
+        np.testing.assert_array_equal(got[untouched], old[untouched], err_msg=f"{tag}: a page outside the slots changed")
+        np.testing.assert_allclose(got[:pool], f32(ref).reshape(-1, hkv, D)[:pool], **same, err_msg=tag)
+    np.testing.assert_allclose(f32(q), f32(ref_q), **same, err_msg=tag)
+
+
+def test_rope_and_write_dispatch():
+    """PagedAttention("kernel") fuses where the kernel applies: few tokens, rotation over the whole
+    head, pages in q's dtype; else (a long prefill, Qwen3.5's partial rotation, float8 pages) the reference."""
+    from jtp.kernels.rope_kv_write import MAX_TOKENS
+
+    S = jax.ShapeDtypeStruct
+
+    def traced(T, rotary=128, page_dtype=jnp.bfloat16, impl=KERNEL):
+        i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
+        meta = AttentionMetadata(i32(T), i32(T), i32(T), i32(4, 8), i32(4), i32(4), i32(4), i32(4), i32(4))
+        cache = LayerKV(S((9, 16, 8, 128), page_dtype), S((9, 16, 8, 128), page_dtype))
+        x = lambda h: S((T, h, 128), jnp.bfloat16)  # noqa: E731
+        cs = S((T, rotary), jnp.bfloat16)
+        w = S((128,), jnp.bfloat16)
+        return str(jax.make_jaxpr(lambda q, k, v, c, m, cos, sin, qn, kn: impl.rope_and_write(
+            q, k, v, c, m, cos, sin, qn, kn))(x(32), x(8), x(8), cache, meta, cs, cs, w, w))
+
+    assert "jtp_rope_kv_write_norm" in traced(1) and "jtp_rope_kv_write" in traced(MAX_TOKENS)
+    for text in (traced(MAX_TOKENS + 1), traced(1, rotary=64), traced(1, page_dtype=jnp.float8_e4m3fn),
+                 traced(1, impl=PagedAttention("reference"))):
+        assert "jtp_rope_kv_write" not in text
+
+
+@pytest.mark.parametrize("dtype, norm", [(jnp.bfloat16, True), (jnp.float32, False)])
+def test_rope_and_write_lowers_to_triton_for_cuda(dtype, norm):
+    from jtp.kernels.rope_kv_write import rope_and_write
+
+    S = jax.ShapeDtypeStruct
+    x = lambda h: S((4, h, 128), dtype)  # noqa: E731
+    pages = S((65, 16, 8, 128), dtype)
+    w = S((128,), dtype) if norm else None
+    text = cuda_lowering(lambda q, k, v, kp, vp, s, c, si, qn, kn: rope_and_write(q, k, v, kp, vp, s, c, si, qn, kn),
+                         x(32), x(8), x(8), pages, pages, S((4,), jnp.int32), S((4, 128), dtype), S((4, 128), dtype),
+                         w, w)
+    assert "triton" in text and "jtp_rope_kv_write" in text
+
+
+def test_rope_and_write_under_tensor_parallelism():
+    """tp=2: the kernel runs per head shard inside shard_map; same q and pages as the reference."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jtp.parallel.sharding import make_mesh
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    mesh = make_mesh(2)
+    rng, tag = _rng(800)
+    c = _rope_case(rng, 6, 8, 4, 64, jnp.float32, True)
+    heads = NamedSharding(mesh, P(None, "tp", None))
+    q, k, v = (jax.device_put(c[n], heads) for n in ("q", "k", "v"))
+    cache = jax.device_put(c["cache"], NamedSharding(mesh, P(None, None, "tp", None)))
+    i32 = jnp.zeros(6, jnp.int32)
+    meta = AttentionMetadata(i32, c["slots"], i32, jnp.zeros((1, 1), jnp.int32), *(jnp.zeros(1, jnp.int32),) * 5)
+    f = jax.jit(lambda *a: PagedAttention("kernel", mesh).rope_and_write(*a))
+    args = (q, k, v, cache, meta, c["cos"], c["sin"], c["q_norm"], c["k_norm"])
+    assert "jtp_rope_kv_write" in str(f.trace(*args).jaxpr)
+    out_q, out_cache = f(*args)
+    ref_q, ref_cache = PagedAttention("reference").rope_and_write(*args)
+    np.testing.assert_allclose(np.asarray(out_q), np.asarray(ref_q), rtol=1e-6, atol=1e-6, err_msg=tag)
+    for got, want in zip(out_cache, ref_cache):
+        n = got.shape[0] * got.shape[1] - got.shape[1]  # the pool, not the scratch page
+        np.testing.assert_allclose(np.asarray(got).reshape(-1, 4, 64)[:n], np.asarray(want).reshape(-1, 4, 64)[:n],
+                                   rtol=1e-6, atol=1e-6, err_msg=tag)

@@ -6,8 +6,9 @@ A step processes T flattened query tokens that belong to B batch rows (decode to
 prefill chunks mixed); `AttentionMetadata` says, for each token, where its K/V goes and which
 row it belongs to, and for each row, which pages hold its context.
 
-The model only calls `write_kv` and the `PagedAttention` it is given; a fast GPU kernel replaces
-the reference implementation behind it without touching the model.
+The model calls the `PagedAttention` it is given (to rotate q/k and write K/V, then to attend) or
+`write_kv`; a fast GPU kernel replaces the reference implementation behind it without touching the
+model.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jtp.config.model_config import ModelConfig
-from jtp.kernels import ragged_paged_attention, supported
+from jtp.kernels import ragged_paged_attention, rope_kv_write, supported
+from jtp.models.layers import apply_rope, rms_norm
 from jtp.parallel.rules import partition_spec, sharded_zeros
 from jtp.parallel.sharding import kv_head_replicas
 
@@ -101,6 +103,15 @@ def write_kv(cache: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
         return set_rows(flat, slots, new).reshape(pages.shape)
 
     return LayerKV(scatter(cache.k, k), scatter(cache.v, v))
+
+
+def rope_and_write_reference(q, k, v, cache: LayerKV, slots, cos, sin, q_norm=None, k_norm=None, eps: float = 1e-6):
+    """Per-head RMSNorm of q and k (when their weights are given), RoPE on both, k and v written to
+    their slots. Returns (rotated q, the updated cache)."""
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return q, write_kv(cache, k, v, slots)
 
 
 def paged_attention_reference(q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float) -> jax.Array:
@@ -186,6 +197,21 @@ class PagedAttention:
             return paged_attention_kernel(q, cache, meta, scale, self.mesh if tp > 1 else None)
         return paged_attention_reference(q, cache, meta, scale)
 
+    def rope_and_write(self, q, k, v, cache: LayerKV, meta: AttentionMetadata, cos, sin, q_norm=None, k_norm=None,
+                       eps: float = 1e-6):
+        """`rope_and_write_reference`; impl "kernel": one fused kernel where it applies
+        (jtp/kernels/rope_kv_write.py: few tokens, rotation over the whole head, cache in q's dtype)."""
+        tp = self.mesh.shape["tp"] if self.mesh is not None else 1
+        if (
+            self.impl == "kernel"
+            and rope_kv_write.supported(q.shape[0], q.shape[2], cos.shape[-1], q.dtype, cache.k.dtype)
+            and q.shape[1] % tp == 0
+            and k.shape[1] % tp == 0
+        ):
+            return rope_and_write_kernel(q, k, v, cache, meta.slot_mapping, cos, sin, q_norm, k_norm, eps,
+                                         self.mesh if tp > 1 else None)
+        return rope_and_write_reference(q, k, v, cache, meta.slot_mapping, cos, sin, q_norm, k_norm, eps)
+
 
 def choose_attention(mesh: Mesh | None = None, impl: str | None = None) -> PagedAttention:
     """The kernel on GPUs, the reference elsewhere; `impl` or JTP_ATTENTION=reference|kernel|auto
@@ -220,3 +246,23 @@ def paged_attention_kernel(
     in_specs = (head, kv, kv, rep, rep, rep, rep, rep, rep)
     # check_vma=False: the pallas_call has no varying-manual-axes rule to check against.
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=head, check_vma=False)(*args)
+
+
+def rope_and_write_kernel(q, k, v, cache: LayerKV, slots, cos, sin, q_norm, k_norm, eps: float,
+                          mesh: Mesh | None = None):
+    """The fused Pallas kernel, per head shard inside shard_map when given a mesh; interpreted off-GPU."""
+    interpret = jax.default_backend() != "gpu"
+
+    def local(q, k, v, k_pages, v_pages, slots, cos, sin, q_norm, k_norm):
+        q, k_pages, v_pages = rope_kv_write.rope_and_write(
+            q, k, v, k_pages, v_pages, slots, cos, sin, q_norm, k_norm, eps=eps, interpret=interpret)
+        return q, LayerKV(k_pages, v_pages)
+
+    args = (q, k, v, cache.k, cache.v, slots, cos, sin, q_norm, k_norm)
+    if mesh is None:
+        return local(*args)
+    head, kv, rep = partition_spec(Q_AXES), partition_spec(KV_AXES), P()
+    in_specs = (head, head, head, kv, kv, rep, rep, rep, rep if q_norm is not None else None,
+                rep if k_norm is not None else None)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(head, LayerKV(kv, kv)),
+                         check_vma=False)(*args)

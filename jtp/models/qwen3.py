@@ -27,11 +27,9 @@ from jtp.models.attention import (
     AttentionMetadata,
     LayerKV,
     PagedAttention,
-    write_kv,
     zeroed_layer_kv,
 )
 from jtp.models.layers import (
-    apply_rope,
     linear,
     project,
     rms_norm,
@@ -46,11 +44,8 @@ from jtp.parallel.sharding import kv_head_replicas
 def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, attend: PagedAttention):
     T, D = x.shape[0], cfg.head_dim
     q, k, v = (y.reshape(T, -1, D) for y in project(x, p, "q_proj", "k_proj", "v_proj"))
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    kv = write_kv(kv, k, v, meta.slot_mapping)
+    # q, k = RoPE(RMSNorm(q)), RoPE(RMSNorm(k)) (the norms on Qwen3 only); k, v into the cache.
+    q, kv = attend.rope_and_write(q, k, v, kv, meta, cos, sin, p.get("q_norm"), p.get("k_norm"), cfg.rms_norm_eps)
     o = attend(q, kv, meta, scale=D**-0.5)
     return linear(o.reshape(T, -1), p["o_proj"], p.get("o_bias")), kv
 
