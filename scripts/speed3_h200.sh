@@ -8,6 +8,8 @@
 #   OUT=dir bash scripts/speed3_h200.sh attention [presets]       # decode (SIZES, default B=1) at 8, 16 and 32 attention K splits, STAGES
 #   OUT=dir bash scripts/speed3_h200.sh attn-sweep                # decode attention kernel configs at B=1, 8, 64
 #   OUT=dir bash scripts/speed3_h200.sh loop [presets]            # multi-step decode (K steps a dispatch) under VARIANTS of XLA's graphs
+#   OUT=dir VARIANTS="base s16:JTP_ATTN_DECODE_SPLITS=16 ..." bash scripts/speed3_h200.sh knobs [presets]
+#                                                                 # decode (K=${K:-8}) under each variant's environment (name:VAR=v,VAR=v)
 # BASE: an older checkout's jtp/ and scripts/ (git archive REV jtp scripts), measured the same way.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -92,6 +94,20 @@ loop)
         --num-scheduler-steps "$k" --prefill-len 256 --prefill-requests 1 --prefill-runs 1 --max-seconds ${MAX_SECONDS:-60} \
         ${Q:+--quantization $Q} --json "$OUT/$name.json" --markdown "$OUT/$name.md" > "$OUT/$name.log" 2>&1
       echo "== $name"; grep -E "decode B=" "$OUT/$name.md" | grep -v attention | cut -c1-110
+    done
+  done
+  ;;
+knobs)
+  for preset in ${2:-qwen3-0.6b}; do
+    checkpoint "$preset"
+    for v in ${VARIANTS:-base}; do
+      name=$preset-knobs-${v%%:*}
+      assignments=$([[ $v == *:* ]] && echo "${v#*:}" | tr ',' ' ' || true)
+      env $assignments PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${RUN_SECONDS:-120} python3 scripts/bench.py \
+        --model "/tmp/ck/$preset" --load-format dummy --batch-sizes ${SIZES:-1} --context 1024 --decode-steps 16 \
+        --num-scheduler-steps ${K:-8} --prefill-len 256 --prefill-requests 1 --prefill-runs 1 --max-seconds ${MAX_SECONDS:-20} \
+        --json "$OUT/$name.json" --markdown "$OUT/$name.md" > "$OUT/$name.log" 2>&1
+      echo "== $name ($assignments)"; grep -E "decode B=.*tokens/s" "$OUT/$name.md" | cut -c1-90
     done
   done
   ;;
