@@ -326,8 +326,9 @@ def choose_decode_config(T: int, B: int, num_kv_heads: int, group: int, block_si
                          head_dim: int = 128, itemsize: int = 2):
     """(unused, pages per iteration, splits, warps, stages) of the decode kernel; env vars override.
 
-    Splits: at most min(T, B) tokens are real; aim at ~512 programs (H200: 132 SMs) and at most 8
-    splits (more made a lone token's call slower: the merge grows). Only splits that get keys write
+    Splits: at most min(T, B) tokens are real; aim at ~512 programs (H200: 132 SMs) and at most 16
+    splits (32 made a lone token's call slower: the merge grows; 16 beat 8 by 6% at Qwen3-0.6B B=1,
+    docs/bench/h200-speed6.md). Only splits that get keys write
     partials, so an over-estimate costs little. Split programs pipeline 3 stages, unsplit ones (large
     batches) 2 (docs/bench/h200-speed4.md).
     """
@@ -338,7 +339,7 @@ def choose_decode_config(T: int, B: int, num_kv_heads: int, group: int, block_si
     if env_splits:
         splits = int(env_splits)
     else:
-        splits = min(8, _pow2_floor(max(1, 512 // max(1, min(T, B) * num_kv_heads))))
+        splits = min(16, _pow2_floor(max(1, 512 // max(1, min(T, B) * num_kv_heads))))
     warps = int(os.environ.get("JTP_ATTN_WARPS", "4"))
     stages = int(os.environ.get("JTP_ATTN_STAGES", "3" if splits > 1 else "2"))
     ppi, stages = fit_shared_memory(_decode_rows(group), ppi, stages, block_size, head_dim, itemsize)
