@@ -72,6 +72,33 @@ def test_hybrid_batch_invariance_across_tp(hybrid):
         assert batched == base_batched, f"tp={tp}"
 
 
+def test_a_lone_request_decodes_one_row(hybrid, monkeypatch):
+    """A decode step of one request runs 1 row, not the smallest rows bucket (8): the DeltaNet layers
+    update one recurrent state per step instead of also 7 padding rows' (each a whole state read and
+    written per layer). Its tokens are HF's (the batched-equals-solo check above covers the rest)."""
+    from hf_hybrid import hf_generate
+
+    from jtp.config.engine_args import EngineArgs
+    from jtp.engine.engine import Engine
+
+    model, path = hybrid
+    shapes = []
+    prepare = InputBatch.prepare
+
+    def recording(self, out, masked=False):
+        packed = prepare(self, out, masked)
+        shapes.append((packed.layout.num_tokens, packed.layout.num_rows, packed.layout.max_row_len))
+        return packed
+
+    monkeypatch.setattr(InputBatch, "prepare", recording)
+    engine = Engine.from_args(EngineArgs(model=path, **ENGINE_KW, skip_tokenizer_init=True))
+    prompt = list(range(3, 40))
+    done = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert done.token_ids == hf_generate(model, prompt, 6)
+    decode = [s for s in shapes if s[2] == 1]
+    assert decode and set(decode) == {(1, 1, 1)}, shapes
+
+
 BS = 4  # block size of the scheduler state machine
 TOKENS = st.integers(0, 2)  # prompts from a small alphabet share prefixes: the cache hits
 

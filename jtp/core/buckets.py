@@ -12,8 +12,9 @@ class Buckets:
     """Static shapes of the jitted step: each dimension is padded up to one of these.
 
     tokens: powers of two from 16 to max_num_batched_tokens (plus that value itself); a decode step
-      of one row has a shape of its own, 1 token, so its projections run as matrix-vector products
-      (the FP8 GEMV kernel) rather than over 15 padding tokens;
+      of one row has a shape of its own, 1 token in 1 row, so its projections run as matrix-vector
+      products (the FP8 GEMV kernel) rather than over 15 padding tokens, and a hybrid model's
+      DeltaNet layers update one recurrent state rather than 8 (7 of them padding);
     rows: powers of two from 8 to max_num_seqs. A pure decode step picks it from its row count;
       a step with a longer row takes the most rows its token bucket can hold (padding rows
       cost almost nothing there, and the step shape then depends on the tokens alone);
@@ -54,7 +55,7 @@ class Buckets:
         """(tokens, rows, tokens per row) buckets of a step."""
         T = self.pick(self.tokens, num_tokens)
         if longest_row == 1:
-            return (1 if num_tokens == 1 else T), self.pick(self.rows, num_rows), 1
+            return (1, 1, 1) if num_tokens == 1 else (T, self.pick(self.rows, num_rows), 1)
         return T, self.pick(self.rows, min(T, self.rows[-1])), min(self.pick(self.row_lens, longest_row), T)
 
     def shapes(self) -> list[tuple[int, int, int]]:
