@@ -47,6 +47,7 @@ from jtp.loading.sources import (
     Tensor,
 )
 from jtp.models import qwen3
+from jtp.models.delta_rule import chunked_gated_delta_rule, decode_step
 from jtp.models.attention import (
     AttentionMetadata,
     LayerKV,
@@ -69,7 +70,6 @@ from jtp.models.moe import EXPERTS_IN_AXES, EXPERTS_OUT_AXES, RoutedExperts
 from jtp.parallel.rules import sharded_zeros
 
 CHUNK = 64  # HF's chunk size for the chunked delta rule
-_HIGHEST = jax.lax.Precision.HIGHEST  # the recurrence is fp32 math; no TF32 shortcuts on GPUs
 
 
 class DeltaNetState(NamedTuple):
@@ -185,88 +185,8 @@ def _l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def unit_lower_inverse(A: jax.Array) -> jax.Array:
-    """(I + A)^-1 for strictly lower-triangular A [..., C, C]. A is nilpotent (A^C = 0), so
-    (I + A)^-1 = sum_j (-A)^j = (I - A)(I + A^2)(I + A^4)...: about 2 log2(C) matmuls, no solve.
-    Why not lax.linalg.triangular_solve: a solve is sequential where matmuls run on tensor cores,
-    and XLA:CPU's solve deadlocks when several devices of one process run it at once."""
-    eye = jnp.eye(A.shape[-1], dtype=A.dtype)
-    inverse, power = eye - A, A
-    for _ in range(max(0, (A.shape[-1] - 1).bit_length() - 1)):
-        power = jnp.matmul(power, power, precision=_HIGHEST)  # A^2, A^4, ...
-        inverse = jnp.matmul(inverse, eye + power, precision=_HIGHEST)
-    return inverse
-
-
-def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int, keep_lens=None):
-    """The gated delta rule over [B, L] rows, `chunk` tokens at a time (reference §2 step 7).
-
-    q, k [B, L, H, dk]; v [B, L, H, dv]; g (log decay), beta [B, L, H]; state [B, H, dk, dv];
-    all fp32, L a multiple of chunk. Padding tokens must have k = g = beta = 0 (no-ops).
-    Returns o [B, L, H, dv], the final state and, given keep_lens [B], the state after each
-    row's first keep_lens[b] tokens (else None).
-    """
-    B, L, H, dk = k.shape
-    n = L // chunk
-
-    def chunks(x):  # [B, L, H, ...] -> [n, B, H, chunk, ...]
-        x = x.reshape(B, n, chunk, H, *x.shape[3:])
-        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
-
-    causal = jnp.tril(jnp.ones((chunk, chunk), bool))  # j <= i
-    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)  # j < i
-
-    def step(carry, c):
-        S, kept = carry
-        q, k, v, g, beta, first = c  # [B, H, C, d] / [B, H, C]; first: the chunk's first index
-        gamma = jnp.cumsum(g, axis=-1)
-        # exp(gamma_i - gamma_j) for j <= i; masked before exp so nothing overflows.
-        decay = jnp.exp(jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
-        kb = k * beta[..., None]
-        A = jnp.einsum("bhid,bhjd->bhij", kb, k, precision=_HIGHEST) * jnp.where(strict, decay, 0.0)
-        # (I + A) [U | W] = [beta v | beta k e^gamma]: forward substitution in one solve.
-        rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gamma)[..., None]], axis=-1)
-        UW = jnp.einsum("bhij,bhjd->bhid", unit_lower_inverse(A), rhs, precision=_HIGHEST)
-        U, W = UW[..., : v.shape[-1]], UW[..., v.shape[-1] :]
-        V_new = U - jnp.einsum("bhik,bhkv->bhiv", W, S, precision=_HIGHEST)
-        P = jnp.einsum("bhid,bhjd->bhij", q, k, precision=_HIGHEST) * decay
-        o = jnp.einsum("bhik,bhkv->bhiv", q * jnp.exp(gamma)[..., None], S, precision=_HIGHEST)
-        o = o + jnp.einsum("bhij,bhjv->bhiv", P, V_new, precision=_HIGHEST)
-        if keep_lens is not None:  # the state after token m of this chunk: S_m from S as S_C below
-            m = keep_lens - 1 - first  # [B]
-            gamma_m = jnp.take_along_axis(gamma, jnp.clip(m, 0, chunk - 1)[:, None, None], axis=-1)  # [B, H, 1]
-            upto = (jnp.arange(chunk) <= m[:, None])[:, None, :]  # [B, 1, C]
-            weight = jnp.where(upto, jnp.exp(jnp.where(upto, gamma_m - gamma, 0.0)), 0.0)
-            S_m = jnp.exp(gamma_m)[..., None] * S + jnp.einsum(
-                "bhjk,bhjv->bhkv", k * weight[..., None], V_new, precision=_HIGHEST
-            )
-            here = ((m >= 0) & (m < chunk))[:, None, None, None]
-            kept = jnp.where(here, S_m, kept)
-        last = gamma[..., -1:]
-        S = jnp.exp(last)[..., None] * S + jnp.einsum(
-            "bhjk,bhjv->bhkv", k * jnp.exp(last - gamma)[..., None], V_new, precision=_HIGHEST
-        )
-        return (S, kept), o
-
-    xs = tuple(chunks(x) for x in (q, k, v, g, beta)) + (jnp.arange(n) * chunk,)
-    (state, kept), o = jax.lax.scan(step, (state, state if keep_lens is not None else None), xs)
-    o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, L, H, -1)  # [n, B, H, C, dv] -> [B, L, H, dv]
-    return o, state, kept
-
-
-def gated_delta_step(q, k, v, g, beta, state):
-    """One token of the gated delta rule per row (reference §2 step 6; the L = 1 decode path).
-
-    q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H]; state [B, H, dk, dv]; all fp32. An empty row
-    has k = g = beta = 0, which leaves its state unchanged. Returns o [B, H, dv] and the state.
-    """
-    S = jnp.exp(g)[..., None, None] * state
-    pred = jnp.einsum("bhkv,bhk->bhv", S, k, precision=_HIGHEST)  # S^T k
-    S = S + k[..., :, None] * (beta[..., None] * (v - pred))[..., None, :]
-    return jnp.einsum("bhkv,bhk->bhv", S, q, precision=_HIGHEST), S
-
-
-def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: RowLayout, chunk: int):
+def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: RowLayout, chunk: int,
+                   attend: PagedAttention):
     """One DeltaNet mixer over the flat tokens x [T, H]. rows.valid is [B, L]: L = 1 takes the
     single-step recurrence, L > 1 the chunked rule (L a multiple of chunk)."""
     T = x.shape[0]
@@ -296,15 +216,16 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: Row
     beta = jnp.where(valid, beta[rows.gather], 0.0)
     g = jnp.where(valid, g[rows.gather], 0.0)
 
-    initial = _slot_state(state.recurrent, rows)
-    if L == 1:
-        o, final = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial)
+    if L == 1:  # the state read from its slot, one step, written to its slot (one kernel on GPUs)
+        o, recurrent = decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent, rows.read_slots,
+                                   rows.fresh, rows.write_slots, attend)
         o = o[:, None]
     else:
-        o, final, kept = chunked_gated_delta_rule(q, k, v, g, beta, initial, chunk, rows.keep_lens)
-    recurrent = set_rows(state.recurrent, rows.write_slots, final)
-    if rows.keep_slots is not None:  # (verify rows always have several tokens: never L = 1)
-        recurrent = set_rows(recurrent, rows.keep_slots, kept)
+        o, final, kept = chunked_gated_delta_rule(q, k, v, g, beta, _slot_state(state.recurrent, rows), chunk,
+                                                  rows.keep_lens)
+        recurrent = set_rows(state.recurrent, rows.write_slots, final)
+        if rows.keep_slots is not None:  # (verify rows always have several tokens: never L = 1)
+            recurrent = set_rows(recurrent, rows.keep_slots, kept)
 
     o = o[rows.token_row, rows.token_t].astype(x.dtype)  # back to the flat order [T, Hv, dv]
     o = gated_rms_norm(o, z.reshape(T, Hv, dv), p["gdn_norm"], cfg.rms_norm_eps).reshape(T, Hv * dv)
@@ -384,7 +305,8 @@ def decoder_layers(
         if cfg.is_linear_layer(i):
             if rows is None:
                 rows = row_layout(meta, T, length, layer_cache.recurrent.shape[0])
-            x, layer_cache = deltanet_layer(p, x, layer_cache, rows, real_tokens, cfg=cfg, chunk=chunk, routed=routed)
+            x, layer_cache = deltanet_layer(p, x, layer_cache, rows, real_tokens, cfg=cfg, chunk=chunk, attend=attend,
+                                             routed=routed)
         else:
             x, layer_cache = attention_layer(p, x, cos, sin, layer_cache, meta, real_tokens, cfg=cfg, attend=attend,
                                              routed=routed)
@@ -408,11 +330,12 @@ def forward(
 
 # Each layer is a jitted call, so a step traces and lowers one layer of each kind rather than all
 # of them (start-up time); XLA inlines the calls into the same program.
-@functools.partial(jax.jit, static_argnames=("cfg", "chunk", "routed"))
-def deltanet_layer(p: dict, x, cache, rows, real_tokens, *, cfg: ModelConfig, chunk: int, routed: RoutedExperts):
+@functools.partial(jax.jit, static_argnames=("cfg", "chunk", "attend", "routed"))
+def deltanet_layer(p: dict, x, cache, rows, real_tokens, *, cfg: ModelConfig, chunk: int, attend: PagedAttention,
+                   routed: RoutedExperts):
     """h = x + GatedDeltaNet(Norm(x));  x = h + FFN(Norm(h)).  Returns (x, the layer's updated state)."""
     a, layer_cache = gated_deltanet(p, cfg, rms_norm_zero_centered(x, p["input_norm"], cfg.rms_norm_eps), cache, rows,
-                                    chunk)
+                                    chunk, attend)
     h = x + a
     return h + feed_forward(p, cfg, rms_norm_zero_centered(h, p["post_norm"], cfg.rms_norm_eps), routed,
                             real_tokens), layer_cache

@@ -1,0 +1,128 @@
+"""The gated delta rule, Gated DeltaNet's recurrence (jtp/models/qwen3_5.py; "reference" below is
+the Qwen3.5 architecture reference):
+
+    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,   o_t = S_t^T q_t   (per value head, fp32)
+
+over chunks of a row's tokens (prefill, `chunked_gated_delta_rule`) and one token at a time
+(decode, `gated_delta_step`); and the decode step with each row's state read from and written to
+the slot pool (`decode_step`), one Pallas kernel on GPUs (jtp/kernels/delta_rule_step.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jtp.kernels import delta_rule_step as fused
+from jtp.models.attention import PagedAttention, set_rows
+
+_HIGHEST = jax.lax.Precision.HIGHEST  # the recurrence is fp32 math; no TF32 shortcuts on GPUs
+
+
+def unit_lower_inverse(A: jax.Array) -> jax.Array:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C]. A is nilpotent (A^C = 0), so
+    (I + A)^-1 = sum_j (-A)^j = (I - A)(I + A^2)(I + A^4)...: about 2 log2(C) matmuls, no solve.
+    Why not lax.linalg.triangular_solve: a solve is sequential where matmuls run on tensor cores,
+    and XLA:CPU's solve deadlocks when several devices of one process run it at once."""
+    eye = jnp.eye(A.shape[-1], dtype=A.dtype)
+    inverse, power = eye - A, A
+    for _ in range(max(0, (A.shape[-1] - 1).bit_length() - 1)):
+        power = jnp.matmul(power, power, precision=_HIGHEST)  # A^2, A^4, ...
+        inverse = jnp.matmul(inverse, eye + power, precision=_HIGHEST)
+    return inverse
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int, keep_lens=None):
+    """The gated delta rule over [B, L] rows, `chunk` tokens at a time (reference §2 step 7).
+
+    q, k [B, L, H, dk]; v [B, L, H, dv]; g (log decay), beta [B, L, H]; state [B, H, dk, dv];
+    all fp32, L a multiple of chunk. Padding tokens must have k = g = beta = 0 (no-ops).
+    Returns o [B, L, H, dv], the final state and, given keep_lens [B], the state after each
+    row's first keep_lens[b] tokens (else None).
+    """
+    B, L, H, dk = k.shape
+    n = L // chunk
+
+    def chunks(x):  # [B, L, H, ...] -> [n, B, H, chunk, ...]
+        x = x.reshape(B, n, chunk, H, *x.shape[3:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
+
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))  # j <= i
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)  # j < i
+
+    def step(carry, c):
+        S, kept = carry
+        q, k, v, g, beta, first = c  # [B, H, C, d] / [B, H, C]; first: the chunk's first index
+        gamma = jnp.cumsum(g, axis=-1)
+        # exp(gamma_i - gamma_j) for j <= i; masked before exp so nothing overflows.
+        decay = jnp.exp(jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
+        kb = k * beta[..., None]
+        A = jnp.einsum("bhid,bhjd->bhij", kb, k, precision=_HIGHEST) * jnp.where(strict, decay, 0.0)
+        # (I + A) [U | W] = [beta v | beta k e^gamma]: forward substitution in one solve.
+        rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gamma)[..., None]], axis=-1)
+        UW = jnp.einsum("bhij,bhjd->bhid", unit_lower_inverse(A), rhs, precision=_HIGHEST)
+        U, W = UW[..., : v.shape[-1]], UW[..., v.shape[-1] :]
+        V_new = U - jnp.einsum("bhik,bhkv->bhiv", W, S, precision=_HIGHEST)
+        P = jnp.einsum("bhid,bhjd->bhij", q, k, precision=_HIGHEST) * decay
+        o = jnp.einsum("bhik,bhkv->bhiv", q * jnp.exp(gamma)[..., None], S, precision=_HIGHEST)
+        o = o + jnp.einsum("bhij,bhjv->bhiv", P, V_new, precision=_HIGHEST)
+        if keep_lens is not None:  # the state after token m of this chunk: S_m from S as S_C below
+            m = keep_lens - 1 - first  # [B]
+            gamma_m = jnp.take_along_axis(gamma, jnp.clip(m, 0, chunk - 1)[:, None, None], axis=-1)  # [B, H, 1]
+            upto = (jnp.arange(chunk) <= m[:, None])[:, None, :]  # [B, 1, C]
+            weight = jnp.where(upto, jnp.exp(jnp.where(upto, gamma_m - gamma, 0.0)), 0.0)
+            S_m = jnp.exp(gamma_m)[..., None] * S + jnp.einsum(
+                "bhjk,bhjv->bhkv", k * weight[..., None], V_new, precision=_HIGHEST
+            )
+            here = ((m >= 0) & (m < chunk))[:, None, None, None]
+            kept = jnp.where(here, S_m, kept)
+        last = gamma[..., -1:]
+        S = jnp.exp(last)[..., None] * S + jnp.einsum(
+            "bhjk,bhjv->bhkv", k * jnp.exp(last - gamma)[..., None], V_new, precision=_HIGHEST
+        )
+        return (S, kept), o
+
+    xs = tuple(chunks(x) for x in (q, k, v, g, beta)) + (jnp.arange(n) * chunk,)
+    (state, kept), o = jax.lax.scan(step, (state, state if keep_lens is not None else None), xs)
+    o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, L, H, -1)  # [n, B, H, C, dv] -> [B, L, H, dv]
+    return o, state, kept
+
+
+def gated_delta_step(q, k, v, g, beta, state):
+    """One token of the gated delta rule per row (reference §2 step 6; the L = 1 decode path).
+
+    q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H]; state [B, H, dk, dv]; all fp32. An empty row
+    has k = g = beta = 0, which leaves its state unchanged. Returns o [B, H, dv] and the state.
+    """
+    S = jnp.exp(g)[..., None, None] * state
+    pred = jnp.einsum("bhkv,bhk->bhv", S, k, precision=_HIGHEST)  # S^T k
+    S = S + k[..., :, None] * (beta[..., None] * (v - pred))[..., None, :]
+    return jnp.einsum("bhkv,bhk->bhv", S, q, precision=_HIGHEST), S
+
+
+def decode_step(q, k, v, g, beta, pool, read_slots, fresh, write_slots, attend: PagedAttention):
+    """`gated_delta_step` for each row's state in the pool: read from read_slots (the zero state
+    where fresh), written to write_slots (all in range). q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H];
+    pool [slots, H, dk, dv]. Returns (o [B, H, dv], the updated pool).
+
+    With the GPU kernels (`attend.impl` "kernel", the runner's choice for the layer's sequence
+    mixers) one fused kernel, per head shard inside shard_map under tensor parallelism."""
+    tp = attend.mesh.shape["tp"] if attend.mesh is not None else 1
+    if attend.impl == "kernel" and fused.supported(q.shape[2], v.shape[2]) and q.shape[1] % tp == 0:
+        interpret = jax.default_backend() != "gpu"
+
+        def local(q, k, v, g, beta, pool, read_slots, fresh, write_slots):
+            return fused.delta_rule_step(q, k, v, g, beta, pool, read_slots, fresh, write_slots, interpret=interpret)
+
+        args = (q, k, v, g, beta, pool, read_slots, fresh, write_slots)
+        if tp == 1:
+            return local(*args)
+        heads, state, rep = P(None, "tp", None), P(None, "tp", None, None), P()
+        in_specs = (heads, heads, heads, P(None, "tp"), P(None, "tp"), state, rep, rep, rep)
+        return jax.shard_map(local, mesh=attend.mesh, in_specs=in_specs, out_specs=(heads, state),
+                             check_vma=False)(*args)
+    initial = pool[read_slots]
+    initial = jnp.where(fresh[:, None, None, None], jnp.zeros_like(initial), initial)
+    o, final = gated_delta_step(q, k, v, g, beta, initial)
+    return o, set_rows(pool, write_slots, final)
