@@ -174,9 +174,11 @@ class PagedAttention:
     a function of its inputs alone: no globals, no environment read while tracing.
 
     impl "kernel": the Pallas kernel (jtp/kernels; Pallas' interpreter off-GPU: slow, for tests),
-    where the shapes suit it; "reference": `paged_attention_reference`. A pallas_call is opaque to
-    XLA's SPMD partitioner, so with a mesh whose "tp" axis is > 1 the kernel runs inside shard_map
-    over it (heads split, metadata replicated); attention is head-local, so no collective is needed.
+    where the shapes suit it; "reference": `paged_attention_reference`. The layers read the same
+    choice for their other kernels (the DeltaNet decode step, jtp/models/delta_rule.py; the residual
+    add + RMSNorm, qwen3.add_rms_norm). A pallas_call is opaque to XLA's SPMD partitioner, so with a
+    mesh whose "tp" axis is > 1 the kernel runs inside shard_map over it (heads split, metadata
+    replicated); attention is head-local, so no collective is needed.
     """
 
     impl: str = "reference"

@@ -4,6 +4,9 @@
     per layer:  h = x + Attn(RMSNorm(x));   x = h + FFN(RMSNorm(h))
     logits = lm_head(RMSNorm(x))
 
+Each residual add is done with the RMSNorm that follows it (one kernel on GPUs), so a layer hands
+the next one its FFN output apart from h (`decoder_layer`).
+
 Attn: q/k/v projections (+ bias for Qwen2), per-head RMSNorm on q and k (Qwen3), RoPE,
 paged causal GQA; FFN: SwiGLU MLP, or top-k routed experts on MoE layers.
 Params are a pytree (see `param_layout`, which also names each weight's logical axes for
@@ -19,9 +22,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jtp.config.model_config import ModelConfig
 from jtp.errors import CheckpointError
+from jtp.kernels import add_rms_norm as fused_norm
 from jtp.loading.sources import RepeatedHeads, Source, StackedExperts, Tensor
 from jtp.models.attention import (
     AttentionMetadata,
@@ -57,13 +62,28 @@ def feed_forward(p: dict, cfg: ModelConfig, x, routed: RoutedExperts, real_token
     return routed(x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"], real_tokens)
 
 
+def add_rms_norm(x, delta, weight, eps: float, attend: PagedAttention):
+    """(h, RMSNorm(h)) for h = x + delta: one kernel where the attention's run (attend.impl "kernel",
+    few tokens; replicated under tensor parallelism, like the activations)."""
+    if attend.impl != "kernel" or not fused_norm.supported(*x.shape):
+        h = x + delta
+        return h, rms_norm(h, weight, eps)
+    norm = functools.partial(fused_norm.add_rms_norm, eps=eps, interpret=jax.default_backend() != "gpu")
+    if attend.mesh is None or attend.mesh.shape["tp"] == 1:
+        return norm(x, delta, weight)
+    return jax.shard_map(norm, mesh=attend.mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False)(
+        x, delta, weight)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attend", "routed"))
-def decoder_layer(p: dict, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, real_tokens, *, cfg: ModelConfig,
-                  attend: PagedAttention, routed: RoutedExperts):
-    """h = x + Attn(RMSNorm(x));  x = h + FFN(RMSNorm(h)).  Returns (x, the layer's updated KV)."""
-    a, kv = attention(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), cos, sin, kv, meta, attend)
-    h = x + a
-    return h + feed_forward(p, cfg, rms_norm(h, p["post_norm"], cfg.rms_norm_eps), routed, real_tokens), kv
+def decoder_layer(p: dict, x, delta, cos, sin, kv: LayerKV, meta: AttentionMetadata, real_tokens, *,
+                  cfg: ModelConfig, attend: PagedAttention, routed: RoutedExperts):
+    """x <- x + delta (the last layer's FFN output, zeros in the first: added here with the norm after it);
+    h = x + Attn(RMSNorm(x));  returns h, FFN(RMSNorm(h)) (the next layer's delta) and the layer's KV."""
+    x, normed = add_rms_norm(x, delta, p["input_norm"], cfg.rms_norm_eps, attend)
+    a, kv = attention(p, cfg, normed, cos, sin, kv, meta, attend)
+    h, normed = add_rms_norm(x, a, p["post_norm"], cfg.rms_norm_eps, attend)
+    return h, feed_forward(p, cfg, normed, routed, real_tokens), kv
 
 
 def embed(params: dict, cfg: ModelConfig, tokens, meta: AttentionMetadata):
@@ -80,12 +100,12 @@ def decoder_layers(
     K/V in that order. Returns x and the updated K/V."""
     cos, sin = rope_cos_sin(meta.positions, cfg.head_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
     real_tokens = meta.slot_mapping >= 0  # padding tokens (-1) route to no expert
-    new_cache = []
+    new_cache, delta = [], jnp.zeros_like(x)  # every layer one trace: the first adds zeros
     for i, kv in zip(layer_ids, cache, strict=True):
-        x, kv = decoder_layer(params["layers"][i], x, cos, sin, kv, meta, real_tokens, cfg=cfg, attend=attend,
-                              routed=routed)
+        x, delta, kv = decoder_layer(params["layers"][i], x, delta, cos, sin, kv, meta, real_tokens, cfg=cfg,
+                                     attend=attend, routed=routed)
         new_cache.append(kv)
-    return x, new_cache
+    return x + delta, new_cache
 
 
 def final_norm(params: dict, cfg: ModelConfig, x):
