@@ -70,3 +70,18 @@ def test_under_tensor_parallelism():
     assert "jtp_add_rms_norm" in str(f.trace(x, delta, weight).jaxpr)
     for got, want in zip(f(x, delta, weight), add_rms_norm(x, delta, weight, 1e-6, PagedAttention("reference"))):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_fused_kernels_check_script(tmp_path):
+    """scripts/fused_kernels_check.py (the GPU check of the fused layer kernels) at tiny shapes: every
+    case within a rounding of the plain path."""
+    import json
+
+    from scripts_loader import load_script
+
+    out = tmp_path / "check.json"
+    assert load_script("fused_kernels_check").main(
+        ["--hidden", "256", "--tokens", "1,3", "--heads", "2", "--head-dim", "32", "--rows", "1,3", "--calls", "1",
+         "--json", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) == 4 and all(c["max_diff"] <= 1 / 32 and c["kernel_us"] > 0 for c in cases.values()), cases
