@@ -9,7 +9,8 @@
 #   OUT=dir bash scripts/speed3_h200.sh attn-sweep                # decode attention kernel configs at B=1, 8, 64
 #   OUT=dir bash scripts/speed3_h200.sh loop [presets]            # multi-step decode (K steps a dispatch) under VARIANTS of XLA's graphs
 #   OUT=dir VARIANTS="base s16:JTP_ATTN_DECODE_SPLITS=16 ..." bash scripts/speed3_h200.sh knobs [presets]
-#                                                                 # decode (K=${K:-8}) under each variant's environment (name:VAR=v,VAR=v)
+#                                                                 # decode (K=${K:-8}) under each variant's environment
+#                                                                 # (name:VAR=v,VAR=v; a value may hold no comma or space: one XLA flag a variant)
 # BASE: an older checkout's jtp/ and scripts/ (git archive REV jtp scripts), measured the same way.
 set -uo pipefail
 export PYTHONUNBUFFERED=1

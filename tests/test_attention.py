@@ -472,7 +472,7 @@ def _rope_case(rng, T, hq, hkv, D, dtype, norm, num_blocks=6, block_size=4):
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
     num_slots = num_blocks * block_size
     slots = rng.permutation(num_slots)[:T]
-    slots[rng.random(T) < 0.3] = -1
+    slots[1:][rng.random(T - 1) < 0.3] = -1  # token 0 always real: a lone token's write is checked
     positions = rng.integers(0, 4096, T)
     inv_freq = 1e6 ** (-np.arange(0, D, 2) / D)
     angles = np.concatenate([positions[:, None] * inv_freq] * 2, axis=1)
@@ -571,8 +571,10 @@ def test_rope_and_write_lowers_to_triton_for_cuda(dtype, norm):
     assert "triton" in text and "jtp_rope_kv_write" in text
 
 
-def test_rope_and_write_under_tensor_parallelism():
-    """tp=2: the kernel runs per head shard inside shard_map; same q and pages as the reference."""
+@pytest.mark.parametrize("dtype, norm", [(jnp.float32, True), (jnp.bfloat16, False)])
+def test_rope_and_write_under_tensor_parallelism(dtype, norm):
+    """tp=2: the kernel runs per head shard inside shard_map; same q and pages as the reference
+    (bf16: within a rounding, see rope_kv_write.py)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -582,7 +584,7 @@ def test_rope_and_write_under_tensor_parallelism():
         pytest.skip("needs 2 devices")
     mesh = make_mesh(2)
     rng, tag = _rng(800)
-    c = _rope_case(rng, 6, 8, 4, 64, jnp.float32, True)
+    c = _rope_case(rng, 6, 8, 4, 64, dtype, norm)
     heads = NamedSharding(mesh, P(None, "tp", None))
     q, k, v = (jax.device_put(c[n], heads) for n in ("q", "k", "v"))
     cache = jax.device_put(c["cache"], NamedSharding(mesh, P(None, None, "tp", None)))
@@ -593,8 +595,10 @@ def test_rope_and_write_under_tensor_parallelism():
     assert "jtp_rope_kv_write" in str(f.trace(*args).jaxpr)
     out_q, out_cache = f(*args)
     ref_q, ref_cache = PagedAttention("reference").rope_and_write(*args)
-    np.testing.assert_allclose(np.asarray(out_q), np.asarray(ref_q), rtol=1e-6, atol=1e-6, err_msg=tag)
+    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
+    tol = dict(rtol=1e-2, atol=3e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(f32(out_q), f32(ref_q), **tol, err_msg=tag)
     for got, want in zip(out_cache, ref_cache):
         n = got.shape[0] * got.shape[1] - got.shape[1]  # the pool, not the scratch page
-        np.testing.assert_allclose(np.asarray(got).reshape(-1, 4, 64)[:n], np.asarray(want).reshape(-1, 4, 64)[:n],
-                                   rtol=1e-6, atol=1e-6, err_msg=tag)
+        np.testing.assert_allclose(f32(got).reshape(-1, 4, 64)[:n], f32(want).reshape(-1, 4, 64)[:n], **tol,
+                                   err_msg=tag)

@@ -21,7 +21,9 @@ def test_kernel_matches_numpy_and_the_plain_path(T, hidden, dtype):
     rng = np.random.default_rng(hidden + T)
     x, delta = (jnp.asarray(rng.standard_normal((T, hidden)) * 3, dtype) for _ in range(2))
     weight = jnp.asarray(rng.standard_normal(hidden), dtype)
-    h, y = jax.jit(lambda *a: add_rms_norm(*a, 1e-6, PagedAttention("kernel")))(x, delta, weight)
+    fused_norm = jax.jit(lambda *a: add_rms_norm(*a, 1e-6, PagedAttention("kernel")))
+    assert "jtp_add_rms_norm" in str(fused_norm.trace(x, delta, weight).jaxpr)
+    h, y = fused_norm(x, delta, weight)
     plain_h, plain_y = add_rms_norm(x, delta, weight, 1e-6, PagedAttention("reference"))
 
     want_h = np.asarray(x, np.float64) + np.asarray(delta, np.float64)

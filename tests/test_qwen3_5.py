@@ -253,8 +253,10 @@ def test_fused_decode_step_matches_numpy():
     read = np.array([0, 3, 5, 0, 0, 0], np.int32)
     fresh = np.array([False, False, False, True, True, True])
     write = np.array([0, 3, 6, 7, 9, 9], np.int32)  # rows 4 and 5: padding, the scratch slot (the last)
-    o, new = jax.jit(lambda *a: decode_step(*a, PagedAttention("kernel")))(
-        *(jnp.asarray(a) for a in (q, k, v, g, beta, pool, read, fresh, write)))
+    step = jax.jit(lambda *a: decode_step(*a, PagedAttention("kernel")))
+    inputs = [jnp.asarray(a) for a in (q, k, v, g, beta, pool, read, fresh, write)]
+    assert "jtp_delta_rule_step" in str(step.trace(*inputs).jaxpr)
+    o, new = step(*inputs)
 
     want_pool = pool.astype(np.float64)
     for b in range(4):

@@ -15,7 +15,8 @@ class Buckets:
       of one row has a shape of its own, 1 token in 1 row, so its projections run as matrix-vector
       products (the FP8 GEMV kernel) rather than over 15 padding tokens, and a hybrid model's
       DeltaNet layers update one recurrent state rather than 8 (7 of them padding);
-    rows: powers of two from 8 to max_num_seqs. A pure decode step picks it from its row count;
+    rows: powers of two from 8 to max_num_seqs (and 1, a lone token's step, above). A pure decode step
+      picks it from its row count;
       a step with a longer row takes the most rows its token bucket can hold (padding rows
       cost almost nothing there, and the step shape then depends on the tokens alone);
     tokens per row: 1 in a pure decode step, else a power of four from 16, at most the tokens

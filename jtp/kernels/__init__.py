@@ -1,6 +1,5 @@
 """Hand-written device kernels (Pallas) behind jtp's stable interfaces."""
 
-from jtp.kernels import rope_kv_write
 from jtp.kernels.ragged_paged_attention import ragged_paged_attention, supported
 
-__all__ = ["ragged_paged_attention", "rope_kv_write", "supported"]
+__all__ = ["ragged_paged_attention", "supported"]

@@ -4,10 +4,10 @@
 
 Left to XLA, a decode step makes three kernels of it (the add, the mean-square reduction, the
 scaling), each a few microseconds of launch-bound work, twice per layer (docs/bench/h200-speed6.md).
-Program t holds row t in registers (in `pieces` power-of-two slices when the hidden size is not a
-power of two, as Qwen3-4B's 2560 = 5 x 512) and writes h and y once. Rounded where
-`jtp.models.layers.rms_norm` rounds: h, the normalised value, then its product with the weight.
-Meant for few rows (decode and small steps).
+Program t holds token t's hidden vector in registers (in `pieces` power-of-two slices when the
+hidden size is not a power of two, as Qwen3-4B's 2560 = 5 x 512) and writes h and y once. Rounded
+where `jtp.models.layers.rms_norm` rounds: h, the normalised value, then its product with the
+weight. Meant for few tokens (decode and small steps).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-MAX_TOKENS = 128  # more rows (prefill) keep XLA's fusions
+MAX_TOKENS = 128  # more tokens (prefill) keep XLA's fusions
 MAX_PIECE = 4096
 
 
@@ -42,7 +42,7 @@ def _kernel(x_ref, d_ref, w_ref, h_ref, y_ref, *, n: int, eps: float):
     size = hidden // n
     dtype = h_ref.dtype
     h = []
-    for i in range(n):  # the row, rounded to the activations' dtype as the plain add is
+    for i in range(n):  # h, rounded to the activations' dtype as the plain add is
         cols = pl.ds(i * size, size)
         hi = (x_ref[t, cols].astype(jnp.float32) + d_ref[t, cols].astype(jnp.float32)).astype(dtype)
         h_ref[t, cols] = hi

@@ -13,9 +13,10 @@ program (row, value head, column block) loads its [dk, BV] tile of the state onc
 registers, and stores it once.
 
 The pool is updated in place (input_output_aliases). A row's write slot is its own (it read it)
-or a free one (nobody reads it this step), and padding rows write the scratch slot, so no program
-reads a tile another program writes, except the scratch slot's, which nobody reads
-(jtp/core/state_pool.py keeps that invariant).
+or a free one (no other row reads it this step; jtp/core/state_pool.py keeps that invariant), and
+padding rows write the scratch slot, which nobody reads. Fresh and padding rows do load a tile (of
+slot 0, possibly while its row rewrites it) but discard it for the zero state, so no value read
+depends on the order in which programs run.
 """
 
 from __future__ import annotations

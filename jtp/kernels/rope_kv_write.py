@@ -13,8 +13,10 @@ and one head: j < Hq a query head, else KV head j - Hq (its k and its v). q, k a
 one [T, (Hq + 2 Hkv) D] array, the fused q/k/v projection's output. The pages are updated in
 place (input_output_aliases); a padding token (slot -1) writes the scratch page past the pool's,
 as `write_kv` does. Rotation is NeoX-style over the whole head (rotary dim = head dim). Arithmetic
-in fp32, rounded where the reference rounds (the normalised value, then its product with the norm
-weight). Meant for few tokens (decode and small steps): one program per token and head.
+in fp32: the norm rounded where the reference rounds (the normalised value, then its product with
+the weight), the rotation once at the end (the reference rounds each of its products in bf16, so
+bf16 results may differ by a rounding). Meant for few tokens (decode and small steps): one program
+per token and head.
 """
 
 from __future__ import annotations

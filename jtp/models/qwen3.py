@@ -63,8 +63,9 @@ def feed_forward(p: dict, cfg: ModelConfig, x, routed: RoutedExperts, real_token
 
 
 def add_rms_norm(x, delta, weight, eps: float, attend: PagedAttention):
-    """(h, RMSNorm(h)) for h = x + delta: one kernel where the attention's run (attend.impl "kernel",
-    few tokens; replicated under tensor parallelism, like the activations)."""
+    """(h, RMSNorm(h)) for h = x + delta: one kernel where the attention kernels run (attend.impl
+    "kernel") and the step has few tokens; under tensor parallelism each device runs it on its copy of
+    the (replicated) activations."""
     if attend.impl != "kernel" or not fused_norm.supported(*x.shape):
         h = x + delta
         return h, rms_norm(h, weight, eps)
@@ -78,7 +79,7 @@ def add_rms_norm(x, delta, weight, eps: float, attend: PagedAttention):
 @functools.partial(jax.jit, static_argnames=("cfg", "attend", "routed"))
 def decoder_layer(p: dict, x, delta, cos, sin, kv: LayerKV, meta: AttentionMetadata, real_tokens, *,
                   cfg: ModelConfig, attend: PagedAttention, routed: RoutedExperts):
-    """x <- x + delta (the last layer's FFN output, zeros in the first: added here with the norm after it);
+    """x <- x + delta (the previous layer's FFN output, zeros in the first: added here with the norm after it);
     h = x + Attn(RMSNorm(x));  returns h, FFN(RMSNorm(h)) (the next layer's delta) and the layer's KV."""
     x, normed = add_rms_norm(x, delta, p["input_norm"], cfg.rms_norm_eps, attend)
     a, kv = attention(p, cfg, normed, cos, sin, kv, meta, attend)

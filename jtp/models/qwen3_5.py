@@ -47,7 +47,6 @@ from jtp.loading.sources import (
     Tensor,
 )
 from jtp.models import qwen3
-from jtp.models.delta_rule import chunked_gated_delta_rule, decode_step
 from jtp.models.attention import (
     AttentionMetadata,
     LayerKV,
@@ -56,6 +55,7 @@ from jtp.models.attention import (
     write_kv,
     zeroed_layer_kv,
 )
+from jtp.models.delta_rule import chunked_gated_delta_rule, decode_step
 from jtp.models.layers import (
     apply_rope,
     gated_rms_norm,
