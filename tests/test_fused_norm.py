@@ -15,19 +15,22 @@ from jtp.models.attention import PagedAttention
 from jtp.models.qwen3 import add_rms_norm
 
 
-@pytest.mark.parametrize("T, hidden, dtype", [(1, 4096, jnp.bfloat16), (3, 2560, jnp.float32),
-                                               (5, 64, jnp.bfloat16), (2, 5120, jnp.float32)])
-def test_kernel_matches_numpy_and_the_plain_path(T, hidden, dtype):
+@pytest.mark.parametrize("T, hidden, dtype, zero_centered", [
+    (1, 4096, jnp.bfloat16, False), (3, 2560, jnp.float32, False), (5, 64, jnp.bfloat16, False),
+    (2, 5120, jnp.float32, False), (1, 4096, jnp.bfloat16, True), (3, 2048, jnp.float32, True)])
+def test_kernel_matches_numpy_and_the_plain_path(T, hidden, dtype, zero_centered):
+    """Qwen3's norm (weight x) and the hybrids' zero-centred one ((1 + weight) x)."""
     rng = np.random.default_rng(hidden + T)
     x, delta = (jnp.asarray(rng.standard_normal((T, hidden)) * 3, dtype) for _ in range(2))
     weight = jnp.asarray(rng.standard_normal(hidden), dtype)
-    fused_norm = jax.jit(lambda *a: add_rms_norm(*a, 1e-6, PagedAttention("kernel")))
+    fused_norm = jax.jit(lambda *a: add_rms_norm(*a, 1e-6, PagedAttention("kernel"), zero_centered))
     assert "jtp_add_rms_norm" in str(fused_norm.trace(x, delta, weight).jaxpr)
     h, y = fused_norm(x, delta, weight)
-    plain_h, plain_y = add_rms_norm(x, delta, weight, 1e-6, PagedAttention("reference"))
+    plain_h, plain_y = add_rms_norm(x, delta, weight, 1e-6, PagedAttention("reference"), zero_centered)
 
     want_h = np.asarray(x, np.float64) + np.asarray(delta, np.float64)
-    want_y = want_h / np.sqrt(np.mean(want_h**2, axis=-1, keepdims=True) + 1e-6) * np.asarray(weight, np.float64)
+    scale = np.asarray(weight, np.float64) + (1 if zero_centered else 0)
+    want_y = want_h / np.sqrt(np.mean(want_h**2, axis=-1, keepdims=True) + 1e-6) * scale
     f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
     tol = dict(rtol=2e-2, atol=5e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(f64(h), want_h, **tol)
@@ -49,11 +52,12 @@ def test_which_sizes_and_steps_take_the_kernel():
         assert ("jtp_add_rms_norm" in text) == taken, (T, impl)
 
 
-@pytest.mark.parametrize("hidden", [4096, 5120])
-def test_lowers_to_triton_for_cuda(hidden):
+@pytest.mark.parametrize("hidden, zero_centered", [(4096, False), (5120, False), (4096, True)])
+def test_lowers_to_triton_for_cuda(hidden, zero_centered):
     S = jax.ShapeDtypeStruct
     x = S((4, hidden), jnp.bfloat16)
-    text = cuda_lowering(lambda a, b, w: fused.add_rms_norm(a, b, w, eps=1e-6), x, x, S((hidden,), jnp.bfloat16))
+    text = cuda_lowering(lambda a, b, w: fused.add_rms_norm(a, b, w, eps=1e-6, zero_centered=zero_centered), x, x,
+                         S((hidden,), jnp.bfloat16))
     assert "triton" in text and "jtp_add_rms_norm" in text
 
 

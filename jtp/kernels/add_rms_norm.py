@@ -1,13 +1,15 @@
 """The residual add and the RMSNorm after it as one Pallas (Triton backend) GPU kernel:
 
     h = x + delta;   y = weight * RMSNorm(h)        (h and y in x's dtype)
+                     y = (1 + weight) * RMSNorm(h)  (zero_centered: Qwen3.5 / Qwen3-Next)
 
 Left to XLA, a decode step makes three kernels of it (the add, the mean-square reduction, the
 scaling), each a few microseconds of launch-bound work, twice per layer (docs/bench/h200-speed6.md).
 Program t holds token t's hidden vector in registers (in `pieces` power-of-two slices when the
 hidden size is not a power of two, as Qwen3-4B's 2560 = 5 x 512) and writes h and y once. Rounded
-where `jtp.models.layers.rms_norm` rounds: h, the normalised value, then its product with the
-weight. Meant for few tokens (decode and small steps).
+where `jtp.models.layers.rms_norm` rounds (h, the normalised value, then its product with the
+weight), or `rms_norm_zero_centered` (h, then the product in fp32). Meant for few tokens (decode and
+small steps).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def supported(num_tokens: int, hidden: int) -> bool:
     return num_tokens <= MAX_TOKENS and pieces(hidden) > 0
 
 
-def _kernel(x_ref, d_ref, w_ref, h_ref, y_ref, *, n: int, eps: float):
+def _kernel(x_ref, d_ref, w_ref, h_ref, y_ref, *, n: int, eps: float, zero_centered: bool):
     t = pl.program_id(0)
     hidden = x_ref.shape[1]
     size = hidden // n
@@ -50,17 +52,20 @@ def _kernel(x_ref, d_ref, w_ref, h_ref, y_ref, *, n: int, eps: float):
     inv = jax.lax.rsqrt(sum(jnp.sum(hi * hi) for hi in h) / hidden + eps)
     for i, hi in enumerate(h):
         cols = pl.ds(i * size, size)
-        normed = (hi * inv).astype(dtype).astype(jnp.float32)
-        y_ref[t, cols] = (w_ref[cols].astype(jnp.float32) * normed).astype(dtype)
+        w = w_ref[cols].astype(jnp.float32)
+        if zero_centered:
+            y_ref[t, cols] = (hi * inv * (1.0 + w)).astype(dtype)
+        else:
+            y_ref[t, cols] = (w * (hi * inv).astype(dtype).astype(jnp.float32)).astype(dtype)
 
 
-def add_rms_norm(x, delta, weight, *, eps: float, interpret: bool = False):
+def add_rms_norm(x, delta, weight, *, eps: float, zero_centered: bool = False, interpret: bool = False):
     """x, delta [T, H], weight [H] -> (h = x + delta, weight * RMSNorm(h)), both [T, H] in x's dtype."""
     T, hidden = x.shape
     whole = lambda a: pl.BlockSpec(a.shape, lambda t: (0,) * a.ndim)  # noqa: E731
     shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
     return pl.pallas_call(
-        functools.partial(_kernel, n=pieces(hidden), eps=float(eps)),
+        functools.partial(_kernel, n=pieces(hidden), eps=float(eps), zero_centered=zero_centered),
         grid=(T,),
         in_specs=[whole(x), whole(delta), whole(weight)],
         out_specs=[whole(x), whole(x)],

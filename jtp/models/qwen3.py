@@ -38,6 +38,7 @@ from jtp.models.layers import (
     linear,
     project,
     rms_norm,
+    rms_norm_zero_centered,
     rope_cos_sin,
     route_top_k,
     swiglu_mlp,
@@ -62,14 +63,15 @@ def feed_forward(p: dict, cfg: ModelConfig, x, routed: RoutedExperts, real_token
     return routed(x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"], real_tokens)
 
 
-def add_rms_norm(x, delta, weight, eps: float, attend: PagedAttention):
-    """(h, RMSNorm(h)) for h = x + delta: one kernel where the attention kernels run (attend.impl
-    "kernel") and the step has few tokens; under tensor parallelism each device runs it on its copy of
-    the (replicated) activations."""
+def add_rms_norm(x, delta, weight, eps: float, attend: PagedAttention, zero_centered: bool = False):
+    """(h, RMSNorm(h)) for h = x + delta (`rms_norm_zero_centered` with zero_centered: the hybrids'):
+    one kernel where the attention kernels run (attend.impl "kernel") and the step has few tokens;
+    under tensor parallelism each device runs it on its copy of the (replicated) activations."""
     if attend.impl != "kernel" or not fused_norm.supported(*x.shape):
         h = x + delta
-        return h, rms_norm(h, weight, eps)
-    norm = functools.partial(fused_norm.add_rms_norm, eps=eps, interpret=jax.default_backend() != "gpu")
+        return h, (rms_norm_zero_centered if zero_centered else rms_norm)(h, weight, eps)
+    norm = functools.partial(fused_norm.add_rms_norm, eps=eps, zero_centered=zero_centered,
+                             interpret=jax.default_backend() != "gpu")
     if attend.mesh is None or attend.mesh.shape["tp"] == 1:
         return norm(x, delta, weight)
     return jax.shard_map(norm, mesh=attend.mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False)(

@@ -299,19 +299,19 @@ def decoder_layers(
     length, chunk = deltanet_row_length(meta, T)
     real_tokens = meta.slot_mapping >= 0  # padding tokens (-1) route to no expert
     rows = None
-    new_cache = []
+    new_cache, delta = [], jnp.zeros_like(x)  # as qwen3's: each layer adds the last one's FFN output
     for i, layer_cache in zip(layer_ids, cache, strict=True):
         p = params["layers"][i]
         if cfg.is_linear_layer(i):
             if rows is None:
                 rows = row_layout(meta, T, length, layer_cache.recurrent.shape[0])
-            x, layer_cache = deltanet_layer(p, x, layer_cache, rows, real_tokens, cfg=cfg, chunk=chunk, attend=attend,
-                                             routed=routed)
+            x, delta, layer_cache = deltanet_layer(p, x, delta, layer_cache, rows, real_tokens, cfg=cfg, chunk=chunk,
+                                                   attend=attend, routed=routed)
         else:
-            x, layer_cache = attention_layer(p, x, cos, sin, layer_cache, meta, real_tokens, cfg=cfg, attend=attend,
-                                             routed=routed)
+            x, delta, layer_cache = attention_layer(p, x, delta, cos, sin, layer_cache, meta, real_tokens, cfg=cfg,
+                                                    attend=attend, routed=routed)
         new_cache.append(layer_cache)
-    return x, new_cache
+    return x + delta, new_cache
 
 
 def final_norm(params: dict, cfg: ModelConfig, x):
@@ -330,26 +330,31 @@ def forward(
 
 # Each layer is a jitted call, so a step traces and lowers one layer of each kind rather than all
 # of them (start-up time); XLA inlines the calls into the same program.
+def _norm(x, delta, weight, cfg: ModelConfig, attend: PagedAttention):
+    """(x + delta, Norm(x + delta)): one kernel on GPUs (qwen3.add_rms_norm)."""
+    return qwen3.add_rms_norm(x, delta, weight, cfg.rms_norm_eps, attend, zero_centered=True)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "chunk", "attend", "routed"))
-def deltanet_layer(p: dict, x, cache, rows, real_tokens, *, cfg: ModelConfig, chunk: int, attend: PagedAttention,
-                   routed: RoutedExperts):
-    """h = x + GatedDeltaNet(Norm(x));  x = h + FFN(Norm(h)).  Returns (x, the layer's updated state)."""
-    a, layer_cache = gated_deltanet(p, cfg, rms_norm_zero_centered(x, p["input_norm"], cfg.rms_norm_eps), cache, rows,
-                                    chunk, attend)
-    h = x + a
-    return h + feed_forward(p, cfg, rms_norm_zero_centered(h, p["post_norm"], cfg.rms_norm_eps), routed,
-                            real_tokens), layer_cache
+def deltanet_layer(p: dict, x, delta, cache, rows, real_tokens, *, cfg: ModelConfig, chunk: int,
+                   attend: PagedAttention, routed: RoutedExperts):
+    """x <- x + delta (the previous layer's FFN output); h = x + GatedDeltaNet(Norm(x)).  Returns h,
+    FFN(Norm(h)) (the next layer's delta) and the layer's updated state."""
+    x, normed = _norm(x, delta, p["input_norm"], cfg, attend)
+    a, layer_cache = gated_deltanet(p, cfg, normed, cache, rows, chunk, attend)
+    h, normed = _norm(x, a, p["post_norm"], cfg, attend)
+    return h, feed_forward(p, cfg, normed, routed, real_tokens), layer_cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attend", "routed"))
-def attention_layer(p: dict, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, real_tokens, *, cfg: ModelConfig,
-                    attend: PagedAttention, routed: RoutedExperts):
-    """h = x + GatedAttention(Norm(x));  x = h + FFN(Norm(h)).  Returns (x, the layer's updated KV)."""
-    a, kv = gated_attention(p, cfg, rms_norm_zero_centered(x, p["input_norm"], cfg.rms_norm_eps), cos, sin, kv, meta,
-                            attend)
-    h = x + a
-    return h + feed_forward(p, cfg, rms_norm_zero_centered(h, p["post_norm"], cfg.rms_norm_eps), routed,
-                            real_tokens), kv
+def attention_layer(p: dict, x, delta, cos, sin, kv: LayerKV, meta: AttentionMetadata, real_tokens, *,
+                    cfg: ModelConfig, attend: PagedAttention, routed: RoutedExperts):
+    """x <- x + delta (the previous layer's FFN output); h = x + GatedAttention(Norm(x)).  Returns h,
+    FFN(Norm(h)) (the next layer's delta) and the layer's updated KV."""
+    x, normed = _norm(x, delta, p["input_norm"], cfg, attend)
+    a, kv = gated_attention(p, cfg, normed, cos, sin, kv, meta, attend)
+    h, normed = _norm(x, a, p["post_norm"], cfg, attend)
+    return h, feed_forward(p, cfg, normed, routed, real_tokens), kv
 
 
 def mtp_forward(
@@ -368,9 +373,9 @@ def mtp_forward(
     embedded = rms_norm_zero_centered(params["embed"][next_tokens], m["pre_fc_norm_embedding"], eps)
     x = linear(jnp.concatenate([embedded, rms_norm_zero_centered(hidden, m["pre_fc_norm_hidden"], eps)], -1), m["fc"])
     cos, sin = rope_cos_sin(meta.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype, cfg.rope_yarn)
-    x, kv = attention_layer(m["layer"], x, cos, sin, kv, meta, meta.slot_mapping >= 0, cfg=cfg, attend=attend,
-                            routed=routed)
-    return rms_norm_zero_centered(x, m["norm"], eps), kv
+    x, delta, kv = attention_layer(m["layer"], x, jnp.zeros_like(x), cos, sin, kv, meta, meta.slot_mapping >= 0,
+                                   cfg=cfg, attend=attend, routed=routed)
+    return rms_norm_zero_centered(x + delta, m["norm"], eps), kv
 
 
 compute_logits = qwen3.compute_logits  # the same LM head (tied or not)
