@@ -328,13 +328,13 @@ def forward(
     return final_norm(params, cfg, x), cache
 
 
-# Each layer is a jitted call, so a step traces and lowers one layer of each kind rather than all
-# of them (start-up time); XLA inlines the calls into the same program.
 def _norm(x, delta, weight, cfg: ModelConfig, attend: PagedAttention):
     """(x + delta, Norm(x + delta)): one kernel on GPUs (qwen3.add_rms_norm)."""
     return qwen3.add_rms_norm(x, delta, weight, cfg.rms_norm_eps, attend, zero_centered=True)
 
 
+# Each layer is a jitted call, so a step traces and lowers one layer of each kind rather than all
+# of them (start-up time); XLA inlines the calls into the same program.
 @functools.partial(jax.jit, static_argnames=("cfg", "chunk", "attend", "routed"))
 def deltanet_layer(p: dict, x, delta, cache, rows, real_tokens, *, cfg: ModelConfig, chunk: int,
                    attend: PagedAttention, routed: RoutedExperts):
