@@ -26,7 +26,7 @@ from jtp.config.model_config import ModelConfig
 from jtp.kernels import ragged_paged_attention, rope_kv_write, supported
 from jtp.models.layers import apply_rope, rms_norm
 from jtp.parallel.rules import partition_spec, sharded_zeros
-from jtp.parallel.sharding import kv_head_replicas
+from jtp.parallel.sharding import kv_head_replicas, tp_size
 
 # Masked scores use a large finite value, not -inf: a padding token whose row has no context
 # then yields a harmless uniform softmax instead of NaN.
@@ -188,8 +188,13 @@ class PagedAttention:
         if self.impl not in IMPLS:
             raise ValueError(f"attention {self.impl!r}: expected kernel or reference (JTP_ATTENTION also takes auto)")
 
+    @property
+    def tp(self) -> int:
+        """Devices the heads split over (1 without a mesh)."""
+        return tp_size(self.mesh) if self.mesh is not None else 1
+
     def __call__(self, q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float) -> jax.Array:
-        tp = self.mesh.shape["tp"] if self.mesh is not None else 1
+        tp = self.tp
         if (
             self.impl == "kernel"
             and supported(q.shape, cache.k.shape)
@@ -203,7 +208,7 @@ class PagedAttention:
                        eps: float = 1e-6):
         """`rope_and_write_reference`; impl "kernel": one fused kernel where it applies
         (jtp/kernels/rope_kv_write.py: few tokens, rotation over the whole head, cache in q's dtype)."""
-        tp = self.mesh.shape["tp"] if self.mesh is not None else 1
+        tp = self.tp
         if (
             self.impl == "kernel"
             and rope_kv_write.supported(q.shape[0], q.shape[2], cos.shape[-1], q.dtype, cache.k.dtype)

@@ -101,6 +101,12 @@ def gated_delta_step(q, k, v, g, beta, state):
     return jnp.einsum("bhkv,bhk->bhv", S, q, precision=_HIGHEST), S
 
 
+def read_states(pool, read_slots, fresh):
+    """Each row's state from a slot pool [slots, ...]: pool[read_slots], the zero state where fresh."""
+    s = pool[read_slots]
+    return jnp.where(fresh.reshape(-1, *(1,) * (s.ndim - 1)), jnp.zeros_like(s), s)
+
+
 def decode_step(q, k, v, g, beta, pool, read_slots, fresh, write_slots, attend: PagedAttention):
     """`gated_delta_step` for each row's state in the pool: read from read_slots (the zero state
     where fresh), written to write_slots (all in range). q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H];
@@ -108,7 +114,7 @@ def decode_step(q, k, v, g, beta, pool, read_slots, fresh, write_slots, attend: 
 
     With the GPU kernels (`attend.impl` "kernel", the runner's choice for the layer's sequence
     mixers) one fused kernel, per head shard inside shard_map under tensor parallelism."""
-    tp = attend.mesh.shape["tp"] if attend.mesh is not None else 1
+    tp = attend.tp
     if attend.impl == "kernel" and fused.supported(q.shape[2], v.shape[2]) and q.shape[1] % tp == 0:
         interpret = jax.default_backend() != "gpu"
 
@@ -122,7 +128,5 @@ def decode_step(q, k, v, g, beta, pool, read_slots, fresh, write_slots, attend: 
         in_specs = (heads, heads, heads, P(None, "tp"), P(None, "tp"), state, rep, rep, rep)
         return jax.shard_map(local, mesh=attend.mesh, in_specs=in_specs, out_specs=(heads, state),
                              check_vma=False)(*args)
-    initial = pool[read_slots]
-    initial = jnp.where(fresh[:, None, None, None], jnp.zeros_like(initial), initial)
-    o, final = gated_delta_step(q, k, v, g, beta, initial)
+    o, final = gated_delta_step(q, k, v, g, beta, read_states(pool, read_slots, fresh))
     return o, set_rows(pool, write_slots, final)

@@ -72,7 +72,7 @@ def add_rms_norm(x, delta, weight, eps: float, attend: PagedAttention, zero_cent
         return h, (rms_norm_zero_centered if zero_centered else rms_norm)(h, weight, eps)
     norm = functools.partial(fused_norm.add_rms_norm, eps=eps, zero_centered=zero_centered,
                              interpret=jax.default_backend() != "gpu")
-    if attend.mesh is None or attend.mesh.shape["tp"] == 1:
+    if attend.tp == 1:
         return norm(x, delta, weight)
     return jax.shard_map(norm, mesh=attend.mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False)(
         x, delta, weight)

@@ -55,7 +55,7 @@ from jtp.models.attention import (
     write_kv,
     zeroed_layer_kv,
 )
-from jtp.models.delta_rule import chunked_gated_delta_rule, decode_step
+from jtp.models.delta_rule import chunked_gated_delta_rule, decode_step, read_states
 from jtp.models.layers import (
     apply_rope,
     gated_rms_norm,
@@ -134,8 +134,7 @@ def row_layout(meta: AttentionMetadata, num_tokens: int, length: int, num_slots:
 
 
 def _slot_state(state: jax.Array, rows: RowLayout) -> jax.Array:
-    s = state[rows.read_slots]
-    return jnp.where(rows.fresh.reshape(-1, *(1,) * (s.ndim - 1)), jnp.zeros_like(s), s)
+    return read_states(state, rows.read_slots, rows.fresh)
 
 
 # ----------------------------------------------------------------------------- DeltaNet math
