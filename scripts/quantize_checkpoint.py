@@ -343,11 +343,12 @@ def dequantized_state_dict(model_dir) -> dict[str, np.ndarray]:
     return out
 
 
-def write_dequantized(model_dir, dst) -> Path:
-    """A float32 checkpoint (no quantization_config) of what quantized `model_dir` stands for."""
+def write_dequantized(model_dir, dst, dtype=np.float32) -> Path:
+    """A float checkpoint (no quantization_config) of what quantized `model_dir` stands for, in
+    float32 (exact) or `dtype` (e.g. ml_dtypes.bfloat16: the reference of a bfloat16 comparison)."""
     model_dir, dst = Path(model_dir), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    write_tensors(dst / WEIGHTS, dequantized_state_dict(model_dir))
+    write_tensors(dst / WEIGHTS, {k: v.astype(dtype) for k, v in dequantized_state_dict(model_dir).items()})
     _write_config(model_dir, dst, None)
     _copy_other_files(model_dir, dst)
     return dst

@@ -34,9 +34,14 @@ def test_gpu_check_passes_on_tiny_presets(tmp_path):
         assert coll["ok"] and coll["activation_all_reduces"] == coll["expected"] == 2 * layers + 1
         (loop,) = [c for c in report["checks"] if c["preset"] == preset and c["check"].startswith("decode loop")]
         assert loop["ok"] and loop["argmax_agreement"] == 1.0 and loop["max_abs_diff"] <= 2e-3, loop
-        for name in ("FP8 weights", "FP8 weights, one request at a time", "FP8 KV cache"):
+        for name in ("FP8 checkpoint", "FP8 checkpoint, one request at a time", "FP8 weights (--quantization fp8)",
+                     "FP8 KV cache"):
             (fp8,) = [c for c in report["checks"] if c["preset"] == preset and c["check"].startswith(name + ":")]
             assert fp8["ok"] and 0 < fp8["mean_abs_diff"], fp8  # quantized: near HF's bf16, not equal
+        # Against its own dequantized weights the FP8 checkpoint is closer than to the unquantized ones.
+        for c in report["checks"]:
+            if c["preset"] == preset and c["check"].startswith("FP8 checkpoint"):
+                assert c["mean_abs_diff"] < c["vs_unquantized_mean"], c
     f32 = [c for c in report["checks"] if c["check"].startswith("float32 top-20")]
     assert all(c["max_abs_diff"] <= 2e-3 and c["argmax_agreement"] == 1.0 for c in f32)
     # bf16 is also measured against float32 transformers, for jtp and for transformers' own bf16.
