@@ -21,6 +21,7 @@ per MoE layer, never one of the k-times larger [T*k, H] pair outputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -29,7 +30,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jtp.kernels import grouped_matmul as gmm
-from jtp.models.layers import BlockFp8, dense
+from jtp.kernels import route_top_k as route_kernel
+from jtp.models.layers import BlockFp8, dense, linear, route_top_k
 from jtp.parallel.rules import partition_spec, rules_for
 
 IMPLS = ("kernel", "ragged_dot")
@@ -52,6 +54,19 @@ class RoutedExperts:
     def __post_init__(self):
         if self.impl not in IMPLS:
             raise ValueError(f"experts {self.impl!r}: expected kernel or ragged_dot (JTP_MOE also takes auto)")
+
+    def route(self, x, router, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+        """x [T, H], router [E, H] -> each token's top-k expert weights [T, k] (x.dtype) and ids: the
+        softmax / top-k / renormalisation kernel where the experts' kernel runs and the step is
+        decode-sized, else `layers.route_top_k`. Each device routes its copy of the tokens."""
+        if self.impl != "kernel" or not route_kernel.supported(x.shape[0], router.shape[0]):
+            return route_top_k(x, router, top_k, normalize)
+        kernel = functools.partial(route_kernel.route_top_k, top_k=top_k, normalize=normalize, dtype=x.dtype,
+                                   interpret=jax.default_backend() != "gpu")
+        logits = linear(x, router)
+        if self.mesh is None or self.mesh.shape["tp"] == 1:
+            return kernel(logits)
+        return jax.shard_map(kernel, mesh=self.mesh, in_specs=P(), out_specs=(P(), P()), check_vma=False)(logits)
 
     def __call__(self, x, weights, experts, gate, up, down, real_tokens=None) -> jax.Array:
         """x [T, H]; router weights / expert ids [T, k]; gate, up [E, H, I]; down [E, I, H] -> [T, H].
@@ -117,9 +132,7 @@ def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int):
         """This device's experts' share of the output, [T, H] (the whole output when not split)."""
         T, k = experts.shape
         P, num_local = T * k, gate.shape[0]
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
-        counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # drops ids >= num_experts
+        order, inverse, counts = _group_pairs(experts.reshape(-1), num_experts)
         if expert_parallel:
             first = jax.lax.axis_index("tp") * num_local
             sizes = jax.lax.dynamic_slice(counts, (first,), (num_local,))
@@ -147,10 +160,33 @@ def _pairs_to_tokens(use_kernel: bool, expert_parallel: bool, num_experts: int):
         # kernel, so they are zeroed, not multiplied (their contents are unspecified).
         pair = jnp.arange(P)
         ys = jnp.where(((pair >= offset) & (pair < offset + jnp.sum(sizes)))[:, None], ys, 0)
-        # Back to (token, k) order and combine: a gather and a k-term sum. The inverse permutation is
-        # a scatter of P ints (a second argsort cost a sort kernel per layer).
-        inverse = jnp.zeros(P, jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))
+        # Back to (token, k) order and combine: a gather and a k-term sum.
         unsorted = ys[inverse].reshape(T, k, -1)
         return jnp.einsum("tkh,tk->th", unsorted, weights.astype(ys.dtype))
 
     return local
+
+
+SMALL_PAIRS = 128  # up to this many (token, expert) pairs, grouping compares all pairs instead of sorting
+
+
+def _group_pairs(flat: jax.Array, num_experts: int):
+    """flat [P] expert ids -> (order: the pairs stably sorted by expert, inverse: each pair's place
+    in that order, counts [E]: pairs per expert; ids >= num_experts (padding) count for none).
+
+    Few pairs (decode): each pair's place is the number of pairs before it (a smaller id, or the
+    same id earlier): a [P, P] comparison XLA fuses into a reduction or two, where a sort, a
+    bincount and the inverse's scatter were a launch each. Many pairs: a sort."""
+    P = flat.shape[0]
+    pair = jnp.arange(P, dtype=jnp.int32)
+    if P <= SMALL_PAIRS:
+        other, this = flat[None, :], flat[:, None]
+        before = (other < this) | ((other == this) & (pair[None, :] < pair[:, None]))
+        inverse = jnp.sum(before, axis=1, dtype=jnp.int32)
+        order = jnp.sum(jnp.where(inverse[None, :] == pair[:, None], pair[None, :], 0), axis=1, dtype=jnp.int32)
+        counts = jnp.sum(flat[None, :] == jnp.arange(num_experts, dtype=flat.dtype)[:, None], axis=1, dtype=jnp.int32)
+        return order, inverse, counts
+    order = jnp.argsort(flat, stable=True)
+    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # drops ids >= num_experts
+    inverse = jnp.zeros(P, jnp.int32).at[order].set(pair)  # a scatter: a second argsort cost a sort kernel
+    return order, inverse, counts

@@ -40,7 +40,6 @@ from jtp.models.layers import (
     rms_norm,
     rms_norm_zero_centered,
     rope_cos_sin,
-    route_top_k,
     swiglu_mlp,
 )
 from jtp.models.moe import EXPERTS_IN_AXES, EXPERTS_OUT_AXES, RoutedExperts
@@ -59,7 +58,7 @@ def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: Attenti
 def feed_forward(p: dict, cfg: ModelConfig, x, routed: RoutedExperts, real_tokens):
     if "router" not in p:  # a dense layer
         return swiglu_mlp(x, p)
-    weights, experts = route_top_k(x, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    weights, experts = routed.route(x, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     return routed(x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"], real_tokens)
 
 
