@@ -1,6 +1,6 @@
 """The fused layer kernels on this device against the plain (XLA) path: the residual add + RMSNorm
-(jtp/kernels/add_rms_norm.py) and the DeltaNet decode step (jtp/kernels/delta_rule_step.py), at real
-shapes, without loading a model. Prints, per case, the largest difference from the plain path and
+(jtp/kernels/add_rms_norm.py) and a DeltaNet layer's decode token (conv, gates and recurrence:
+jtp/kernels/delta_rule_step.py), at real shapes, without loading a model. Prints, per case, the largest difference from the plain path and
 microseconds per call of each (calls chained from the host, so small ones include the dispatch).
 
     python3 scripts/fused_kernels_check.py [--json OUT.json]     # Qwen3-8B / Qwen3.5-9B shapes
@@ -12,6 +12,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 
 def main(argv=None) -> int:
@@ -30,8 +31,9 @@ def main(argv=None) -> int:
     import numpy as np
 
     from jtp.models.attention import PagedAttention
-    from jtp.models.delta_rule import decode_step
+    from jtp.models.delta_rule import fused_decode
     from jtp.models.qwen3 import add_rms_norm
+    from jtp.models.qwen3_5 import DeltaNetState, RowLayout, deltanet_mixer
 
     impls = {"kernel": PagedAttention("kernel"), "xla": PagedAttention("reference")}
     rng = np.random.default_rng(0)
@@ -60,21 +62,40 @@ def main(argv=None) -> int:
         }
 
     H, D = args.heads, args.head_dim
+    Hk = max(1, H // 2)
+    cfg = SimpleNamespace(linear_num_key_heads=Hk, linear_num_value_heads=H, linear_key_head_dim=D,
+                          linear_value_head_dim=D)
     for B in map(int, args.rows.split(",")):
-        normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-        unit = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
-        q, k, v = unit(normal(B, H, D)), unit(normal(B, H, D)), normal(B, H, D)
-        g, beta = -jnp.abs(normal(B, H)), jax.nn.sigmoid(normal(B, H))
-        pool = normal(2 * B + 1, H, D, D)
+        normal = lambda *shape, dtype=jnp.bfloat16: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+        q, k, v, a, b = normal(B, Hk * D), normal(B, Hk * D), normal(B, H * D), normal(B, H), normal(B, H)
+        channels = (Hk * D, Hk * D, H * D)
+        convs = tuple(normal(c, 4) * 0.5 for c in channels)
+        a_log, dt_bias = normal(H, dtype=jnp.float32), normal(H)
+        slots = 2 * B + 1
+        states = (*(normal(slots, c, 3) for c in channels), normal(slots, H, D, D, dtype=jnp.float32))
         read, write = jnp.arange(B, dtype=jnp.int32), jnp.arange(B, dtype=jnp.int32) + B
-        fresh = jnp.zeros(B, bool).at[0].set(True)
-        step_args = (q, k, v, g, beta, pool, read, fresh, write)
-        outs = {name: jax.jit(lambda *a, impl=impl: decode_step(*a, impl))(*step_args) for name, impl in impls.items()}
-        case = {"max_diff": max(float(jnp.abs(a - b).max()) for a, b in zip(outs["kernel"], outs["xla"]))}
-        for name, impl in impls.items():  # the pool donated and fed back, as in a step: updated in place
-            f = jax.jit(lambda *a, impl=impl: decode_step(*a, impl)[1], donate_argnums=5)
-            case[f"{name}_us"] = chained_us(f, (*step_args[:5], pool + 0, *step_args[6:]), feed=5)
-        report["cases"][f"DeltaNet decode step, {B} rows x {H} heads x {D} x {D} fp32"] = case
+        fresh, token, valid = jnp.zeros(B, bool).at[0].set(True), jnp.arange(B, dtype=jnp.int32), jnp.ones(B, bool)
+
+        def kernel_step(states, q, k, v, a, b):
+            o, conv_states, pool = fused_decode(q, k, v, a, b, convs, states[:3], a_log, dt_bias, states[3],
+                                                (token, valid, read, fresh, write), impls["kernel"])
+            return o, (*conv_states, pool)
+
+        def xla_step(states, q, k, v, a, b):
+            rows = RowLayout(token[:, None], valid[:, None], fresh, read, write, token, jnp.zeros(B, jnp.int32))
+            params = dict(gdn_conv_q=convs[0], gdn_conv_k=convs[1], gdn_conv_v=convs[2], gdn_A_log=a_log,
+                          gdn_dt_bias=dt_bias)
+            o, state = deltanet_mixer(params, cfg, q, k, v, a, b, DeltaNetState(*states), rows, 64)
+            return o[:, 0], tuple(state)
+
+        steps = {"kernel": kernel_step, "xla": xla_step}
+        outs = {name: jax.jit(f)(states, q, k, v, a, b) for name, f in steps.items()}
+        case = {"max_diff": max(float(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)).max())
+                                for x, y in zip(jax.tree.leaves(outs["kernel"]), jax.tree.leaves(outs["xla"])))}
+        for name, f in steps.items():  # the states donated and fed back, as in a step: updated in place
+            chained = jax.jit(lambda s, *a, f=f: f(s, *a)[1], donate_argnums=0)
+            case[f"{name}_us"] = chained_us(chained, (jax.tree.map(lambda x: x + 0, states), q, k, v, a, b), feed=0)
+        report["cases"][f"DeltaNet decode token, {B} rows x {H} heads x {D} x {D}"] = case
 
     for name, case in report["cases"].items():
         print(f"{name}: {case}")

@@ -234,77 +234,114 @@ def test_single_step_rule_equals_chunked_rule():
         assert rel(states[n][b], kept[b]) < 1e-5, f"row {b}: state after {n} tokens"
 
 
-def test_fused_decode_step_matches_numpy():
-    """The DeltaNet decode step with its state in the slot pool, as the GPU kernel (interpreted here),
-    against float64 numpy: rows that continue a slot, one that moves to a fresh slot, a fresh row and
-    padding rows (scratch slot); every slot nobody writes keeps its bytes."""
+def numpy_fused_decode(q, k, v, a, b, weights, states, a_log, dt_bias, pool, rows, ratio):
+    """float64 numpy of a DeltaNet decode token (conv update, gates, l2norms, recurrence) per row."""
+    token, valid, read, fresh, write = rows
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    states, pool = [f64(s).copy() for s in states], f64(pool).copy()
+    H, dk, dv = pool.shape[1:]
+    sigmoid = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+    outs = np.zeros((len(token), H, dv))
+    for row in range(len(token)):
+        t = token[row]
+        convs = []
+        for x, w, s in zip((q, k, v), weights, states):
+            prev = np.zeros(s.shape[1:]) if fresh[row] else s[read[row]]
+            full = np.concatenate([prev, f64(x)[t][:, None] * valid[row]], axis=1)  # [C, K]
+            y = np.sum(full * f64(w), axis=1)
+            convs.append(y * sigmoid(y))
+            s[write[row]] = full[:, 1:]
+        qc, kc, vc = (c.reshape(-1, d) for c, d in zip(convs, (dk, dk, dv)))
+        for h in range(H):
+            qn = qc[h // ratio] / np.sqrt(np.sum(qc[h // ratio] ** 2) + 1e-6) / np.sqrt(dk)
+            kn = kc[h // ratio] / np.sqrt(np.sum(kc[h // ratio] ** 2) + 1e-6) * valid[row]
+            beta = sigmoid(f64(b)[t, h]) * valid[row]
+            g = -np.exp(f64(a_log)[h]) * np.logaddexp(f64(a)[t, h] + f64(dt_bias)[h], 0) * valid[row]
+            S = np.exp(g) * (np.zeros((dk, dv)) if fresh[row] else pool[read[row], h])
+            S = S + np.outer(kn, beta * (vc[h] - S.T @ kn))
+            outs[row, h] = S.T @ qn
+            pool[write[row], h] = S
+    return outs, states, pool
+
+
+def fused_decode_inputs(rng, T=4, Hk=2, ratio=3, dk=32, dv=64, taps=4, slots=10):
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    H = Hk * ratio
+    q, k, v = normal(T, Hk * dk), normal(T, Hk * dk), normal(T, H * dv)
+    a, b = normal(T, H), normal(T, H)
+    weights = tuple(normal(c, taps) * 0.5 for c in (Hk * dk, Hk * dk, H * dv))
+    states = tuple(normal(slots, c, taps - 1) for c in (Hk * dk, Hk * dk, H * dv))
+    a_log, dt_bias, pool = normal(H), normal(H), normal(slots, H, dk, dv)
+    # Rows continuing a slot, one moving to a free slot, a fresh row, and two padding rows (the
+    # scratch slot, the last); row tokens in any order of the flat step, fewer tokens than rows.
+    rows = (np.array([3, 0, 2, 1, 0, 0], np.int32), np.array([True] * 4 + [False] * 2),
+            np.array([0, 3, 5, 0, 0, 0], np.int32), np.array([False, False, False, True, True, True]),
+            np.array([0, 3, 6, 7, 9, 9], np.int32))
+    return (q, k, v, a, b, weights, states, a_log, dt_bias, pool, rows), ratio
+
+
+def test_fused_decode_matches_numpy():
+    """A DeltaNet layer's decode token in the two GPU kernels (interpreted here) against float64
+    numpy; every slot nobody writes keeps its bytes (the pools are updated in place)."""
     import jax
     import jax.numpy as jnp
 
     from jtp.models.attention import PagedAttention
-    from jtp.models.delta_rule import decode_step
+    from jtp.models.delta_rule import fused_decode
 
-    rng = np.random.default_rng(7)
-    B, H, dk, dv, slots = 6, 4, 32, 64, 10
-    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
-    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    q, k, v, pool = unit(normal(B, H, dk)), unit(normal(B, H, dk)), normal(B, H, dv), normal(slots, H, dk, dv)
-    g, beta = -np.abs(normal(B, H)), 1 / (1 + np.exp(-normal(B, H)))
-    read = np.array([0, 3, 5, 0, 0, 0], np.int32)
-    fresh = np.array([False, False, False, True, True, True])
-    write = np.array([0, 3, 6, 7, 9, 9], np.int32)  # rows 4 and 5: padding, the scratch slot (the last)
-    step = jax.jit(lambda *a: decode_step(*a, PagedAttention("kernel")))
-    inputs = [jnp.asarray(a) for a in (q, k, v, g, beta, pool, read, fresh, write)]
-    assert "jtp_delta_rule_step" in str(step.trace(*inputs).jaxpr)
-    o, new = step(*inputs)
-
-    want_pool = pool.astype(np.float64)
-    for b in range(4):
-        S = np.zeros((H, dk, dv)) if fresh[b] else pool[read[b]].astype(np.float64)
-        S = np.exp(g[b])[:, None, None] * S
-        pred = np.einsum("hkv,hk->hv", S, k[b])
-        S = S + k[b][:, :, None] * (beta[b][:, None] * (v[b] - pred))[:, None, :]
-        np.testing.assert_allclose(np.asarray(o)[b], np.einsum("hkv,hk->hv", S, q[b]), rtol=1e-5, atol=1e-5)
-        want_pool[write[b]] = S
-    np.testing.assert_allclose(np.asarray(new)[:-1], want_pool[:-1], rtol=1e-5, atol=1e-5)
+    args, ratio = fused_decode_inputs(np.random.default_rng(7))
+    step = jax.jit(lambda *a: fused_decode(*a, PagedAttention("kernel")))
+    inputs = jax.tree.map(jnp.asarray, args)
+    text = str(step.trace(*inputs).jaxpr)
+    assert "jtp_conv_update" in text and "jtp_delta_rule_step" in text
+    o, states, pool = step(*inputs)
+    want_o, want_states, want_pool = numpy_fused_decode(*args, ratio)
+    real = slice(0, 4)  # padding rows' outputs are discarded, their writes go to the scratch slot
+    np.testing.assert_allclose(np.asarray(o)[real], want_o[real], rtol=2e-5, atol=2e-5)
+    for got, want in zip((*states, pool), (*want_states, want_pool)):
+        np.testing.assert_allclose(np.asarray(got)[:-1], want[:-1], rtol=2e-5, atol=2e-5)
 
 
-def test_fused_decode_step_lowers_to_triton_and_splits_heads_under_tp():
+def test_fused_decode_lowers_to_triton_and_splits_heads_under_tp():
     """Qwen3.5-9B's shapes lower to Triton on the CPU (an op Triton lacks fails here, not on a lent
-    GPU); at tp=2 the kernel runs per head shard inside shard_map and equals the reference."""
+    GPU); at tp=2 the kernels run per head shard inside shard_map and equal the unsharded call."""
     import jax
     import jax.numpy as jnp
     from cpu_env import cuda_lowering
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jtp.kernels.delta_rule_step import delta_rule_step
+    from jtp.kernels import delta_rule_step as fused
     from jtp.models.attention import PagedAttention
-    from jtp.models.delta_rule import decode_step
+    from jtp.models.delta_rule import fused_decode
     from jtp.parallel.sharding import make_mesh
 
     S = jax.ShapeDtypeStruct
-    f32, i32 = jnp.float32, jnp.int32
-    text = cuda_lowering(delta_rule_step, S((8, 32, 128), f32), S((8, 32, 128), f32), S((8, 32, 128), f32),
-                         S((8, 32), f32), S((8, 32), f32), S((65, 32, 128, 128), f32), S((8,), i32),
-                         S((8,), jnp.bool_), S((8,), i32))
+    bf16, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    B, T, Hk, H, dk, dv = 8, 8, 16, 32, 128, 128
+    rows = (S((B,), i32), S((B,), jnp.bool_), S((B,), i32), S((B,), jnp.bool_), S((B,), i32))
+    text = cuda_lowering(lambda *a: fused.conv_update(a[:3], a[3:6], a[6:9], *a[9:]),
+                         S((T, Hk * dk), bf16), S((T, Hk * dk), bf16), S((T, H * dv), bf16),
+                         S((Hk * dk, 4), bf16), S((Hk * dk, 4), bf16), S((H * dv, 4), bf16),
+                         S((65, Hk * dk, 3), bf16), S((65, Hk * dk, 3), bf16), S((65, H * dv, 3), bf16), *rows)
+    assert "triton" in text and "jtp_conv_update" in text
+    text = cuda_lowering(fused.delta_rule_step, S((B, Hk * dk), bf16), S((B, Hk * dk), bf16), S((B, H * dv), bf16),
+                         S((T, H), bf16), S((T, H), bf16), S((H,), f32), S((H,), bf16), S((65, H, dk, dv), f32), *rows)
     assert "triton" in text and "jtp_delta_rule_step" in text
 
     mesh = make_mesh(2)
-    rng = np.random.default_rng(8)
-    B, H, dk, dv = 3, 4, 16, 32
-    heads = NamedSharding(mesh, P(None, "tp", None))
-    put = lambda x, spec=heads: jax.device_put(jnp.asarray(x, f32), spec)  # noqa: E731
-    q, k, v = (put(rng.standard_normal((B, H, d)) / np.sqrt(d)) for d in (dk, dk, dv))
-    g, beta = (put(sign * rng.random((B, H)), NamedSharding(mesh, P(None, "tp"))) for sign in (-1, 1))
-    pool = put(rng.standard_normal((5, H, dk, dv)), NamedSharding(mesh, P(None, "tp", None, None)))
-    slots = (jnp.asarray([1, 2, 0], i32), jnp.asarray([False, False, True]), jnp.asarray([1, 3, 4], i32))
-    sharded = jax.jit(lambda *a: decode_step(*a, PagedAttention("kernel", mesh)))
-    assert "jtp_delta_rule_step" in str(sharded.trace(q, k, v, g, beta, pool, *slots).jaxpr)
-    got = sharded(q, k, v, g, beta, pool, *slots)
-    want = decode_step(q, k, v, g, beta, pool, *slots, PagedAttention("reference"))
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    args, _ = fused_decode_inputs(np.random.default_rng(8), Hk=2, ratio=2, dk=16, dv=32)
+    q, k, v, a, b, weights, states, a_log, dt_bias, pool, rows = jax.tree.map(jnp.asarray, args)
+    put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    sharded = (put(q, None, "tp"), put(k, None, "tp"), put(v, None, "tp"), put(a, None, "tp"), put(b, None, "tp"),
+               tuple(put(w, "tp") for w in weights), tuple(put(s, None, "tp") for s in states), put(a_log, "tp"),
+               put(dt_bias, "tp"), put(pool, None, "tp"), rows)
+    step = jax.jit(lambda *a: fused_decode(*a, PagedAttention("kernel", mesh)))
+    assert "jtp_delta_rule_step" in str(step.trace(*sharded).jaxpr)
+    got = step(*sharded)
+    want = fused_decode(q, k, v, a, b, weights, states, a_log, dt_bias, pool, rows, PagedAttention("kernel"))
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
 
 
 def test_gpu_kernels_match_hf(tmp_path, monkeypatch):
@@ -653,3 +690,33 @@ def test_qwen3_still_rejects_partial_rotary():
     assert ModelConfig.from_hf(raw).partial_rotary_factor == 1.0
     with pytest.raises(ConfigError, match="partial_rotary_factor"):
         ModelConfig.from_hf(raw | {"partial_rotary_factor": 0.5})
+
+
+def test_deltanet_input_projections_fuse_into_one_product_or_by_kind():
+    """One device: bf16 q/k/v/z/a/b are one product; with FP8 q/k/v/z (the kernel's weights) beside
+    bf16 a and b (Qwen's FP8 releases), q/k/v/z and a/b are two. Each gives the unfused outputs."""
+    import jax.numpy as jnp
+
+    from jtp.models.layers import BlockFp8, fuse_projections, project
+
+    rng = np.random.default_rng(0)
+    names = ("gdn_q", "gdn_k", "gdn_v", "gdn_z", "gdn_a", "gdn_b")
+    rows = dict(gdn_q=128, gdn_k=128, gdn_v=256, gdn_z=256, gdn_a=16, gdn_b=16)
+    layer = {n: jnp.asarray(rng.standard_normal((rows[n], 256)) * 0.1, jnp.float32) for n in names}
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+    want = project(x, layer, *names)
+
+    def fp8(w):  # one scale per 128 x 128 block, values in range
+        scale = jnp.max(jnp.abs(w.reshape(w.shape[0] // 128, 128, 2, 128)), axis=(1, 3)) / 448
+        values = (w / jnp.repeat(jnp.repeat(scale, 128, 0), 128, 1)).astype(jnp.float8_e4m3fn)
+        return BlockFp8(values, scale)
+
+    mixed = {n: fp8(w) if rows[n] % 128 == 0 else w for n, w in layer.items()}
+    for params, fp8_kernel, keys in (
+            (layer, False, {"+".join(names)}),
+            (mixed, True, {"gdn_q+gdn_k+gdn_v+gdn_z", "gdn_a+gdn_b"})):
+        fused = fuse_projections({"layers": [dict(params)]}, fp8_kernel)["layers"][0]
+        assert set(fused) == keys
+        reference = want if params is layer else project(x, params, *names)  # the FP8 weights' own products
+        for got, ref in zip(project(x, fused, *names), reference, strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)

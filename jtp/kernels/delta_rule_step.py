@@ -1,71 +1,160 @@
-"""One decode token of the gated delta rule (Gated DeltaNet's recurrence) as one Pallas (Triton
-backend) GPU kernel that reads each row's state from the slot pool and writes it back in place.
+"""A Gated DeltaNet decode token (rows of one token each) as two Pallas (Triton backend) GPU
+kernels that read each row's state from the slot pools and write it back in place.
 
-    S    = exp(g) * S_read                      (the zero state for a fresh row)
-    S   += k (beta * (v - S^T k))^T
-    o    = S^T q;   S -> pool[write slot]
+`conv_update`: the causal depthwise conv of the q, k and v channels, one step:
 
-Same function as `jtp.models.delta_rule.decode_step` (its reference: `gated_delta_step` between a
-gather from the pool and `set_rows`).
-Left to XLA, a step reads and writes each row's [dk, dv] fp32 state several times (the gather
-from the pool, the prediction, the update, the output, the write back) in several kernels; here
-program (row, value head, column block) loads its [dk, BV] tile of the state once, keeps it in
-registers, and stores it once.
+    full = [conv state (K-1 inputs, the zero state for a fresh row) | x]
+    y    = silu(sum_j full[:, j] w[:, j]) (fp32, stored in x's dtype);   conv state <- full[:, 1:]
 
-The pool is updated in place (input_output_aliases). A row's write slot is its own (it read it)
-or a free one (no other row reads it this step; jtp/core/state_pool.py keeps that invariant), and
-padding rows write the scratch slot, which nobody reads. Fresh and padding rows do load a tile (of
-slot 0, possibly while its row rewrites it) but discard it for the zero state, so no value read
-depends on the order in which programs run.
+program (row, block of channels) over the q, k and v channels in one launch.
+
+`delta_rule_step`: the gates, the q/k normalisation and the recurrence, per value head h (key head
+h // r):
+
+    q, k = l2norm(q) / sqrt(dk), l2norm(k);   beta = sigmoid(b);   g = -exp(A_log) softplus(a + dt_bias)
+    S    = exp(g) S_read;   S += k (beta (v - S^T k))^T;   o = S^T q;   S -> pool[write slot]
+
+program (row, value head, block of value columns) loads its [dk, BV] tile of the state once, keeps
+it in registers and stores it once. A row that is padding (not `valid`) has k = g = beta = 0.
+
+Same functions as the jnp path of jtp/models/qwen3_5.py (`conv_step`, the gates, and
+jtp/models/delta_rule.py's `gated_delta_step` between a gather from the pool and `set_rows`), where
+XLA makes ~15 small kernels of a layer's decode step.
+
+In place: a row's write slot is its own (it read it) or a free one (no other row reads it this
+step; jtp/core/state_pool.py keeps that invariant), and padding rows write the scratch slot, which
+nobody reads; each program reads and writes only its own channels of its own row. Fresh rows do
+load their tile (of slot 0, possibly while its row rewrites it) but discard it for the zero state,
+so no value used depends on the order in which programs run.
 """
 
 from __future__ import annotations
 
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-COLUMNS = 32  # value columns per program: a [dk, 32] fp32 tile in registers
+COLUMNS = 32  # value columns per program of the recurrence: a [dk, 32] fp32 tile in registers
+MAX_CHANNELS = 128  # conv channels per program
 
 
-def supported(dk: int, dv: int) -> bool:
+def channel_block(*channels: int) -> int:
+    """Conv channels per program: the largest power of two (<= 128) dividing every part's count."""
+    return math.gcd(MAX_CHANNELS, *channels) if channels else 0
+
+
+def supported(dk: int, dv: int, *channels: int) -> bool:
     pow2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
-    return pow2(dk) and pow2(dv) and dv >= COLUMNS
+    return pow2(dk) and pow2(dv) and dv >= COLUMNS and channel_block(*channels) >= 16
 
 
-def _kernel(read_ref, fresh_ref, write_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in, o_ref, pool_out):
+def _rows(*arrays):
+    return tuple(a.astype(jnp.int32) for a in arrays)
+
+
+def _whole(a):
+    return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+
+
+def _conv_kernel(token_ref, valid_ref, read_ref, fresh_ref, write_ref, *refs, blocks, block):
+    n = len(blocks)
+    x_refs, w_refs, state_in, out_refs, state_out = (refs[i * n : (i + 1) * n] for i in range(5))
+    b, c = pl.program_id(0), pl.program_id(1)
+    taps = w_refs[0].shape[1]
+    first = 0
+    for i, count in enumerate(blocks):
+
+        @pl.when((c >= first) & (c < first + count))
+        def _(i=i, first=first):
+            cols = pl.ds((c - first) * block, block)
+            x = x_refs[i][token_ref[b], cols]
+            x = jnp.where(valid_ref[b] != 0, x, jnp.zeros_like(x))
+            fresh = fresh_ref[b] != 0
+            slot = read_ref[b]
+            prev = [jnp.where(fresh, 0.0, state_in[i][slot, cols, j].astype(jnp.float32)).astype(x.dtype)
+                    for j in range(taps - 1)]
+            full = prev + [x]
+            y = sum(full[j].astype(jnp.float32) * w_refs[i][cols, j].astype(jnp.float32) for j in range(taps))
+            out_refs[i][b, cols] = (y * jax.nn.sigmoid(y)).astype(out_refs[i].dtype)
+            for j in range(taps - 1):
+                state_out[i][write_ref[b], cols, j] = full[j + 1].astype(state_out[i].dtype)
+
+        first += count
+
+
+def conv_update(xs, weights, states, token, valid, read_slots, fresh, write_slots, *, interpret: bool = False):
+    """One conv step of each part (q, k, v): xs [T, C_i] (flat tokens; row b's is xs[token[b]]),
+    weights [C_i, K], states [slots, C_i, K-1] -> (outputs [B, C_i] in xs' dtype, the states)."""
+    n, B = len(xs), token.shape[0]
+    block = channel_block(*(x.shape[1] for x in xs))
+    blocks = tuple(x.shape[1] // block for x in xs)
+    rows = _rows(token, valid, read_slots, fresh, write_slots)
+    operands = (*rows, *xs, *weights, *states)
+    out_shape = [jax.ShapeDtypeStruct((B, x.shape[1]), x.dtype) for x in xs] + \
+        [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states]
+    outs = pl.pallas_call(
+        lambda *refs: _conv_kernel(*refs, blocks=blocks, block=block),
+        grid=(B, sum(blocks)),
+        in_specs=[_whole(a) for a in operands],
+        out_specs=[_whole(a) for a in out_shape],
+        out_shape=out_shape,
+        input_output_aliases={len(rows) + 2 * n + i: n + i for i in range(n)},
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="jtp_conv_update",
+    )(*operands)
+    return tuple(outs[:n]), tuple(outs[n:])
+
+
+def _l2_normalize(x):
+    return x * jax.lax.rsqrt(jnp.sum(x * x) + 1e-6)
+
+
+def _step_kernel(token_ref, valid_ref, read_ref, fresh_ref, write_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
+                 a_log_ref, dt_bias_ref, pool_in, o_ref, pool_out, *, ratio: int):
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    dk = pool_in.shape[2]
     cols = pl.ds(j * COLUMNS, COLUMNS)
+    valid = valid_ref[b] != 0
+    t = token_ref[b]
+    key = pl.ds((h // ratio) * dk, dk)
+    q = _l2_normalize(q_ref[b, key].astype(jnp.float32)) * dk**-0.5
+    k = jnp.where(valid, _l2_normalize(k_ref[b, key].astype(jnp.float32)), 0.0)
+    beta = jnp.where(valid, jax.nn.sigmoid(b_ref[t, h].astype(jnp.float32)), 0.0)
+    z = a_ref[t, h].astype(jnp.float32) + dt_bias_ref[h].astype(jnp.float32)
+    softplus = jnp.maximum(z, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(z)))
+    g = jnp.where(valid, -jnp.exp(a_log_ref[h].astype(jnp.float32)) * softplus, 0.0)
+    v = v_ref[b, pl.ds(h * pool_in.shape[3] + j * COLUMNS, COLUMNS)].astype(jnp.float32)
+
     state = pool_in[read_ref[b], h, :, cols].astype(jnp.float32)  # [dk, BV]; pool_out is the same buffer
     state = jnp.where(fresh_ref[b] != 0, 0.0, state)
-    state = jnp.exp(g_ref[b, h]) * state
-    k = k_ref[b, h, :]
+    state = jnp.exp(g) * state
     pred = jnp.sum(state * k[:, None], axis=0)  # S^T k, [BV]
-    delta = beta_ref[b, h] * (v_ref[b, h, cols] - pred)
-    state = state + k[:, None] * delta[None, :]
-    o_ref[b, h, cols] = jnp.sum(state * q_ref[b, h, :][:, None], axis=0)
+    state = state + k[:, None] * (beta * (v - pred))[None, :]
+    o_ref[b, h, cols] = jnp.sum(state * q[:, None], axis=0)
     pool_out[write_ref[b], h, :, cols] = state.astype(pool_out.dtype)
 
 
-def delta_rule_step(q, k, v, g, beta, pool, read_slots, fresh, write_slots, *, interpret: bool = False):
-    """q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H] (fp32); pool [slots, H, dk, dv] fp32; read_slots,
-    write_slots i32[B] (in range); fresh bool[B] -> (o [B, H, dv] fp32, the updated pool)."""
-    B, H, dk = q.shape
-    dv = v.shape[2]
-    whole = lambda a: pl.BlockSpec(a.shape, lambda b, h, j: (0,) * a.ndim)  # noqa: E731
-    args = (read_slots.astype(jnp.int32), fresh.astype(jnp.int32), write_slots.astype(jnp.int32),
-            q, k, v, g, beta, pool)
+def delta_rule_step(q, k, v, a, b, a_log, dt_bias, pool, token, valid, read_slots, fresh, write_slots, *,
+                    interpret: bool = False):
+    """q, k [B, Hk * dk] and v [B, Hv * dv] (the conv outputs); a, b [T, Hv] (flat tokens; row r's
+    is token[r]); a_log, dt_bias [Hv]; pool [slots, Hv, dk, dv] fp32; token, read_slots, write_slots
+    i32[B] (in range); valid, fresh bool[B] -> (o [B, Hv, dv] fp32, the updated pool)."""
+    B = token.shape[0]
+    _, H, dk, dv = pool.shape
+    operands = (*_rows(token, valid, read_slots, fresh, write_slots), q, k, v, a, b, a_log, dt_bias, pool)
     o, pool = pl.pallas_call(
-        _kernel,
+        lambda *refs: _step_kernel(*refs, ratio=H * dk // q.shape[1]),
         grid=(B, H, dv // COLUMNS),
-        in_specs=[whole(a) for a in args],
-        out_specs=[pl.BlockSpec((B, H, dv), lambda b, h, j: (0, 0, 0)), whole(pool)],
+        in_specs=[_whole(x) for x in operands],
+        out_specs=[pl.BlockSpec((B, H, dv), lambda *_: (0, 0, 0)), _whole(pool)],
         out_shape=[jax.ShapeDtypeStruct((B, H, dv), jnp.float32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
-        input_output_aliases={8: 1},
+        input_output_aliases={len(operands) - 1: 1},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="jtp_delta_rule_step",
-    )(*args)
+    )(*operands)
     return o, pool

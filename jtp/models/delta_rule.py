@@ -4,8 +4,9 @@ the Qwen3.5 architecture reference):
     S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,   o_t = S_t^T q_t   (per value head, fp32)
 
 over chunks of a row's tokens (prefill, `chunked_gated_delta_rule`) and one token at a time
-(decode, `gated_delta_step`); and the decode step with each row's state read from and written to
-the slot pool (`decode_step`), one Pallas kernel on GPUs (jtp/kernels/delta_rule_step.py).
+(decode, `gated_delta_step`, with each row's state read from and written to the slot pool:
+`decode_step`); and a layer's whole decode token, conv and gates included, as two Pallas kernels
+on GPUs (`fused_decode`, jtp/kernels/delta_rule_step.py).
 """
 
 from __future__ import annotations
@@ -107,26 +108,43 @@ def read_states(pool, read_slots, fresh):
     return jnp.where(fresh.reshape(-1, *(1,) * (s.ndim - 1)), jnp.zeros_like(s), s)
 
 
-def decode_step(q, k, v, g, beta, pool, read_slots, fresh, write_slots, attend: PagedAttention):
+def decode_step(q, k, v, g, beta, pool, read_slots, fresh, write_slots):
     """`gated_delta_step` for each row's state in the pool: read from read_slots (the zero state
     where fresh), written to write_slots (all in range). q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H];
-    pool [slots, H, dk, dv]. Returns (o [B, H, dv], the updated pool).
-
-    With the GPU kernels (`attend.impl` "kernel", the runner's choice for the layer's sequence
-    mixers) one fused kernel, per head shard inside shard_map under tensor parallelism."""
-    tp = attend.tp
-    if attend.impl == "kernel" and fused.supported(q.shape[2], v.shape[2]) and q.shape[1] % tp == 0:
-        interpret = jax.default_backend() != "gpu"
-
-        def local(q, k, v, g, beta, pool, read_slots, fresh, write_slots):
-            return fused.delta_rule_step(q, k, v, g, beta, pool, read_slots, fresh, write_slots, interpret=interpret)
-
-        args = (q, k, v, g, beta, pool, read_slots, fresh, write_slots)
-        if tp == 1:
-            return local(*args)
-        heads, state, rep = P(None, "tp", None), P(None, "tp", None, None), P()
-        in_specs = (heads, heads, heads, P(None, "tp"), P(None, "tp"), state, rep, rep, rep)
-        return jax.shard_map(local, mesh=attend.mesh, in_specs=in_specs, out_specs=(heads, state),
-                             check_vma=False)(*args)
+    pool [slots, H, dk, dv]. Returns (o [B, H, dv], the updated pool)."""
     o, final = gated_delta_step(q, k, v, g, beta, read_states(pool, read_slots, fresh))
     return o, set_rows(pool, write_slots, final)
+
+
+def fused_decode_supported(attend: PagedAttention, dk: int, dv: int, key_heads: int, *channels: int) -> bool:
+    """Whether a DeltaNet layer's decode token takes `fused_decode`: the GPU kernels (attend.impl
+    "kernel", the runner's choice for the sequence mixers) at head sizes they tile, per device."""
+    tp = attend.tp
+    return attend.impl == "kernel" and key_heads % tp == 0 and all(c % tp == 0 for c in channels) \
+        and fused.supported(dk, dv, *(c // tp for c in channels))
+
+
+def fused_decode(q, k, v, a, b, conv_weights, conv_states, a_log, dt_bias, pool, rows, attend: PagedAttention):
+    """A DeltaNet layer's decode token (rows of at most one token) in two kernels: the conv update of
+    the q, k and v channels, then the gates, q/k normalisation and recurrence
+    (jtp/kernels/delta_rule_step.py); under tensor parallelism per head shard inside shard_map.
+
+    q, k, v [T, C] the projections before the conv; a, b [T, Hv]; conv_weights / conv_states: the
+    three parts' [C, K] / [slots, C, K-1]; a_log, dt_bias [Hv]; pool [slots, Hv, dk, dv];
+    rows: (token, valid, read_slots, fresh, write_slots), each [B]. Returns (o [B, Hv, dv] fp32,
+    the conv states, the pool)."""
+    interpret = jax.default_backend() != "gpu"
+
+    def local(q, k, v, a, b, conv_weights, conv_states, a_log, dt_bias, pool, rows):
+        (q, k, v), conv_states = fused.conv_update((q, k, v), conv_weights, conv_states, *rows, interpret=interpret)
+        o, pool = fused.delta_rule_step(q, k, v, a, b, a_log, dt_bias, pool, *rows, interpret=interpret)
+        return o, conv_states, pool
+
+    args = (q, k, v, a, b, tuple(conv_weights), tuple(conv_states), a_log, dt_bias, pool, tuple(rows))
+    if attend.tp == 1:
+        return local(*args)
+    channels, weights, states = P(None, "tp"), (P("tp", None),) * 3, (P(None, "tp", None),) * 3
+    heads, state_pool = P("tp"), P(None, "tp", None, None)
+    in_specs = (channels,) * 5 + (weights, states, heads, heads, state_pool, (P(),) * 5)
+    return jax.shard_map(local, mesh=attend.mesh, in_specs=in_specs,
+                         out_specs=(P(None, "tp", None), states, state_pool), check_vma=False)(*args)

@@ -81,7 +81,10 @@ class FusedWeight:
 
 # Projections of one input that one device multiplies as one: each group's name in a layer is "+".join(group).
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("shared_gate", "shared_up"),
-                     ("gdn_q", "gdn_k", "gdn_v", "gdn_z"))
+                     # DeltaNet's six input projections, or, where their kinds differ (Qwen's FP8
+                     # releases keep the small a and b in bf16), its q/k/v/z and its a/b apart
+                     ("gdn_q", "gdn_k", "gdn_v", "gdn_z", "gdn_a", "gdn_b"), ("gdn_q", "gdn_k", "gdn_v", "gdn_z"),
+                     ("gdn_a", "gdn_b"))
 
 
 def fuse_projections(params: dict, fp8_kernel: bool) -> dict:
@@ -166,12 +169,18 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
 
 
 def project(x: jax.Array, p: dict, *names: str) -> tuple[jax.Array, ...]:
-    """linear(x, p[name], p[name's bias]) for each name: one product when the layer holds them fused
-    (FUSED_PROJECTIONS), split afterwards. A name "q_proj"'s bias is "q_bias"."""
-    fused = p.get("+".join(names))
-    if fused is None:
-        return tuple(linear(x, p[name], p.get(name.removesuffix("_proj") + "_bias")) for name in names)
-    ys = jnp.split(linear(x, fused), list(itertools.accumulate(fused.sizes))[:-1], axis=-1)
+    """linear(x, p[name], p[name's bias]) for each name: one product for each run of names the layer
+    holds fused (FUSED_PROJECTIONS, the longest run first), split afterwards. A name "q_proj"'s bias
+    is "q_bias"."""
+    ys, i = [], 0
+    while i < len(names):
+        j = next((j for j in range(len(names), i + 1, -1) if "+".join(names[i:j]) in p), i + 1)
+        if j == i + 1:
+            ys.append(linear(x, p[names[i]]))
+        else:
+            fused = p["+".join(names[i:j])]
+            ys += jnp.split(linear(x, fused), list(itertools.accumulate(fused.sizes))[:-1], axis=-1)
+        i = j
     return tuple(y if p.get(name.removesuffix("_proj") + "_bias") is None else y + p[name.removesuffix("_proj") + "_bias"]
                  for y, name in zip(ys, names))
 

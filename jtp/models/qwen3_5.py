@@ -55,7 +55,13 @@ from jtp.models.attention import (
     write_kv,
     zeroed_layer_kv,
 )
-from jtp.models.delta_rule import chunked_gated_delta_rule, decode_step, read_states
+from jtp.models.delta_rule import (
+    chunked_gated_delta_rule,
+    decode_step,
+    fused_decode,
+    fused_decode_supported,
+    read_states,
+)
 from jtp.models.layers import (
     apply_rope,
     gated_rms_norm,
@@ -191,15 +197,35 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: Row
     T = x.shape[0]
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    L = rows.valid.shape[1]
+    q, k, v, z, a, b = project(x, p, "gdn_q", "gdn_k", "gdn_v", "gdn_z", "gdn_a", "gdn_b")
+    if L == 1 and fused_decode_supported(attend, dk, dv, Hk, q.shape[1], k.shape[1], v.shape[1]):
+        convs = (p["gdn_conv_q"], p["gdn_conv_k"], p["gdn_conv_v"])
+        o, conv_states, recurrent = fused_decode(
+            q, k, v, a, b, convs, state[:3], p["gdn_A_log"], p["gdn_dt_bias"], state.recurrent,
+            (rows.gather[:, 0], rows.valid[:, 0], rows.read_slots, rows.fresh, rows.write_slots), attend)
+        state = DeltaNetState(*conv_states, recurrent)
+        o = o[:, None]
+    else:
+        o, state = deltanet_mixer(p, cfg, q, k, v, a, b, state, rows, chunk)
+    o = o[rows.token_row, rows.token_t].astype(x.dtype)  # back to the flat order [T, Hv, dv]
+    o = gated_rms_norm(o, z.reshape(T, Hv, dv), p["gdn_norm"], cfg.rms_norm_eps).reshape(T, Hv * dv)
+    return linear(o, p["gdn_out"]), state
+
+
+def deltanet_mixer(p: dict, cfg: ModelConfig, q, k, v, a, b, state: DeltaNetState, rows: RowLayout, chunk: int):
+    """`gated_deltanet`'s conv, gates and recurrence in jnp (`fused_decode`'s reference for L = 1):
+    q, k, v [T, C] the projections before the conv, a, b [T, Hv] -> (o [B, L, Hv, dv] fp32, the new state)."""
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     B, L = rows.valid.shape
     conv = conv_step if L == 1 else causal_conv
-
-    q, k, v, z = project(x, p, "gdn_q", "gdn_k", "gdn_v", "gdn_z")
+    dtype = q.dtype
     q, conv_q = conv(q, p["gdn_conv_q"], state.conv_q, rows)
     k, conv_k = conv(k, p["gdn_conv_k"], state.conv_k, rows)
     v, conv_v = conv(v, p["gdn_conv_v"], state.conv_v, rows)
     # Activation-dtype conv outputs, as in HF, then fp32 for the recurrence.
-    q, k, v = (u.astype(x.dtype).astype(jnp.float32) for u in (q, k, v))
+    q, k, v = (u.astype(dtype).astype(jnp.float32) for u in (q, k, v))
 
     # Key head h serves value heads h*r .. h*r+r-1.
     r = Hv // Hk
@@ -207,17 +233,16 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: Row
     k = jnp.repeat(_l2_normalize(k.reshape(B, L, Hk, dk)), r, axis=2)
     v = v.reshape(B, L, Hv, dv)
 
-    beta = jax.nn.sigmoid(linear(x, p["gdn_b"]).astype(jnp.float32))  # [T, Hv]
-    a = linear(x, p["gdn_a"]).astype(jnp.float32)
-    g = -jnp.exp(p["gdn_A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["gdn_dt_bias"].astype(jnp.float32))
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [T, Hv]
+    g = -jnp.exp(p["gdn_A_log"].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + p["gdn_dt_bias"].astype(jnp.float32))
     valid = rows.valid[..., None]
     k = jnp.where(valid[..., None], k, 0.0)
     beta = jnp.where(valid, beta[rows.gather], 0.0)
     g = jnp.where(valid, g[rows.gather], 0.0)
 
-    if L == 1:  # the state read from its slot, one step, written to its slot (one kernel on GPUs)
+    if L == 1:  # the state read from its slot, one step, written to its slot
         o, recurrent = decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent, rows.read_slots,
-                                   rows.fresh, rows.write_slots, attend)
+                                   rows.fresh, rows.write_slots)
         o = o[:, None]
     else:
         o, final, kept = chunked_gated_delta_rule(q, k, v, g, beta, _slot_state(state.recurrent, rows), chunk,
@@ -225,10 +250,7 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: Row
         recurrent = set_rows(state.recurrent, rows.write_slots, final)
         if rows.keep_slots is not None:  # (verify rows always have several tokens: never L = 1)
             recurrent = set_rows(recurrent, rows.keep_slots, kept)
-
-    o = o[rows.token_row, rows.token_t].astype(x.dtype)  # back to the flat order [T, Hv, dv]
-    o = gated_rms_norm(o, z.reshape(T, Hv, dv), p["gdn_norm"], cfg.rms_norm_eps).reshape(T, Hv * dv)
-    return linear(o, p["gdn_out"]), DeltaNetState(conv_q, conv_k, conv_v, recurrent)
+    return o, DeltaNetState(conv_q, conv_k, conv_v, recurrent)
 
 
 # ----------------------------------------------------------------------------- attention, FFN
