@@ -77,7 +77,8 @@ def main(argv=None) -> int:
         fresh, token, valid = jnp.zeros(B, bool).at[0].set(True), jnp.arange(B, dtype=jnp.int32), jnp.ones(B, bool)
 
         def kernel_step(states, q, k, v, a, b):
-            o, conv_states, pool = fused_decode(q, k, v, a, b, convs, states[:3], a_log, dt_bias, states[3],
+            columns = [(x, 0, x.shape[1]) for x in (q, k, v, a, b)]
+            o, conv_states, pool = fused_decode(columns, convs, states[:3], a_log, dt_bias, states[3],
                                                 (token, valid, read, fresh, write), impls["kernel"])
             return o, (*conv_states, pool)
 

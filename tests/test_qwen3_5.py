@@ -290,16 +290,27 @@ def test_fused_decode_matches_numpy():
     from jtp.models.delta_rule import fused_decode
 
     args, ratio = fused_decode_inputs(np.random.default_rng(7))
-    step = jax.jit(lambda *a: fused_decode(*a, PagedAttention("kernel")))
-    inputs = jax.tree.map(jnp.asarray, args)
-    text = str(step.trace(*inputs).jaxpr)
-    assert "jtp_conv_update" in text and "jtp_delta_rule_step" in text
-    o, states, pool = step(*inputs)
     want_o, want_states, want_pool = numpy_fused_decode(*args, ratio)
-    real = slice(0, 4)  # padding rows' outputs are discarded, their writes go to the scratch slot
-    np.testing.assert_allclose(np.asarray(o)[real], want_o[real], rtol=2e-5, atol=2e-5)
-    for got, want in zip((*states, pool), (*want_states, want_pool)):
-        np.testing.assert_allclose(np.asarray(got)[:-1], want[:-1], rtol=2e-5, atol=2e-5)
+    parts, rest = [jnp.asarray(x) for x in args[:5]], jax.tree.map(jnp.asarray, args[5:])
+
+    def separate(q, k, v, a, b, *rest):  # each part its own array
+        return fused_decode([(x, 0, x.shape[1]) for x in (q, k, v, a, b)], *rest, PagedAttention("kernel"))
+
+    def one_output(q, k, v, a, b, *rest):  # the parts as columns of one projection's output (z among them)
+        whole = jnp.concatenate([q, k, v, jnp.ones_like(v), a, b], axis=1)
+        starts = np.cumsum([0] + [x.shape[1] for x in (q, k, v, v, a)])
+        columns = [(whole, int(start), x.shape[1]) for x, start in zip((q, k, v, a, b), starts[[0, 1, 2, 4, 5]])]
+        return fused_decode(columns, *rest, PagedAttention("kernel"))
+
+    for layout in (separate, one_output):
+        step = jax.jit(layout)
+        text = str(step.trace(*parts, *rest).jaxpr)
+        assert "jtp_conv_update" in text and "jtp_delta_rule_step" in text
+        o, states, pool = step(*parts, *rest)
+        real = slice(0, 4)  # padding rows' outputs are discarded, their writes go to the scratch slot
+        np.testing.assert_allclose(np.asarray(o)[real], want_o[real], rtol=2e-5, atol=2e-5)
+        for got, want in zip((*states, pool), (*want_states, want_pool)):
+            np.testing.assert_allclose(np.asarray(got)[:-1], want[:-1], rtol=2e-5, atol=2e-5)
 
 
 def test_fused_decode_lowers_to_triton_and_splits_heads_under_tp():
@@ -320,26 +331,30 @@ def test_fused_decode_lowers_to_triton_and_splits_heads_under_tp():
     bf16, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
     B, T, Hk, H, dk, dv = 8, 8, 16, 32, 128, 128
     rows = (S((B,), i32), S((B,), jnp.bool_), S((B,), i32), S((B,), jnp.bool_), S((B,), i32))
-    text = cuda_lowering(lambda *a: fused.conv_update(a[:3], a[3:6], a[6:9], *a[9:]),
-                         S((T, Hk * dk), bf16), S((T, Hk * dk), bf16), S((T, H * dv), bf16),
+    width = 2 * Hk * dk + 2 * H * dv + 2 * H  # Qwen3.5-9B's fused q/k/v/z/a/b output
+    parts = ((0, 0), (0, Hk * dk), (0, 2 * Hk * dk))
+    text = cuda_lowering(lambda *a: fused.conv_update(a[:1], parts, a[1:4], a[4:7], *a[7:]), S((T, width), bf16),
                          S((Hk * dk, 4), bf16), S((Hk * dk, 4), bf16), S((H * dv, 4), bf16),
                          S((65, Hk * dk, 3), bf16), S((65, Hk * dk, 3), bf16), S((65, H * dv, 3), bf16), *rows)
     assert "triton" in text and "jtp_conv_update" in text
-    text = cuda_lowering(fused.delta_rule_step, S((B, Hk * dk), bf16), S((B, Hk * dk), bf16), S((B, H * dv), bf16),
-                         S((T, H), bf16), S((T, H), bf16), S((H,), f32), S((H,), bf16), S((65, H, dk, dv), f32), *rows)
+    a_part, b_part = (0, width - 2 * H), (0, width - H)
+    text = cuda_lowering(lambda q, k, v, x, *a: fused.delta_rule_step(q, k, v, (x,), a_part, b_part, *a),
+                         S((B, Hk * dk), bf16), S((B, Hk * dk), bf16), S((B, H * dv), bf16), S((T, width), bf16),
+                         S((H,), f32), S((H,), bf16), S((65, H, dk, dv), f32), *rows)
     assert "triton" in text and "jtp_delta_rule_step" in text
 
     mesh = make_mesh(2)
     args, _ = fused_decode_inputs(np.random.default_rng(8), Hk=2, ratio=2, dk=16, dv=32)
     q, k, v, a, b, weights, states, a_log, dt_bias, pool, rows = jax.tree.map(jnp.asarray, args)
     put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
-    sharded = (put(q, None, "tp"), put(k, None, "tp"), put(v, None, "tp"), put(a, None, "tp"), put(b, None, "tp"),
+    sharded = ([put(x, None, "tp") for x in (q, k, v, a, b)],
                tuple(put(w, "tp") for w in weights), tuple(put(s, None, "tp") for s in states), put(a_log, "tp"),
                put(dt_bias, "tp"), put(pool, None, "tp"), rows)
-    step = jax.jit(lambda *a: fused_decode(*a, PagedAttention("kernel", mesh)))
+    step = jax.jit(lambda xs, *a: fused_decode([(x, 0, x.shape[1]) for x in xs], *a, PagedAttention("kernel", mesh)))
     assert "jtp_delta_rule_step" in str(step.trace(*sharded).jaxpr)
     got = step(*sharded)
-    want = fused_decode(q, k, v, a, b, weights, states, a_log, dt_bias, pool, rows, PagedAttention("kernel"))
+    want = fused_decode([(x, 0, x.shape[1]) for x in (q, k, v, a, b)], weights, states, a_log, dt_bias, pool, rows,
+                        PagedAttention("kernel"))
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
 

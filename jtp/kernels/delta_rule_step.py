@@ -8,6 +8,10 @@ kernels that read each row's state from the slot pools and write it back in plac
 
 program (row, block of channels) over the q, k and v channels in one launch.
 
+Both kernels read their inputs (q, k, v before the conv; a, b) as columns of the arrays that hold
+them, typically the one output of the layer's fused input projection: a slice passed to a custom
+call is a copy, one small kernel each.
+
 `delta_rule_step`: the gates, the q/k normalisation and the recurrence, per value head h (key head
 h // r):
 
@@ -30,6 +34,7 @@ so no value used depends on the order in which programs run.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -59,18 +64,20 @@ def _whole(a):
     return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
 
 
-def _conv_kernel(token_ref, valid_ref, read_ref, fresh_ref, write_ref, *refs, blocks, block):
-    n = len(blocks)
-    x_refs, w_refs, state_in, out_refs, state_out = (refs[i * n : (i + 1) * n] for i in range(5))
+def _conv_kernel(token_ref, valid_ref, read_ref, fresh_ref, write_ref, *refs, sources, parts, block):
+    n = len(parts)
+    x_refs, refs = refs[:sources], refs[sources:]
+    w_refs, state_in, out_refs, state_out = (refs[i * n : (i + 1) * n] for i in range(4))
     b, c = pl.program_id(0), pl.program_id(1)
     taps = w_refs[0].shape[1]
     first = 0
-    for i, count in enumerate(blocks):
+    for i, (source, offset) in enumerate(parts):
+        count = w_refs[i].shape[0] // block
 
         @pl.when((c >= first) & (c < first + count))
-        def _(i=i, first=first):
+        def _(i=i, source=source, offset=offset, first=first):
             cols = pl.ds((c - first) * block, block)
-            x = x_refs[i][token_ref[b], cols]
+            x = x_refs[source][token_ref[b], pl.ds(offset + (c - first) * block, block)]
             x = jnp.where(valid_ref[b] != 0, x, jnp.zeros_like(x))
             fresh = fresh_ref[b] != 0
             slot = read_ref[b]
@@ -85,23 +92,24 @@ def _conv_kernel(token_ref, valid_ref, read_ref, fresh_ref, write_ref, *refs, bl
         first += count
 
 
-def conv_update(xs, weights, states, token, valid, read_slots, fresh, write_slots, *, interpret: bool = False):
-    """One conv step of each part (q, k, v): xs [T, C_i] (flat tokens; row b's is xs[token[b]]),
-    weights [C_i, K], states [slots, C_i, K-1] -> (outputs [B, C_i] in xs' dtype, the states)."""
-    n, B = len(xs), token.shape[0]
-    block = channel_block(*(x.shape[1] for x in xs))
-    blocks = tuple(x.shape[1] // block for x in xs)
+def conv_update(sources, parts, weights, states, token, valid, read_slots, fresh, write_slots, *,
+                interpret: bool = False):
+    """One conv step of each part (q, k, v): part i is columns [offset, offset + C_i) of
+    sources[src] [T, W] (flat tokens; row b's is token[b]), parts[i] = (src, offset); weights
+    [C_i, K], states [slots, C_i, K-1] -> (outputs [B, C_i] in the sources' dtype, the states)."""
+    n, B = len(parts), token.shape[0]
+    block = channel_block(*(w.shape[0] for w in weights))
     rows = _rows(token, valid, read_slots, fresh, write_slots)
-    operands = (*rows, *xs, *weights, *states)
-    out_shape = [jax.ShapeDtypeStruct((B, x.shape[1]), x.dtype) for x in xs] + \
+    operands = (*rows, *sources, *weights, *states)
+    out_shape = [jax.ShapeDtypeStruct((B, w.shape[0]), sources[0].dtype) for w in weights] + \
         [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states]
     outs = pl.pallas_call(
-        lambda *refs: _conv_kernel(*refs, blocks=blocks, block=block),
-        grid=(B, sum(blocks)),
+        lambda *refs: _conv_kernel(*refs, sources=len(sources), parts=tuple(parts), block=block),
+        grid=(B, sum(w.shape[0] // block for w in weights)),
         in_specs=[_whole(a) for a in operands],
         out_specs=[_whole(a) for a in out_shape],
         out_shape=out_shape,
-        input_output_aliases={len(rows) + 2 * n + i: n + i for i in range(n)},
+        input_output_aliases={len(rows) + len(sources) + n + i: n + i for i in range(n)},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="jtp_conv_update",
@@ -113,8 +121,9 @@ def _l2_normalize(x):
     return x * jax.lax.rsqrt(jnp.sum(x * x) + 1e-6)
 
 
-def _step_kernel(token_ref, valid_ref, read_ref, fresh_ref, write_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
-                 a_log_ref, dt_bias_ref, pool_in, o_ref, pool_out, *, ratio: int):
+def _step_kernel(token_ref, valid_ref, read_ref, fresh_ref, write_ref, q_ref, k_ref, v_ref, *refs, sources: int,
+                 a_part, b_part, ratio: int):
+    gate_refs, (a_log_ref, dt_bias_ref, pool_in, o_ref, pool_out) = refs[:sources], refs[sources:]
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dk = pool_in.shape[2]
     cols = pl.ds(j * COLUMNS, COLUMNS)
@@ -123,8 +132,8 @@ def _step_kernel(token_ref, valid_ref, read_ref, fresh_ref, write_ref, q_ref, k_
     key = pl.ds((h // ratio) * dk, dk)
     q = _l2_normalize(q_ref[b, key].astype(jnp.float32)) * dk**-0.5
     k = jnp.where(valid, _l2_normalize(k_ref[b, key].astype(jnp.float32)), 0.0)
-    beta = jnp.where(valid, jax.nn.sigmoid(b_ref[t, h].astype(jnp.float32)), 0.0)
-    z = a_ref[t, h].astype(jnp.float32) + dt_bias_ref[h].astype(jnp.float32)
+    beta = jnp.where(valid, jax.nn.sigmoid(gate_refs[b_part[0]][t, b_part[1] + h].astype(jnp.float32)), 0.0)
+    z = gate_refs[a_part[0]][t, a_part[1] + h].astype(jnp.float32) + dt_bias_ref[h].astype(jnp.float32)
     softplus = jnp.maximum(z, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(z)))
     g = jnp.where(valid, -jnp.exp(a_log_ref[h].astype(jnp.float32)) * softplus, 0.0)
     v = v_ref[b, pl.ds(h * pool_in.shape[3] + j * COLUMNS, COLUMNS)].astype(jnp.float32)
@@ -138,16 +147,19 @@ def _step_kernel(token_ref, valid_ref, read_ref, fresh_ref, write_ref, q_ref, k_
     pool_out[write_ref[b], h, :, cols] = state.astype(pool_out.dtype)
 
 
-def delta_rule_step(q, k, v, a, b, a_log, dt_bias, pool, token, valid, read_slots, fresh, write_slots, *,
-                    interpret: bool = False):
-    """q, k [B, Hk * dk] and v [B, Hv * dv] (the conv outputs); a, b [T, Hv] (flat tokens; row r's
-    is token[r]); a_log, dt_bias [Hv]; pool [slots, Hv, dk, dv] fp32; token, read_slots, write_slots
-    i32[B] (in range); valid, fresh bool[B] -> (o [B, Hv, dv] fp32, the updated pool)."""
+def delta_rule_step(q, k, v, sources, a_part, b_part, a_log, dt_bias, pool, token, valid, read_slots, fresh,
+                    write_slots, *, interpret: bool = False):
+    """q, k [B, Hk * dk] and v [B, Hv * dv] (the conv outputs); a and b [T, Hv] are columns
+    [offset, offset + Hv) of sources[src] (flat tokens; row r's is token[r]), a_part / b_part =
+    (src, offset); a_log, dt_bias [Hv]; pool [slots, Hv, dk, dv] fp32; token, read_slots,
+    write_slots i32[B] (in range); valid, fresh bool[B] -> (o [B, Hv, dv] fp32, the updated pool)."""
     B = token.shape[0]
     _, H, dk, dv = pool.shape
-    operands = (*_rows(token, valid, read_slots, fresh, write_slots), q, k, v, a, b, a_log, dt_bias, pool)
+    operands = (*_rows(token, valid, read_slots, fresh, write_slots), q, k, v, *sources, a_log, dt_bias, pool)
+    kernel = functools.partial(_step_kernel, sources=len(sources), a_part=tuple(a_part), b_part=tuple(b_part),
+                               ratio=H * dk // q.shape[1])
     o, pool = pl.pallas_call(
-        lambda *refs: _step_kernel(*refs, ratio=H * dk // q.shape[1]),
+        kernel,
         grid=(B, H, dv // COLUMNS),
         in_specs=[_whole(x) for x in operands],
         out_specs=[pl.BlockSpec((B, H, dv), lambda *_: (0, 0, 0)), _whole(pool)],

@@ -124,27 +124,37 @@ def fused_decode_supported(attend: PagedAttention, dk: int, dv: int, key_heads: 
         and fused.supported(dk, dv, *(c // tp for c in channels))
 
 
-def fused_decode(q, k, v, a, b, conv_weights, conv_states, a_log, dt_bias, pool, rows, attend: PagedAttention):
+def fused_decode(columns, conv_weights, conv_states, a_log, dt_bias, pool, rows, attend: PagedAttention):
     """A DeltaNet layer's decode token (rows of at most one token) in two kernels: the conv update of
     the q, k and v channels, then the gates, q/k normalisation and recurrence
     (jtp/kernels/delta_rule_step.py); under tensor parallelism per head shard inside shard_map.
 
-    q, k, v [T, C] the projections before the conv; a, b [T, Hv]; conv_weights / conv_states: the
-    three parts' [C, K] / [slots, C, K-1]; a_log, dt_bias [Hv]; pool [slots, Hv, dk, dv];
-    rows: (token, valid, read_slots, fresh, write_slots), each [B]. Returns (o [B, Hv, dv] fp32,
-    the conv states, the pool)."""
+    columns: (array, first column, columns) of q, k, v (before the conv) and a, b, each [T, ...]
+    (`layers.project_columns`: a fused projection's output is read in place, not sliced);
+    conv_weights / conv_states: the three parts' [C, K] / [slots, C, K-1]; a_log, dt_bias [Hv];
+    pool [slots, Hv, dk, dv]; rows: (token, valid, read_slots, fresh, write_slots), each [B].
+    Returns (o [B, Hv, dv] fp32, the conv states, the pool)."""
+    if attend.tp > 1:  # each part its own array, split over "tp" (projections are fused on one device only)
+        columns = [(y if size == y.shape[-1] else y[..., first : first + size], 0, size) for y, first, size in columns]
+    sources, parts = [], []
+    for y, first, _ in columns:
+        if not any(y is s for s in sources):
+            sources.append(y)
+        parts.append((next(i for i, s in enumerate(sources) if s is y), first))
     interpret = jax.default_backend() != "gpu"
 
-    def local(q, k, v, a, b, conv_weights, conv_states, a_log, dt_bias, pool, rows):
-        (q, k, v), conv_states = fused.conv_update((q, k, v), conv_weights, conv_states, *rows, interpret=interpret)
-        o, pool = fused.delta_rule_step(q, k, v, a, b, a_log, dt_bias, pool, *rows, interpret=interpret)
+    def local(sources, conv_weights, conv_states, a_log, dt_bias, pool, rows):
+        (q, k, v), conv_states = fused.conv_update(sources, parts[:3], conv_weights, conv_states, *rows,
+                                                   interpret=interpret)
+        o, pool = fused.delta_rule_step(q, k, v, sources, parts[3], parts[4], a_log, dt_bias, pool, *rows,
+                                        interpret=interpret)
         return o, conv_states, pool
 
-    args = (q, k, v, a, b, tuple(conv_weights), tuple(conv_states), a_log, dt_bias, pool, tuple(rows))
+    args = (tuple(sources), tuple(conv_weights), tuple(conv_states), a_log, dt_bias, pool, tuple(rows))
     if attend.tp == 1:
         return local(*args)
-    channels, weights, states = P(None, "tp"), (P("tp", None),) * 3, (P(None, "tp", None),) * 3
+    weights, states = (P("tp", None),) * 3, (P(None, "tp", None),) * 3
     heads, state_pool = P("tp"), P(None, "tp", None, None)
-    in_specs = (channels,) * 5 + (weights, states, heads, heads, state_pool, (P(),) * 5)
+    in_specs = ((P(None, "tp"),) * len(sources), weights, states, heads, heads, state_pool, (P(),) * 5)
     return jax.shard_map(local, mesh=attend.mesh, in_specs=in_specs,
                          out_specs=(P(None, "tp", None), states, state_pool), check_vma=False)(*args)

@@ -168,19 +168,26 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
     return y if bias is None else y + bias
 
 
-def project(x: jax.Array, p: dict, *names: str) -> tuple[jax.Array, ...]:
-    """linear(x, p[name], p[name's bias]) for each name: one product for each run of names the layer
-    holds fused (FUSED_PROJECTIONS, the longest run first), split afterwards. A name "q_proj"'s bias
-    is "q_bias"."""
-    ys, i = [], 0
+def project_columns(x: jax.Array, p: dict, *names: str) -> list[tuple[jax.Array, int, int]]:
+    """Each name's product x @ p[name].T as (array, first column, columns): one product for each run
+    of names the layer holds fused (FUSED_PROJECTIONS, the longest run first), its output left whole.
+    A kernel that reads several parts takes the one array (a slice handed to a custom call is a
+    copy). No biases."""
+    out, i = [], 0
     while i < len(names):
         j = next((j for j in range(len(names), i + 1, -1) if "+".join(names[i:j]) in p), i + 1)
-        if j == i + 1:
-            ys.append(linear(x, p[names[i]]))
-        else:
-            fused = p["+".join(names[i:j])]
-            ys += jnp.split(linear(x, fused), list(itertools.accumulate(fused.sizes))[:-1], axis=-1)
+        weight = p["+".join(names[i:j])]
+        y = linear(x, weight)
+        sizes = weight.sizes if j > i + 1 else (y.shape[-1],)
+        out += [(y, start - size, size) for start, size in zip(itertools.accumulate(sizes), sizes)]
         i = j
+    return out
+
+
+def project(x: jax.Array, p: dict, *names: str) -> tuple[jax.Array, ...]:
+    """linear(x, p[name], p[name's bias]) for each name, fused runs split afterwards
+    (`project_columns`). A name "q_proj"'s bias is "q_bias"."""
+    ys = [y if size == y.shape[-1] else y[..., first : first + size] for y, first, size in project_columns(x, p, *names)]
     return tuple(y if p.get(name.removesuffix("_proj") + "_bias") is None else y + p[name.removesuffix("_proj") + "_bias"]
                  for y, name in zip(ys, names))
 

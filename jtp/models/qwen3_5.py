@@ -68,6 +68,7 @@ from jtp.models.layers import (
     linear,
     mrope_cos_sin,
     project,
+    project_columns,
     rms_norm_zero_centered,
     rope_cos_sin,
     swiglu_mlp,
@@ -198,11 +199,12 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: Row
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     L = rows.valid.shape[1]
-    q, k, v, z, a, b = project(x, p, "gdn_q", "gdn_k", "gdn_v", "gdn_z", "gdn_a", "gdn_b")
-    if L == 1 and fused_decode_supported(attend, dk, dv, Hk, q.shape[1], k.shape[1], v.shape[1]):
+    columns = project_columns(x, p, "gdn_q", "gdn_k", "gdn_v", "gdn_z", "gdn_a", "gdn_b")
+    q, k, v, z, a, b = (y if n == y.shape[1] else y[:, first : first + n] for y, first, n in columns)
+    if L == 1 and fused_decode_supported(attend, dk, dv, Hk, *(n for _, _, n in columns[:3])):
         convs = (p["gdn_conv_q"], p["gdn_conv_k"], p["gdn_conv_v"])
         o, conv_states, recurrent = fused_decode(
-            q, k, v, a, b, convs, state[:3], p["gdn_A_log"], p["gdn_dt_bias"], state.recurrent,
+            columns[:3] + columns[4:], convs, state[:3], p["gdn_A_log"], p["gdn_dt_bias"], state.recurrent,
             (rows.gather[:, 0], rows.valid[:, 0], rows.read_slots, rows.fresh, rows.write_slots), attend)
         state = DeltaNetState(*conv_states, recurrent)
         o = o[:, None]
