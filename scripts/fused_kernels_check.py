@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         }
 
     H, D = args.heads, args.head_dim
-    Hk = max(1, H // 2)
+    Hk = H // 2 if H % 2 == 0 else H  # two value heads per key head, as Qwen3.5-9B's 32 on 16
     cfg = SimpleNamespace(linear_num_key_heads=Hk, linear_num_value_heads=H, linear_key_head_dim=D,
                           linear_value_head_dim=D)
     for B in map(int, args.rows.split(",")):

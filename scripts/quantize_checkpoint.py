@@ -348,7 +348,7 @@ def write_dequantized(model_dir, dst, dtype=np.float32) -> Path:
     float32 (exact) or `dtype` (e.g. ml_dtypes.bfloat16: the reference of a bfloat16 comparison)."""
     model_dir, dst = Path(model_dir), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    write_tensors(dst / WEIGHTS, {k: v.astype(dtype) for k, v in dequantized_state_dict(model_dir).items()})
+    write_tensors(dst / WEIGHTS, {k: v.astype(dtype, copy=False) for k, v in dequantized_state_dict(model_dir).items()})
     _write_config(model_dir, dst, None)
     _copy_other_files(model_dir, dst)
     return dst

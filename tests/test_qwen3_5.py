@@ -357,6 +357,32 @@ def test_fused_decode_lowers_to_triton_and_splits_heads_under_tp():
                         PagedAttention("kernel"))
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+    # The parts as columns of one (replicated) array: under tp=2 each is sliced out and split.
+    whole = jnp.concatenate([q, k, v, a, b], axis=1)
+    starts = np.cumsum([0] + [x.shape[1] for x in (q, k, v, a)]).tolist()
+    widths = [x.shape[1] for x in (q, k, v, a, b)]
+    got = jax.jit(lambda w, *a: fused_decode([(w, s, n) for s, n in zip(starts, widths)], *a,
+                                             PagedAttention("kernel", mesh)))(whole, *sharded[1:])
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+def test_which_decode_steps_take_the_fused_kernels():
+    """Head dims the kernels tile (powers of two, 32 value columns or more), conv channels in blocks
+    of 16 or more per device, key heads that split over tp; the kernel path only."""
+    from jtp.models.attention import PagedAttention
+    from jtp.models.delta_rule import fused_decode_supported
+    from jtp.parallel.sharding import make_mesh
+
+    kernel, mesh = PagedAttention("kernel"), make_mesh(2)
+    assert fused_decode_supported(kernel, 128, 128, 16, 2048, 2048, 4096)  # Qwen3.5-9B
+    assert fused_decode_supported(kernel, 16, 32, 2, 32, 32, 192)  # 6 value heads on 2 key heads
+    assert not fused_decode_supported(PagedAttention("reference"), 128, 128, 16, 2048, 2048, 4096)
+    assert not fused_decode_supported(kernel, 128, 16, 16, 2048, 2048, 256)  # fewer value columns than a program's 32
+    assert not fused_decode_supported(kernel, 96, 128, 16, 1536, 1536, 4096)  # dk not a power of two
+    assert not fused_decode_supported(kernel, 16, 32, 1, 8, 8, 32)  # 8-channel conv blocks
+    assert fused_decode_supported(PagedAttention("kernel", mesh), 16, 32, 2, 32, 32, 128)
+    assert not fused_decode_supported(PagedAttention("kernel", mesh), 16, 32, 3, 48, 48, 192)  # 3 key heads on 2
 
 
 def test_gpu_kernels_match_hf(tmp_path, monkeypatch):

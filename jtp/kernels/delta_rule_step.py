@@ -98,6 +98,8 @@ def conv_update(sources, parts, weights, states, token, valid, read_slots, fresh
     sources[src] [T, W] (flat tokens; row b's is token[b]), parts[i] = (src, offset); weights
     [C_i, K], states [slots, C_i, K-1] -> (outputs [B, C_i] in the sources' dtype, the states)."""
     n, B = len(parts), token.shape[0]
+    if len({x.dtype for x in sources}) != 1:
+        raise ValueError(f"conv_update: the sources' dtypes differ: {[x.dtype for x in sources]}")
     block = channel_block(*(w.shape[0] for w in weights))
     rows = _rows(token, valid, read_slots, fresh, write_slots)
     operands = (*rows, *sources, *weights, *states)

@@ -3,7 +3,8 @@
     probs = softmax(logits[t]) in fp32;  the k largest, largest first (ties: the lower expert id);
     weights = those probabilities (divided by their sum with `normalize`)
 
-Program t takes token t's row of logits. XLA makes this a softmax, a top-k (a sort) and a few small
+Program t takes token t's row of logits. (Unlike lax.top_k, a row holding NaN yields the
+out-of-range id E, which the experts then skip like a padding token's.) XLA makes this a softmax, a top-k (a sort) and a few small
 fusions per MoE layer; on a decode step each is a launch of a microsecond or two for 128 numbers.
 The top-k is k passes of (max, the first index holding it, mask it out) over the row in registers.
 """
@@ -48,7 +49,7 @@ def route_top_k(logits: jax.Array, top_k: int, normalize: bool, dtype, *, interp
     """logits [T, E] -> (weights [T, k] in `dtype`, expert ids int32 [T, k]), as
     jtp.models.layers.route_top_k computes them from the router's output."""
     T, E = logits.shape
-    width = max(top_k, 1 << (top_k - 1).bit_length())  # Triton blocks are powers of two
+    width = 1 << (top_k - 1).bit_length()  # Triton blocks are powers of two
     weights, ids = pl.pallas_call(
         lambda *refs: _kernel(*refs, top_k=top_k, normalize=normalize),
         grid=(T,),

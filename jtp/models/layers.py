@@ -184,10 +184,16 @@ def project_columns(x: jax.Array, p: dict, *names: str) -> list[tuple[jax.Array,
     return out
 
 
+def take_columns(column: tuple[jax.Array, int, int]) -> jax.Array:
+    """One (array, first column, columns) of `project_columns` as its own array."""
+    y, first, size = column
+    return y if size == y.shape[-1] else y[..., first : first + size]
+
+
 def project(x: jax.Array, p: dict, *names: str) -> tuple[jax.Array, ...]:
     """linear(x, p[name], p[name's bias]) for each name, fused runs split afterwards
     (`project_columns`). A name "q_proj"'s bias is "q_bias"."""
-    ys = [y if size == y.shape[-1] else y[..., first : first + size] for y, first, size in project_columns(x, p, *names)]
+    ys = [take_columns(column) for column in project_columns(x, p, *names)]
     return tuple(y if p.get(name.removesuffix("_proj") + "_bias") is None else y + p[name.removesuffix("_proj") + "_bias"]
                  for y, name in zip(ys, names))
 

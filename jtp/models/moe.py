@@ -57,8 +57,8 @@ class RoutedExperts:
 
     def route(self, x, router, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
         """x [T, H], router [E, H] -> each token's top-k expert weights [T, k] (x.dtype) and ids: the
-        softmax / top-k / renormalisation kernel where the experts' kernel runs and the step is
-        decode-sized, else `layers.route_top_k`. Each device routes its copy of the tokens."""
+        softmax / top-k / renormalisation kernel on the kernel path (impl "kernel", GPUs) for
+        decode-sized steps, else `layers.route_top_k`. Each device routes its copy of the tokens."""
         if self.impl != "kernel" or not route_kernel.supported(x.shape[0], router.shape[0]):
             return route_top_k(x, router, top_k, normalize)
         kernel = functools.partial(route_kernel.route_top_k, top_k=top_k, normalize=normalize, dtype=x.dtype,
@@ -177,9 +177,9 @@ def _group_pairs(flat: jax.Array, num_experts: int):
     Few pairs (decode): each pair's place is the number of pairs before it (a smaller id, or the
     same id earlier): a [P, P] comparison XLA fuses into a reduction or two, where a sort, a
     bincount and the inverse's scatter were a launch each. Many pairs: a sort."""
-    P = flat.shape[0]
-    pair = jnp.arange(P, dtype=jnp.int32)
-    if P <= SMALL_PAIRS:
+    pairs = flat.shape[0]
+    pair = jnp.arange(pairs, dtype=jnp.int32)
+    if pairs <= SMALL_PAIRS:
         other, this = flat[None, :], flat[:, None]
         before = (other < this) | ((other == this) & (pair[None, :] < pair[:, None]))
         inverse = jnp.sum(before, axis=1, dtype=jnp.int32)
@@ -188,5 +188,5 @@ def _group_pairs(flat: jax.Array, num_experts: int):
         return order, inverse, counts
     order = jnp.argsort(flat, stable=True)
     counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # drops ids >= num_experts
-    inverse = jnp.zeros(P, jnp.int32).at[order].set(pair)  # a scatter: a second argsort cost a sort kernel
+    inverse = jnp.zeros(pairs, jnp.int32).at[order].set(pair)  # a scatter: a second argsort cost a sort kernel
     return order, inverse, counts

@@ -72,6 +72,7 @@ from jtp.models.layers import (
     rms_norm_zero_centered,
     rope_cos_sin,
     swiglu_mlp,
+    take_columns,
 )
 from jtp.models.moe import EXPERTS_IN_AXES, EXPERTS_OUT_AXES, RoutedExperts
 from jtp.parallel.rules import sharded_zeros
@@ -199,17 +200,17 @@ def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: Row
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     L = rows.valid.shape[1]
-    columns = project_columns(x, p, "gdn_q", "gdn_k", "gdn_v", "gdn_z", "gdn_a", "gdn_b")
-    q, k, v, z, a, b = (y if n == y.shape[1] else y[:, first : first + n] for y, first, n in columns)
-    if L == 1 and fused_decode_supported(attend, dk, dv, Hk, *(n for _, _, n in columns[:3])):
+    q, k, v, z, a, b = project_columns(x, p, "gdn_q", "gdn_k", "gdn_v", "gdn_z", "gdn_a", "gdn_b")
+    z = take_columns(z)
+    if L == 1 and fused_decode_supported(attend, dk, dv, Hk, q[2], k[2], v[2]):  # (array, first column, columns)
         convs = (p["gdn_conv_q"], p["gdn_conv_k"], p["gdn_conv_v"])
         o, conv_states, recurrent = fused_decode(
-            columns[:3] + columns[4:], convs, state[:3], p["gdn_A_log"], p["gdn_dt_bias"], state.recurrent,
+            (q, k, v, a, b), convs, state[:3], p["gdn_A_log"], p["gdn_dt_bias"], state.recurrent,
             (rows.gather[:, 0], rows.valid[:, 0], rows.read_slots, rows.fresh, rows.write_slots), attend)
         state = DeltaNetState(*conv_states, recurrent)
         o = o[:, None]
     else:
-        o, state = deltanet_mixer(p, cfg, q, k, v, a, b, state, rows, chunk)
+        o, state = deltanet_mixer(p, cfg, *map(take_columns, (q, k, v, a, b)), state, rows, chunk)
     o = o[rows.token_row, rows.token_t].astype(x.dtype)  # back to the flat order [T, Hv, dv]
     o = gated_rms_norm(o, z.reshape(T, Hv, dv), p["gdn_norm"], cfg.rms_norm_eps).reshape(T, Hv * dv)
     return linear(o, p["gdn_out"]), state
@@ -236,7 +237,8 @@ def deltanet_mixer(p: dict, cfg: ModelConfig, q, k, v, a, b, state: DeltaNetStat
     v = v.reshape(B, L, Hv, dv)
 
     beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [T, Hv]
-    g = -jnp.exp(p["gdn_A_log"].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + p["gdn_dt_bias"].astype(jnp.float32))
+    dt = a.astype(jnp.float32) + p["gdn_dt_bias"].astype(jnp.float32)
+    g = -jnp.exp(p["gdn_A_log"].astype(jnp.float32)) * jax.nn.softplus(dt)
     valid = rows.valid[..., None]
     k = jnp.where(valid[..., None], k, 0.0)
     beta = jnp.where(valid, beta[rows.gather], 0.0)
