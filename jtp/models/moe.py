@@ -33,6 +33,7 @@ from jtp.kernels import grouped_matmul as gmm
 from jtp.kernels import route_top_k as route_kernel
 from jtp.models.layers import BlockFp8, dense, linear, route_top_k
 from jtp.parallel.rules import partition_spec, rules_for
+from jtp.parallel.sharding import on_each_copy, tp_size
 
 IMPLS = ("kernel", "ragged_dot")
 
@@ -63,10 +64,7 @@ class RoutedExperts:
             return route_top_k(x, router, top_k, normalize)
         kernel = functools.partial(route_kernel.route_top_k, top_k=top_k, normalize=normalize, dtype=x.dtype,
                                    interpret=jax.default_backend() != "gpu")
-        logits = linear(x, router)
-        if self.mesh is None or self.mesh.shape["tp"] == 1:
-            return kernel(logits)
-        return jax.shard_map(kernel, mesh=self.mesh, in_specs=P(), out_specs=(P(), P()), check_vma=False)(logits)
+        return on_each_copy(kernel, self.mesh, linear(x, router))
 
     def __call__(self, x, weights, experts, gate, up, down, real_tokens=None) -> jax.Array:
         """x [T, H]; router weights / expert ids [T, k]; gate, up [E, H, I]; down [E, I, H] -> [T, H].
@@ -77,7 +75,7 @@ class RoutedExperts:
         """
         if real_tokens is not None:
             experts = jnp.where(real_tokens[:, None], experts, gate.shape[0])  # past every group
-        tp = self.mesh.shape["tp"] if self.mesh is not None else 1
+        tp = tp_size(self.mesh) if self.mesh is not None else 1
         H, I = gate.shape[1:]
         I_local = I if self.expert_parallel else I // tp  # EP keeps experts whole
         use_kernel = self.impl == "kernel" and gmm.supported(H, I_local) and gmm.supported(I_local, H)

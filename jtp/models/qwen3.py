@@ -22,7 +22,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from jtp.config.model_config import ModelConfig
 from jtp.errors import CheckpointError
@@ -43,7 +42,7 @@ from jtp.models.layers import (
     swiglu_mlp,
 )
 from jtp.models.moe import EXPERTS_IN_AXES, EXPERTS_OUT_AXES, RoutedExperts
-from jtp.parallel.sharding import kv_head_replicas
+from jtp.parallel.sharding import kv_head_replicas, on_each_copy
 
 
 def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, attend: PagedAttention):
@@ -71,10 +70,7 @@ def add_rms_norm(x, delta, weight, eps: float, attend: PagedAttention, zero_cent
         return h, (rms_norm_zero_centered if zero_centered else rms_norm)(h, weight, eps)
     norm = functools.partial(fused_norm.add_rms_norm, eps=eps, zero_centered=zero_centered,
                              interpret=jax.default_backend() != "gpu")
-    if attend.tp == 1:
-        return norm(x, delta, weight)
-    return jax.shard_map(norm, mesh=attend.mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False)(
-        x, delta, weight)
+    return on_each_copy(norm, attend.mesh, x, delta, weight)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attend", "routed"))

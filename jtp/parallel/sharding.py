@@ -37,6 +37,14 @@ def tp_size(mesh: Mesh) -> int:
     return mesh.shape["tp"]
 
 
+def on_each_copy(fn, mesh: Mesh | None, *args):
+    """fn(*args) where the args and results are replicated over "tp": under tensor parallelism each
+    device runs fn on its own copy inside shard_map (a pallas_call is opaque to XLA's partitioner)."""
+    if mesh is None or tp_size(mesh) == 1:
+        return fn(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(*args)
+
+
 def kv_head_replicas(cfg: ModelConfig, tp: int) -> int:
     """How many copies of each KV head we store so every tp rank owns one (1 = no replication).
 
