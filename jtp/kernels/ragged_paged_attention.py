@@ -11,7 +11,8 @@ Work decomposition
   the grid does not grow with rows x max_row_len, and a decode step has one tile per row.
 * Program (kv head h, tile j, split s) holds the tile's TQ tokens x G query heads of KV head h
   as one [TQ*G, D] matrix (q is laid out [kv_heads, tokens*G, D] beforehand, so the tile is one
-  contiguous block), and streams the row's pages, `pages_per_iter` pages per iteration, only up
+  contiguous block), and streams the row's pages, `pages_per_iter` pages per iteration (gathered
+  as key rows of a [num_blocks * block_size, D] view, so the load feeds the dot), only up
   to the tile's causal limit min(context_len, last position + 1): decode tiles read the row's
   context exactly once, prefill tiles skip pages past their last token.
 * For small batches the key range of each tile is split over `num_splits` programs (flash
@@ -44,21 +45,27 @@ _MASKED = -1e30
 _LOG2E = math.log2(math.e)
 
 
-def _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, limit, scale_log2, precision):
+def _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, block_size, limit, scale_log2, precision):
     """Online softmax of q [M, D] over the row's pages it0*ppi .. it1*ppi (ppi pages per iteration).
 
+    K/V refs are one kv head's cache as [num_blocks * block_size, D] key rows; each iteration
+    gathers its keys' rows by the block table as one 2-D load that feeds the dot directly (a load
+    of whole [ppi, block_size, D] pages needs a reshape before the dot, which kept Triton from
+    pipelining it: B=64 decode ran at 1.9 TB/s against 2.9 this way, docs/bench/h200-speed8.md).
     Keys past `limit` (the last visible position, per query row or shared) are masked. Returns the
     unnormalised accumulator [M, D], the running max (log2 units) and the running denominator.
     """
     m_rows, head_dim = q.shape
-    n_keys = ppi * k_ref.shape[1]
+    n_keys = ppi * block_size
     key_iota = lax.broadcasted_iota(jnp.int32, (1, n_keys), 1)
+    key_iota1 = lax.broadcasted_iota(jnp.int32, (n_keys,), 0)
 
     def body(it, carry):
         acc, m_prev, l_prev = carry
-        pages = bt_ref[row, pl.ds(it * ppi, ppi)]  # [ppi]
-        k = k_ref[pages].reshape(n_keys, head_dim).astype(q.dtype)  # float8 pages: converted in registers
-        v = v_ref[pages].reshape(n_keys, head_dim).astype(q.dtype)
+        slot = it * n_keys + key_iota1  # the row's key positions this iteration
+        key_rows = bt_ref[row, slot // block_size] * block_size + slot % block_size
+        k = k_ref[key_rows].astype(q.dtype)  # [N, D]; float8 pages: converted in registers
+        v = v_ref[key_rows].astype(q.dtype)
         scores = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
         ) * scale_log2  # [M, N], in log2 units
@@ -152,12 +159,12 @@ def _kernel(
     q_ref,  # [(T+TQ)*G, D] this kv head's query rows
     k_ref, v_ref,  # [num_blocks, block_size, D] this kv head's pages
     *out_refs,
-    tq: int, group: int, ppi: int, num_splits: int, scale_log2: float, precision,
+    tq: int, group: int, ppi: int, block_size: int, num_splits: int, scale_log2: float, precision,
 ):
     j = pl.program_id(1)
     s = pl.program_id(2)
     m_rows = tq * group
-    block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    head_dim = k_ref.shape[-1]
     n_keys = ppi * block_size
 
     row = tile_row_ref[j]
@@ -178,7 +185,7 @@ def _kernel(
     q = q_ref[rows_sl, :]  # [M, D]
     limit = jnp.minimum(row_pos, ctx - 1)[:, None]  # [M, 1] last visible key position
 
-    acc, m_i, l_i = _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, limit, scale_log2, precision)
+    acc, m_i, l_i = _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, block_size, limit, scale_log2, precision)
 
     mask2d = jnp.broadcast_to(row_valid[:, None], (m_rows, head_dim))
     if num_splits == 1:
@@ -190,6 +197,12 @@ def _kernel(
         plgpu.store(o_ref.at[rows_sl, :], acc, mask=mask2d)
         plgpu.store(m_ref.at[rows_sl], m_i, mask=row_valid)
         plgpu.store(l_ref.at[rows_sl], l_i, mask=row_valid)
+
+
+def _key_rows(pages):
+    """[num_blocks, block_size, Hkv, D] -> [num_blocks * block_size, Hkv, D]: a free reshape."""
+    n, bs, hkv, d = pages.shape
+    return pages.reshape(n * bs, hkv, d)
 
 
 def _tile_map(row_starts, row_lens, tq: int, num_tiles: int):
@@ -247,17 +260,18 @@ def ragged_paged_attention(
 
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
-        _kernel, tq=tq, group=group, ppi=ppi, num_splits=num_splits,
+        _kernel, tq=tq, group=group, ppi=ppi, block_size=block_size, num_splits=num_splits,
         scale_log2=float(scale) * _LOG2E, precision=precision,
     )
     full1 = lambda n: pl.BlockSpec((n,), lambda h, j, s: (0,))  # noqa: E731
+    kv_spec = pl.BlockSpec((num_blocks * block_size, None, d), lambda h, j, s: (0, h, 0))  # one head's key rows
     in_specs = [
         full1(num_tiles), full1(num_tiles), full1(num_tiles), full1(B),
         pl.BlockSpec((B, m_pad), lambda h, j, s: (0, 0)),
         full1(t_pad * group),
         pl.BlockSpec((None, t_pad * group, d), lambda h, j, s: (h, 0, 0)),
-        pl.BlockSpec((num_blocks, block_size, None, d), lambda h, j, s: (0, 0, h, 0)),
-        pl.BlockSpec((num_blocks, block_size, None, d), lambda h, j, s: (0, 0, h, 0)),
+        kv_spec,
+        kv_spec,
     ]
     rows = t_pad * group
     if num_splits == 1:
@@ -283,7 +297,7 @@ def ragged_paged_attention(
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name=f"jtp_ragged_paged_attention_tq{tq}_g{group}_p{ppi}_s{num_splits}",
-    )(tile_row, tile_start, tile_len, context_lens.astype(jnp.int32), bt, pos, qh, k_pages, v_pages)
+    )(tile_row, tile_start, tile_len, context_lens.astype(jnp.int32), bt, pos, qh, _key_rows(k_pages), _key_rows(v_pages))
 
     if num_splits == 1:
         o = outs[0]
@@ -365,12 +379,12 @@ def _decode_kernel(
     q_ref,  # [T*Hq, D]
     k_ref, v_ref,  # [num_blocks, block_size, D] this kv head's pages
     *out_refs,
-    group: int, hq: int, m_rows: int, ppi: int, num_splits: int, scale_log2: float, precision,
+    group: int, hq: int, m_rows: int, ppi: int, block_size: int, num_splits: int, scale_log2: float, precision,
 ):
     t = pl.program_id(0)
     h = pl.program_id(1)
     s = pl.program_id(2)
-    block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    head_dim = k_ref.shape[-1]
     n_keys = ppi * block_size
     total_rows = q_ref.shape[0]
 
@@ -390,7 +404,7 @@ def _decode_kernel(
     q = q_ref[rows_sl, :]  # [M, D]
     limit = jnp.minimum(pos, ctx - 1)  # last visible key (same for all M rows)
 
-    acc, m_i, l_i = _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, limit, scale_log2, precision)
+    acc, m_i, l_i = _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, block_size, limit, scale_log2, precision)
     mask2d = jnp.broadcast_to(row_mask[:, None], (m_rows, head_dim))
     if num_splits == 1:  # normalise and write q.dtype (zeros for padding tokens: acc = 0, l = 0)
         (o_ref,) = out_refs
@@ -462,17 +476,18 @@ def paged_decode_attention(
 
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
-        _decode_kernel, group=group, hq=hq, m_rows=m_rows, ppi=ppi, num_splits=num_splits,
+        _decode_kernel, group=group, hq=hq, m_rows=m_rows, ppi=ppi, block_size=block_size, num_splits=num_splits,
         scale_log2=float(scale) * _LOG2E, precision=precision,
     )
     full1 = lambda n: pl.BlockSpec((n,), lambda t, h, s: (0,))  # noqa: E731
     rows = T * hq
+    kv_spec = pl.BlockSpec((num_blocks * block_size, None, d), lambda t, h, s: (0, h, 0))  # one head's key rows
     in_specs = [
         full1(T), full1(T), full1(B), full1(B), full1(B),
         pl.BlockSpec((B, max_blocks), lambda t, h, s: (0, 0)),
         pl.BlockSpec((rows, d), lambda t, h, s: (0, 0)),
-        pl.BlockSpec((num_blocks, block_size, None, d), lambda t, h, s: (0, 0, h, 0)),
-        pl.BlockSpec((num_blocks, block_size, None, d), lambda t, h, s: (0, 0, h, 0)),
+        kv_spec,
+        kv_spec,
     ]
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, d), q.dtype)]
@@ -498,7 +513,7 @@ def paged_decode_attention(
         interpret=interpret,
         name=f"jtp_paged_decode_attention_g{group}_p{ppi}_s{num_splits}",
     )(*meta, block_tables if block_tables.dtype == jnp.int32 else block_tables.astype(jnp.int32),
-      q.reshape(rows, d), k_pages, v_pages)
+      q.reshape(rows, d), _key_rows(k_pages), _key_rows(v_pages))
     if num_splits == 1:
         return outs[0].reshape(T, hq, d)[:real_tokens]
 
