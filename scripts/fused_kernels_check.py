@@ -33,7 +33,8 @@ def main(argv=None) -> int:
     from jtp.models.attention import PagedAttention
     from jtp.models.delta_rule import fused_decode
     from jtp.models.qwen3 import add_rms_norm
-    from jtp.models.qwen3_5 import DeltaNetState, RowLayout, deltanet_mixer
+    from jtp.models.deltanet_rows import RowLayout
+    from jtp.models.qwen3_5 import DeltaNetState, deltanet_mixer
 
     impls = {"kernel": PagedAttention("kernel"), "xla": PagedAttention("reference")}
     rng = np.random.default_rng(0)

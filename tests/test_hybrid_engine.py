@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 )
 
 from jtp.core.block_hash import block_keys, root_key
+from jtp.core.buckets import SHORT_ROW
 from jtp.core.page_pool import PagePool
 from jtp.core.sampling_params import SamplingParams
 from jtp.core.scheduler import Request, Scheduler, Status
@@ -151,6 +152,43 @@ def test_snapshot_pin_keeps_state_reservations():
         step()  # the request's next row writes a fresh slot against its reservation
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_steps_with_a_long_row_keep_to_max_long_rows(caching):
+    """A hybrid's DeltaNet layout holds `max_long_rows` rows of several tokens beside a row longer
+    than SHORT_ROW: the scheduler cuts the other prompt chunks (to SHORT_ROW tokens, or one token
+    beside a long row), every prompt still completes, and without the limit the same workload
+    does put more rows of several tokens into a step (so the limit is what holds them)."""
+    def run(limit):
+        pool, states = PagePool(64, BS), StatePool(16)
+        sched = Scheduler(pool, 8, 64, 128, states=states, cache_root=root_key("t") if caching else None,
+                          max_long_rows=limit)
+        reqs = [Request(str(i), list(range(i, i + n)), SamplingParams(max_tokens=3), 0, frozenset())
+                for i, n in enumerate((40, 33, 5, 70, 12, 18))]
+        for r in reqs:
+            sched.add(r)
+        steps = []
+        while sched.has_work():
+            rows = sched.schedule()
+            sched.dispatched(rows)
+            for row in rows:
+                if row.picks_next_token:
+                    row.request.num_unseen_tokens -= 1
+                    row.request.output_ids.append(0)
+            steps.append([row.num_tokens for row in rows])
+            for r in list(sched.running):
+                if len(r.output_ids) >= r.params.max_tokens:
+                    sched.remove(r)
+            assert len(steps) < 200
+        assert all(len(r.output_ids) == 3 for r in reqs)
+        return steps
+
+    several = lambda lens: sum(n > 1 for n in lens)  # noqa: E731
+    limited = run(2)
+    assert all(several(lens) <= 2 for lens in limited if max(lens) > SHORT_ROW), limited
+    assert any(several(lens) > 2 for lens in limited), "short rows beside each other need no limit"
+    assert any(several(lens) > 2 for lens in run(None) if max(lens) > SHORT_ROW)
+
+
 class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
     """The real Scheduler + PagePool + StatePool with prefix caching on, driven like the engine
     drives them (dispatch, then the host sees the sampled tokens one step later or at once),
@@ -168,15 +206,16 @@ class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
 
     @initialize(
         max_seqs=st.integers(1, 4), num_blocks=st.integers(6, 40), spare_slots=st.integers(1, 4),
-        extra_budget=st.integers(1, 16),
+        extra_budget=st.integers(1, 16), long_rows=st.sampled_from([None, 1, 2]),
     )
-    def setup(self, max_seqs, num_blocks, spare_slots, extra_budget):
+    def setup(self, max_seqs, num_blocks, spare_slots, extra_budget, long_rows):
         self.root = root_key("test")
         self.pool = PagePool(num_blocks, BS)
         self.states = StatePool(max_seqs + spare_slots)
         self.max_seqs, self.max_model_len = max_seqs, 64
         self.sched = Scheduler(
-            self.pool, max_seqs, max_seqs + extra_budget, self.max_model_len, states=self.states, cache_root=self.root
+            self.pool, max_seqs, max_seqs + extra_budget, self.max_model_len, states=self.states, cache_root=self.root,
+            max_long_rows=long_rows,
         )
         self.batch = InputBatch(max_seqs, self.max_model_len, BS, self.sched.buckets)  # the worker's step layout
         self.ids = 0
@@ -205,6 +244,10 @@ class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
     def _device(self, rows):
         """Run the step on the simulated device and dispatch it; returns its sampled tokens."""
         plan = self.batch.prepare(self.sched.output(rows)).to_step_input().plan
+        lens = [row.num_tokens for row in rows]
+        if self.sched.max_long_rows is not None and max(lens) > SHORT_ROW and not any(row.drafts for row in rows):
+            assert sum(n > 1 for n in lens) <= self.sched.max_long_rows, f"rows of {lens} tokens"
+            event("a step with a long row at the limit of rows of several tokens")
         step_slots, cursor = set(), 0
         reads = {row.state_read for row in rows if row.state_read >= 0}
         writes = [row.state_write for row in rows]

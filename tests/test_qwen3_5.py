@@ -198,6 +198,30 @@ def test_mixed_batch_and_reused_slot(case):
     assert logprob_error(out.take([1]), ref_d[[49]]) < 1e-4
 
 
+def test_prompt_step_lays_out_its_long_rows_apart(case):
+    """A step with a row over SHORT_ROW tokens and more rows than MAX_LONG_ROWS runs its rows of
+    several tokens as [MAX_LONG_ROWS, L] and every lone token (decodes, a one-token prompt) as one
+    recurrence step: each row's logits and state equal HF's; a step with more rows of several
+    tokens than that is refused, not computed."""
+    from jtp.models.deltanet_rows import MAX_LONG_ROWS
+
+    c = case("qwen3_5_text")
+    r, planner = make_runner(c.path, max_seqs=8), hh.Planner()
+    seqs = {s: tokens(20 + s, n) for s, n in {0: 40, 1: 20, 2: 3, 3: 11, 4: 13, 5: 10, 6: 1}.items()}
+    run_step(r, planner.plan([(s, s, seqs[s][:-1]) for s in (3, 4, 5)], 80, 8))
+    rows = [(s, s, seqs[s][-1:]) for s in (3, 4, 5)] + [(s, s, seqs[s]) for s in (0, 1, 2, 6)]
+    out = run_step(r, planner.plan(rows, 80, 8))
+    for b, (s, _, _) in enumerate(rows):
+        ref = hh.hf_logits(c.model64, seqs[s])
+        assert logprob_error(out.take([b]), ref[[-1]]) < 1e-4, f"sequence {s}"
+    for s in (0, 3):
+        assert_states_close(state_of(r, s), hf_state(c.model, seqs[s]))
+
+    many = [(s, s, tokens(30 + s, 17 if s == 0 else 2)) for s in range(MAX_LONG_ROWS + 1)]
+    with pytest.raises(ValueError, match=f"at most {MAX_LONG_ROWS} rows of several tokens"):
+        run_step(r, hh.Planner().plan(many, 80, 8))
+
+
 # ----------------------------------------------------------------------------- per-row padding (query_bound)
 
 
@@ -432,7 +456,7 @@ def test_unit_lower_inverse_equals_numpy_inverse(C):
 
 def test_row_length_follows_query_bound():
     from jtp.models.attention import AttentionMetadata
-    from jtp.models.qwen3_5 import deltanet_row_length
+    from jtp.models.deltanet_rows import deltanet_row_length
 
     meta = AttentionMetadata(*(np.zeros(1, np.int32) for _ in range(9)))
     assert deltanet_row_length(meta, 48) == (48, 48)  # no bound: L = T

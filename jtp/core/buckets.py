@@ -6,6 +6,9 @@ import dataclasses
 
 from jtp.core.step_input import bucket_sizes
 
+# Rows of 2 to SHORT_ROW tokens share the smallest tokens-per-row bound above 1.
+SHORT_ROW = 16
+
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
@@ -45,7 +48,7 @@ class Buckets:
             # divide the table's width (else it falls back to one page per iteration, 4x the
             # latency): round the width up to a multiple of 16 pages; the extra entries are 0.
             table_width=-(-max_blocks_per_seq // 16) * 16,
-            row_lens=(1,) + (bucket_sizes(16, max_num_batched_tokens, base=4) if bucket_row_lens else (max_num_batched_tokens,)),
+            row_lens=(1,) + (bucket_sizes(SHORT_ROW, max_num_batched_tokens, base=4) if bucket_row_lens else (max_num_batched_tokens,)),
         )
 
     @staticmethod

@@ -36,7 +36,7 @@ import numpy as np
 
 from jtp.config.speculative import SpeculativeConfig, propose_ngram
 from jtp.core.block_hash import chain_key
-from jtp.core.buckets import Buckets
+from jtp.core.buckets import SHORT_ROW, Buckets
 from jtp.core.multimodal import MultiModalPrompt
 from jtp.core.page_pool import PagePool
 from jtp.core.sampling_params import SamplingParams
@@ -133,7 +133,7 @@ class Scheduler:
     def __init__(
         self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
         states: StatePool | None = None, cache_root: bytes | None = None,
-        bucket_row_lens: bool = True,
+        bucket_row_lens: bool = True, max_long_rows: int | None = None,
         num_scheduler_steps: int = 1, speculative: SpeculativeConfig | None = None, pipeline_depth: int = 1,
     ):
         """`states`: the recurrent-state pool of a hybrid model (None: attention only).
@@ -142,7 +142,9 @@ class Scheduler:
         `speculative`: n-gram drafts for decode rows (attention-only models; the engine runs lockstep).
         `pipeline_depth` > 1 (pipeline parallelism): that many steps are in flight at once, so a step
         takes no request whose sampled token is still in flight, and at most 1/depth of the requests:
-        the rest are left for the steps behind it (micro-batch groups, each stage busy with one)."""
+        the rest are left for the steps behind it (micro-batch groups, each stage busy with one).
+        `max_long_rows`: a step with a row of more than SHORT_ROW tokens holds at most this many rows
+        of several tokens, unless it verifies drafts (a hybrid's DeltaNet layout; None: no limit)."""
         if max_num_batched_tokens <= max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_num_seqs ({max_num_seqs}) "
@@ -159,6 +161,7 @@ class Scheduler:
         self.num_scheduler_steps = num_scheduler_steps
         self.speculative = speculative
         self.pipeline_depth = pipeline_depth
+        self.max_long_rows = max_long_rows
         self.steps_scheduled = 0
         max_blocks = -(-max_model_len // pool.block_size)
         self.buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, max_blocks, bucket_row_lens)
@@ -239,7 +242,7 @@ class Scheduler:
         for r in decoding + prefilling:
             if budget == 0 or len(rows) == max_rows:
                 break
-            chunk = self._chunk(r, budget)
+            chunk = self._long_rows_room(rows, self._chunk(r, budget))
             # A row that reaches the last known token may append drafts (a decode row, or one that
             # recomputes the tokens a hybrid's state rollback took back).
             drafts = self._drafts(r, budget - chunk) if r.num_computed + chunk == r.num_tokens else ()
@@ -252,7 +255,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(r)
             self._admitted.append(r)
-            rows.append(ScheduledRow(r, r.num_computed, self._chunk(r, budget)))
+            rows.append(ScheduledRow(r, r.num_computed, self._long_rows_room(rows, self._chunk(r, budget))))
             budget -= rows[-1].num_tokens
         steps = self._decode_steps(rows)
         for row in rows:
@@ -403,6 +406,16 @@ class Scheduler:
             if start < target < end:
                 end = target
         return end - start
+
+    def _long_rows_room(self, rows: list[ScheduledRow], chunk: int) -> int:
+        """A prompt chunk's tokens beside `rows` under `max_long_rows`: a step past that many rows of
+        several tokens keeps every row within SHORT_ROW tokens, and a lone token is always a fit."""
+        if self.max_long_rows is None or chunk <= 1 or any(row.drafts for row in rows):
+            return chunk
+        several = [row.num_tokens for row in rows if row.num_tokens > 1]
+        if len(several) < self.max_long_rows:
+            return chunk
+        return 1 if max(several) > SHORT_ROW else min(chunk, SHORT_ROW)
 
     def _checkpoint_targets(self, r: Request) -> tuple[int, ...]:
         """Where a hybrid model's prompt keeps its state (block-aligned positions):

@@ -21,6 +21,9 @@ checkpoint that must stay intact; see jtp/core/state_pool.py). L is the
 static bound `meta.query_bound` on tokens per row (T when unknown). L = 1 (a pure decode step)
 takes the single-token recurrence (conv-state update + one delta-rule step, HF's decode path);
 L > 1 the chunked rule, min(64, L) tokens per chunk, rows padded to a multiple of the chunk.
+A step with a row over SHORT_ROW tokens and more rows than MAX_LONG_ROWS (a prompt chunk among
+decodes) runs its few rows of several tokens in the chunked layout and every lone token as one
+recurrence step (jtp/models/deltanet_rows.py), so padding rows cost no chunked work.
 
 Sharding: q/k/v/z/b/a (and the conv weights of the q/k/v channels) are separate parameters,
 each split by heads (their logical axes in `param_layout`, the rules in jtp/parallel/rules.py),
@@ -31,7 +34,6 @@ whole DeltaNet is then head-local and XLA all-reduces once, after out_proj.
 from __future__ import annotations
 
 import functools
-
 from typing import NamedTuple
 
 import jax
@@ -55,6 +57,7 @@ from jtp.models.attention import (
     write_kv,
     zeroed_layer_kv,
 )
+from jtp.models.deltanet_rows import MAX_LONG_ROWS, RowLayout, SplitRows, deltanet_row_length, deltanet_rows
 from jtp.models.delta_rule import (
     chunked_gated_delta_rule,
     decode_step,
@@ -77,9 +80,6 @@ from jtp.models.layers import (
 from jtp.models.moe import EXPERTS_IN_AXES, EXPERTS_OUT_AXES, RoutedExperts
 from jtp.parallel.rules import sharded_zeros
 
-CHUNK = 64  # HF's chunk size for the chunked delta rule
-
-
 class DeltaNetState(NamedTuple):
     """Per-sequence state of one DeltaNet layer: `num_state_slots` slots and a scratch slot last.
 
@@ -100,45 +100,6 @@ STATE_AXES = DeltaNetState(
     conv_v=("state_slots", "gdn_v_heads_x_dim", "conv_taps"),
     recurrent=("state_slots", "gdn_v_heads", "gdn_k_dim", "gdn_v_dim"),
 )
-
-
-# ----------------------------------------------------------------------------- ragged rows
-
-
-class RowLayout(NamedTuple):
-    """Index maps between the flat token order [T] and the padded per-row layout [B, L]."""
-
-    gather: jax.Array  # i32[B, L] flat index of row b's t-th token (clipped for padding)
-    valid: jax.Array  # bool[B, L]
-    fresh: jax.Array  # bool[B] the row starts from the zero state (no slot to read)
-    read_slots: jax.Array  # i32[B]
-    write_slots: jax.Array  # i32[B] state slot to write; the scratch slot (the last) for padding rows
-    token_row: jax.Array  # i32[T] row of each flat token
-    token_t: jax.Array  # i32[T] its index within the row
-    # Verify steps: each row's state after its first keep_lens[b] tokens goes to keep_slots[b]
-    # (the scratch slot: not kept). None in other steps.
-    keep_slots: jax.Array | None = None
-    keep_lens: jax.Array | None = None
-
-
-def row_layout(meta: AttentionMetadata, num_tokens: int, length: int, num_slots: int) -> RowLayout:
-    t = jnp.arange(length)
-    gather = jnp.clip(meta.row_starts[:, None] + t[None, :], 0, num_tokens - 1)
-    valid = t[None, :] < meta.row_lens[:, None]
-    real = (meta.row_lens > 0) & (meta.state_writes >= 0)
-    token_row = jnp.clip(meta.token_rows, 0, meta.row_starts.shape[0] - 1)
-    token_t = jnp.clip(jnp.arange(num_tokens) - meta.row_starts[token_row], 0, length - 1)
-    return RowLayout(
-        gather=gather,
-        valid=valid,
-        fresh=meta.state_reads < 0,
-        read_slots=jnp.clip(meta.state_reads, 0, num_slots - 1),
-        write_slots=jnp.where(real, meta.state_writes, num_slots - 1),
-        token_row=token_row,
-        token_t=token_t,
-        keep_slots=None if meta.state_keeps is None else jnp.where(real & (meta.state_keeps >= 0), meta.state_keeps, num_slots - 1),
-        keep_lens=meta.keep_lens,
-    )
 
 
 def _slot_state(state: jax.Array, rows: RowLayout) -> jax.Array:
@@ -192,28 +153,39 @@ def _l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: RowLayout, chunk: int,
+def gated_deltanet(p: dict, cfg: ModelConfig, x, state: DeltaNetState, rows: RowLayout | SplitRows, chunk: int,
                    attend: PagedAttention):
-    """One DeltaNet mixer over the flat tokens x [T, H]. rows.valid is [B, L]: L = 1 takes the
-    single-step recurrence, L > 1 the chunked rule (L a multiple of chunk)."""
+    """One DeltaNet mixer over the flat tokens x [T, H]. A layout's rows.valid is [B, L]: L = 1 takes
+    the single-step recurrence, L > 1 the chunked rule (L a multiple of chunk)."""
     T = x.shape[0]
-    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    L = rows.valid.shape[1]
+    Hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     q, k, v, z, a, b = project_columns(x, p, "gdn_q", "gdn_k", "gdn_v", "gdn_z", "gdn_a", "gdn_b")
     z = take_columns(z)
-    if L == 1 and fused_decode_supported(attend, dk, dv, Hk, q[2], k[2], v[2]):  # (array, first column, columns)
+    columns = (q, k, v, a, b)
+    if isinstance(rows, SplitRows):  # the multi-token rows first, then every lone token
+        o_many, state = _mix(p, cfg, columns, state, rows.many, chunk, attend)
+        o_one, state = _mix(p, cfg, columns, state, rows.one, chunk, attend)
+        o = jnp.where(rows.single[:, None, None], o_one[rows.one.token_row, 0],
+                      o_many[rows.many.token_row, rows.many.token_t])
+    else:
+        o, state = _mix(p, cfg, columns, state, rows, chunk, attend)
+        o = o[rows.token_row, rows.token_t]  # back to the flat order [T, Hv, dv]
+    o = gated_rms_norm(o.astype(x.dtype), z.reshape(T, Hv, dv), p["gdn_norm"], cfg.rms_norm_eps).reshape(T, Hv * dv)
+    return linear(o, p["gdn_out"]), state
+
+
+def _mix(p: dict, cfg: ModelConfig, columns, state: DeltaNetState, rows: RowLayout, chunk: int, attend: PagedAttention):
+    """The conv and recurrence of one row layout -> (o [B, L, Hv, dv], the new state): the two decode
+    kernels where they run (L = 1), else `deltanet_mixer`."""
+    q, k, v, a, b = columns
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    if rows.valid.shape[1] == 1 and fused_decode_supported(attend, dk, dv, cfg.linear_num_key_heads, q[2], k[2], v[2]):
         convs = (p["gdn_conv_q"], p["gdn_conv_k"], p["gdn_conv_v"])
         o, conv_states, recurrent = fused_decode(
-            (q, k, v, a, b), convs, state[:3], p["gdn_A_log"], p["gdn_dt_bias"], state.recurrent,
+            columns, convs, state[:3], p["gdn_A_log"], p["gdn_dt_bias"], state.recurrent,
             (rows.gather[:, 0], rows.valid[:, 0], rows.read_slots, rows.fresh, rows.write_slots), attend)
-        state = DeltaNetState(*conv_states, recurrent)
-        o = o[:, None]
-    else:
-        o, state = deltanet_mixer(p, cfg, *map(take_columns, (q, k, v, a, b)), state, rows, chunk)
-    o = o[rows.token_row, rows.token_t].astype(x.dtype)  # back to the flat order [T, Hv, dv]
-    o = gated_rms_norm(o, z.reshape(T, Hv, dv), p["gdn_norm"], cfg.rms_norm_eps).reshape(T, Hv * dv)
-    return linear(o, p["gdn_out"]), state
+        return o[:, None], DeltaNetState(*conv_states, recurrent)
+    return deltanet_mixer(p, cfg, *map(take_columns, columns), state, rows, chunk)
 
 
 def deltanet_mixer(p: dict, cfg: ModelConfig, q, k, v, a, b, state: DeltaNetState, rows: RowLayout, chunk: int):
@@ -285,21 +257,6 @@ def feed_forward(p: dict, cfg: ModelConfig, x, routed: RoutedExperts, real_token
 # ----------------------------------------------------------------------------- the model
 
 
-def deltanet_row_length(meta: AttentionMetadata, num_tokens: int) -> tuple[int, int]:
-    """Static (L, chunk) of the padded per-row DeltaNet layout.
-
-    The bound on tokens per row is `meta.query_bound`'s static length (T when unknown, never
-    more than T). L = 1: the single-step path (chunk unused). Otherwise rows run in chunks of
-    min(64, bound) tokens and L is the bound rounded up to a multiple of the chunk.
-    """
-    bound = num_tokens if meta.query_bound is None else min(meta.query_bound.shape[0], num_tokens)
-    bound = max(bound, 1)
-    if bound == 1:
-        return 1, 1
-    chunk = min(CHUNK, bound)
-    return -(-bound // chunk) * chunk, chunk
-
-
 def embed(params: dict, cfg: ModelConfig, tokens, meta: AttentionMetadata):
     """tokens [T] -> the first layer's input [T, H]: image tokens take their rows of the encoder's pool."""
     del cfg
@@ -329,7 +286,7 @@ def decoder_layers(
         p = params["layers"][i]
         if cfg.is_linear_layer(i):
             if rows is None:
-                rows = row_layout(meta, T, length, layer_cache.recurrent.shape[0])
+                rows = deltanet_rows(meta, T, length, layer_cache.recurrent.shape[0])
             x, delta, layer_cache = deltanet_layer(p, x, delta, layer_cache, rows, real_tokens, cfg=cfg, chunk=chunk,
                                                    attend=attend, routed=routed)
         else:
@@ -405,6 +362,7 @@ def mtp_forward(
 
 compute_logits = qwen3.compute_logits  # the same LM head (tied or not)
 uses_row_len_bound = True  # the DeltaNet layers chunk each row by it
+max_long_rows = MAX_LONG_ROWS
 
 
 def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype,

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jtp.config.engine_args import EngineArgs
 from jtp.config.engine_config import EngineConfig
+from jtp.core.buckets import SHORT_ROW
 from jtp.core.sampling_params import pack_sampling
 from jtp.core.step_input import PROMPT_CHUNK, SamplingBatch, StepInput, StepPlan
 from jtp.core.multimodal import MAX_IMAGE_PATCHES
@@ -150,6 +151,12 @@ class ModelRunner:
         return self.attention.impl == "kernel" or self.family.uses_row_len_bound
 
     @property
+    def max_long_rows(self) -> int | None:
+        """The most rows of several tokens a step with a row longer than SHORT_ROW may hold (the
+        family's DeltaNet layout), None: no limit."""
+        return self.family.max_long_rows
+
+    @property
     def all_devices(self) -> list:
         """Every device this runner's programs span, in the launcher's order (a group compares them)."""
         return list(self.mesh.devices.flat)
@@ -233,6 +240,7 @@ class ModelRunner:
         sampling part (its token masks) meanwhile, while the device runs the forward.
         """
         ints, floats, layout, targets = host_buffers(step, self.images is not None)
+        self._check_long_rows(ints, layout)
         num_steps = ints[layout.offsets()[0]["num_steps"][0]]
         loops = self._loops(layout)
         if loops:
@@ -260,6 +268,18 @@ class ModelRunner:
             raise ValueError("only a step of a forward and a sampling program can sample late")
         result, self.cache, self.sampled = self._run(*self._fused_program(ints, floats, layout))
         return result
+
+    def _check_long_rows(self, ints, layout: StepLayout) -> None:
+        """A step past `max_long_rows` (the scheduler keeps to it) fails here rather than computing
+        rows the family's layout has no room for."""
+        limit = self.max_long_rows
+        if limit is None or layout.verify_positions or (layout.max_row_len or layout.num_tokens) <= SHORT_ROW:
+            return
+        offset, (rows,) = layout.offsets()[0]["row_lens"]
+        several = int((ints[offset : offset + rows] > 1).sum())
+        if several > limit:
+            raise ValueError(f"a step with a row of more than {SHORT_ROW} tokens holds at most {limit} rows of "
+                             f"several tokens on this model (its DeltaNet layout), not {several}")
 
     def _run(self, key, fn, args, layout):
         """Call the program of `key`: its ahead-of-time executable, else `fn` (tracing it the first time)."""

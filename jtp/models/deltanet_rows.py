@@ -1,0 +1,111 @@
+"""The DeltaNet layers' row layouts: flat step tokens [T] <-> padded per-row [B, L] arrays.
+
+A hybrid step's rows (decodes, prompt chunks, verify rows) are ragged; the conv and the delta rule
+run per row, so each row's tokens are gathered into [B, L] (L the static bound on tokens per row,
+rounded up to the chunk), run from the row's state slot, and scattered back to the flat order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jtp.core.buckets import SHORT_ROW
+from jtp.models.attention import AttentionMetadata
+
+CHUNK = 64  # HF's chunk size for the chunked delta rule
+
+
+class RowLayout(NamedTuple):
+    """Index maps between the flat token order [T] and the padded per-row layout [B, L]."""
+
+    gather: jax.Array  # i32[B, L] flat index of row b's t-th token (clipped for padding)
+    valid: jax.Array  # bool[B, L]
+    fresh: jax.Array  # bool[B] the row starts from the zero state (no slot to read)
+    read_slots: jax.Array  # i32[B]
+    write_slots: jax.Array  # i32[B] state slot to write; the scratch slot (the last) for padding rows
+    token_row: jax.Array  # i32[T] row of each flat token
+    token_t: jax.Array  # i32[T] its index within the row
+    # Verify steps: each row's state after its first keep_lens[b] tokens goes to keep_slots[b]
+    # (the scratch slot: not kept). None in other steps.
+    keep_slots: jax.Array | None = None
+    keep_lens: jax.Array | None = None
+
+
+class SplitRows(NamedTuple):
+    """A prompt step's DeltaNet rows in two layouts: its multi-token rows compacted into `many`
+    [MAX_LONG_ROWS, L] (the chunked rule), every row's lone token (decodes) in `one` [B, 1] (one
+    recurrence step). `single` [T]: the flat tokens `one` computes."""
+
+    many: RowLayout
+    one: RowLayout
+    single: jax.Array
+
+
+# A step with a row of more than SHORT_ROW tokens (a prompt chunk) holds at most this many rows of
+# several tokens (the scheduler's `max_long_rows`), so its DeltaNet layers run the chunked rule
+# over [MAX_LONG_ROWS, L] and not over all B rows x L: a lone prompt in a 64-row step did 64x its work.
+MAX_LONG_ROWS = 4
+
+
+def row_layout(meta: AttentionMetadata, num_tokens: int, length: int, num_slots: int, rows=None) -> RowLayout:
+    """The [B, L] layout of meta's rows, or of the rows `rows` = (index [P], taken [P]) into them
+    (untaken entries are empty rows: no tokens, they write the scratch slot)."""
+    t = jnp.arange(length)
+    B = meta.row_starts.shape[0]
+    idx, taken = rows if rows is not None else (jnp.arange(B), jnp.ones(B, bool))
+    lens = jnp.where(taken, meta.row_lens[idx], 0)
+    gather = jnp.clip(meta.row_starts[idx][:, None] + t[None, :], 0, num_tokens - 1)
+    valid = t[None, :] < lens[:, None]
+    real = (lens > 0) & (meta.state_writes[idx] >= 0)
+    token_row = jnp.clip(meta.token_rows, 0, B - 1)
+    token_t = jnp.clip(jnp.arange(num_tokens) - meta.row_starts[token_row], 0, length - 1)
+    if rows is not None:  # each token's entry of idx: its row's rank among the taken rows
+        rank = jnp.zeros(B, jnp.int32).at[idx].set(jnp.arange(idx.shape[0], dtype=jnp.int32))
+        token_row = rank[token_row]
+    keeps = None if meta.state_keeps is None else meta.state_keeps[idx]
+    return RowLayout(
+        gather=gather,
+        valid=valid,
+        fresh=meta.state_reads[idx] < 0,
+        read_slots=jnp.clip(meta.state_reads[idx], 0, num_slots - 1),
+        write_slots=jnp.where(real, meta.state_writes[idx], num_slots - 1),
+        token_row=token_row,
+        token_t=token_t,
+        keep_slots=None if keeps is None else jnp.where(real & (keeps >= 0), keeps, num_slots - 1),
+        keep_lens=None if meta.keep_lens is None else meta.keep_lens[idx],
+    )
+
+
+def deltanet_rows(meta: AttentionMetadata, num_tokens: int, length: int, num_slots: int) -> RowLayout | SplitRows:
+    """The step's DeltaNet row layout: [B, L] (decode, short rows, verify steps), or `SplitRows`
+    for a step whose bound on tokens per row is over SHORT_ROW."""
+    B = meta.row_starts.shape[0]
+    bound = num_tokens if meta.query_bound is None else meta.query_bound.shape[0]
+    if bound <= SHORT_ROW or B <= MAX_LONG_ROWS or meta.state_keeps is not None:
+        return row_layout(meta, num_tokens, length, num_slots)
+    several = meta.row_lens > 1
+    many = jnp.argsort(~several, stable=True)[:MAX_LONG_ROWS].astype(jnp.int32)  # the multi-token rows, in order
+    one = row_layout(meta, num_tokens, 1, num_slots, (jnp.arange(B), meta.row_lens == 1))
+    return SplitRows(
+        many=row_layout(meta, num_tokens, length, num_slots, (many, several[many])),
+        one=one,
+        single=meta.row_lens[one.token_row] == 1,
+    )
+
+
+def deltanet_row_length(meta: AttentionMetadata, num_tokens: int) -> tuple[int, int]:
+    """Static (L, chunk) of the padded per-row DeltaNet layout.
+
+    The bound on tokens per row is `meta.query_bound`'s static length (T when unknown, never
+    more than T). L = 1: the single-step path (chunk unused). Otherwise rows run in chunks of
+    min(64, bound) tokens and L is the bound rounded up to a multiple of the chunk.
+    """
+    bound = num_tokens if meta.query_bound is None else min(meta.query_bound.shape[0], num_tokens)
+    bound = max(bound, 1)
+    if bound == 1:
+        return 1, 1
+    chunk = min(CHUNK, bound)
+    return -(-bound // chunk) * chunk, chunk
