@@ -21,7 +21,7 @@ from hypothesis.stateful import (
 )
 
 from jtp.core.block_hash import block_keys, root_key
-from jtp.core.buckets import SHORT_ROW
+from jtp.core.buckets import SHORT_ROW, long_rows
 from jtp.core.page_pool import PagePool
 from jtp.core.sampling_params import SamplingParams
 from jtp.core.scheduler import Request, Scheduler, Status
@@ -153,17 +153,17 @@ def test_snapshot_pin_keeps_state_reservations():
 
 
 @pytest.mark.parametrize("caching", [False, True])
-def test_steps_with_a_long_row_keep_to_max_long_rows(caching):
-    """A hybrid's DeltaNet layout holds `max_long_rows` rows of several tokens beside a row longer
-    than SHORT_ROW: the scheduler cuts the other prompt chunks (to SHORT_ROW tokens, or one token
-    beside a long row), every prompt still completes, and without the limit the same workload
-    does put more rows of several tokens into a step (so the limit is what holds them)."""
+def test_steps_with_a_long_row_keep_to_long_rows(caching):
+    """A hybrid's DeltaNet layout holds `long_rows(T, B, bound)` rows of several tokens beside a row
+    longer than SHORT_ROW: here one long prompt arrives with ten short ones, and the scheduler
+    gives the short ones past that room one token (every prompt still completes); without the
+    limit the same workload does put more rows of several tokens into such a step."""
     def run(limit):
-        pool, states = PagePool(64, BS), StatePool(16)
-        sched = Scheduler(pool, 8, 64, 128, states=states, cache_root=root_key("t") if caching else None,
-                          max_long_rows=limit)
+        pool, states = PagePool(400, BS), StatePool(32)
+        sched = Scheduler(pool, 16, 512, 256, states=states, cache_root=root_key("t") if caching else None,
+                          limit_long_rows=limit)
         reqs = [Request(str(i), list(range(i, i + n)), SamplingParams(max_tokens=3), 0, frozenset())
-                for i, n in enumerate((40, 33, 5, 70, 12, 18))]
+                for i, n in enumerate((200,) + (20,) * 10)]
         for r in reqs:
             sched.add(r)
         steps = []
@@ -174,19 +174,19 @@ def test_steps_with_a_long_row_keep_to_max_long_rows(caching):
                 if row.picks_next_token:
                     row.request.num_unseen_tokens -= 1
                     row.request.output_ids.append(0)
-            steps.append([row.num_tokens for row in rows])
+            lens = [row.num_tokens for row in rows]
+            steps.append((lens, sched.buckets.step_shape(sum(lens), len(lens), max(lens))))
             for r in list(sched.running):
                 if len(r.output_ids) >= r.params.max_tokens:
                     sched.remove(r)
             assert len(steps) < 200
         assert all(len(r.output_ids) == 3 for r in reqs)
-        return steps
+        return [(sum(n > 1 for n in lens), shape) for lens, shape in steps if shape[2] > SHORT_ROW]
 
-    several = lambda lens: sum(n > 1 for n in lens)  # noqa: E731
-    limited = run(2)
-    assert all(several(lens) <= 2 for lens in limited if max(lens) > SHORT_ROW), limited
-    assert any(several(lens) > 2 for lens in limited), "short rows beside each other need no limit"
-    assert any(several(lens) > 2 for lens in run(None) if max(lens) > SHORT_ROW)
+    limited = run(True)
+    assert all(several <= long_rows(*shape) for several, shape in limited), limited
+    assert limited[0] == (8, (512, 16, 256))  # 400 tokens: room for 4 x 512 // 256 rows of several tokens
+    assert any(several > long_rows(*shape) for several, shape in run(False))
 
 
 class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
@@ -206,16 +206,16 @@ class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
 
     @initialize(
         max_seqs=st.integers(1, 4), num_blocks=st.integers(6, 40), spare_slots=st.integers(1, 4),
-        extra_budget=st.integers(1, 16), long_rows=st.sampled_from([None, 1, 2]),
+        extra_budget=st.integers(1, 16), limit_long_rows=st.booleans(),
     )
-    def setup(self, max_seqs, num_blocks, spare_slots, extra_budget, long_rows):
+    def setup(self, max_seqs, num_blocks, spare_slots, extra_budget, limit_long_rows):
         self.root = root_key("test")
         self.pool = PagePool(num_blocks, BS)
         self.states = StatePool(max_seqs + spare_slots)
         self.max_seqs, self.max_model_len = max_seqs, 64
         self.sched = Scheduler(
             self.pool, max_seqs, max_seqs + extra_budget, self.max_model_len, states=self.states, cache_root=self.root,
-            max_long_rows=long_rows,
+            limit_long_rows=limit_long_rows,
         )
         self.batch = InputBatch(max_seqs, self.max_model_len, BS, self.sched.buckets)  # the worker's step layout
         self.ids = 0
@@ -244,10 +244,10 @@ class PrefixCacheSchedulerMachine(RuleBasedStateMachine):
     def _device(self, rows):
         """Run the step on the simulated device and dispatch it; returns its sampled tokens."""
         plan = self.batch.prepare(self.sched.output(rows)).to_step_input().plan
-        lens = [row.num_tokens for row in rows]
-        if self.sched.max_long_rows is not None and max(lens) > SHORT_ROW and not any(row.drafts for row in rows):
-            assert sum(n > 1 for n in lens) <= self.sched.max_long_rows, f"rows of {lens} tokens"
-            event("a step with a long row at the limit of rows of several tokens")
+        T, B, bound = len(plan.token_ids), len(plan.row_lens), plan.max_row_len
+        if self.sched.limit_long_rows and bound > SHORT_ROW and not any(row.drafts for row in rows):
+            lens = [row.num_tokens for row in rows]
+            assert sum(n > 1 for n in lens) <= long_rows(T, B, bound), f"rows of {lens} tokens"
         step_slots, cursor = set(), 0
         reads = {row.state_read for row in rows if row.state_read >= 0}
         writes = [row.state_write for row in rows]

@@ -199,11 +199,14 @@ def test_mixed_batch_and_reused_slot(case):
 
 
 def test_prompt_step_lays_out_its_long_rows_apart(case):
-    """A step with a row over SHORT_ROW tokens and more rows than MAX_LONG_ROWS runs its rows of
-    several tokens as [MAX_LONG_ROWS, L] and every lone token (decodes, a one-token prompt) as one
-    recurrence step: each row's logits and state equal HF's; a step with more rows of several
-    tokens than that is refused, not computed."""
-    from jtp.models.deltanet_rows import MAX_LONG_ROWS
+    """A step with a row over SHORT_ROW tokens runs its rows of several tokens as [long_rows, L]
+    (here 4 of its 8 rows) and every lone token (decodes, a one-token prompt) as one recurrence
+    step: each row's logits and state equal HF's; a step with more rows of several tokens than
+    that is refused, not computed."""
+    from jtp.core.buckets import long_rows
+
+    limit = long_rows(80, 8, 80)
+    assert limit == 4
 
     c = case("qwen3_5_text")
     r, planner = make_runner(c.path, max_seqs=8), hh.Planner()
@@ -217,8 +220,8 @@ def test_prompt_step_lays_out_its_long_rows_apart(case):
     for s in (0, 3):
         assert_states_close(state_of(r, s), hf_state(c.model, seqs[s]))
 
-    many = [(s, s, tokens(30 + s, 17 if s == 0 else 2)) for s in range(MAX_LONG_ROWS + 1)]
-    with pytest.raises(ValueError, match=f"at most {MAX_LONG_ROWS} rows of several tokens"):
+    many = [(s, s, tokens(30 + s, 17 if s == 0 else 2)) for s in range(limit + 1)]
+    with pytest.raises(ValueError, match=f"at most {limit} rows of several tokens"):
         run_step(r, hh.Planner().plan(many, 80, 8))
 
 

@@ -10,6 +10,14 @@ from jtp.core.step_input import bucket_sizes
 SHORT_ROW = 16
 
 
+def long_rows(num_tokens: int, num_rows: int, row_bound: int) -> int:
+    """How many rows of several tokens a step of this shape (T, B, bound on tokens per row) may
+    hold where a hybrid model lays them out apart, [P, bound] (bound > SHORT_ROW; see
+    jtp/models/deltanet_rows.py): room for 4 x the step's tokens, and at least 4 rows. Rows over a
+    quarter of the bound always fit by count; the scheduler cuts shorter ones beside a long row."""
+    return min(num_rows, max(4, 4 * num_tokens // max(row_bound, 1)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     """Static shapes of the jitted step: each dimension is padded up to one of these.

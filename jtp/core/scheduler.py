@@ -36,7 +36,7 @@ import numpy as np
 
 from jtp.config.speculative import SpeculativeConfig, propose_ngram
 from jtp.core.block_hash import chain_key
-from jtp.core.buckets import SHORT_ROW, Buckets
+from jtp.core.buckets import SHORT_ROW, Buckets, long_rows
 from jtp.core.multimodal import MultiModalPrompt
 from jtp.core.page_pool import PagePool
 from jtp.core.sampling_params import SamplingParams
@@ -133,7 +133,7 @@ class Scheduler:
     def __init__(
         self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
         states: StatePool | None = None, cache_root: bytes | None = None,
-        bucket_row_lens: bool = True, max_long_rows: int | None = None,
+        bucket_row_lens: bool = True, limit_long_rows: bool = False,
         num_scheduler_steps: int = 1, speculative: SpeculativeConfig | None = None, pipeline_depth: int = 1,
     ):
         """`states`: the recurrent-state pool of a hybrid model (None: attention only).
@@ -143,8 +143,8 @@ class Scheduler:
         `pipeline_depth` > 1 (pipeline parallelism): that many steps are in flight at once, so a step
         takes no request whose sampled token is still in flight, and at most 1/depth of the requests:
         the rest are left for the steps behind it (micro-batch groups, each stage busy with one).
-        `max_long_rows`: a step with a row of more than SHORT_ROW tokens holds at most this many rows
-        of several tokens, unless it verifies drafts (a hybrid's DeltaNet layout; None: no limit)."""
+        `limit_long_rows`: a step with a row of more than SHORT_ROW tokens holds at most
+        `buckets.long_rows` rows of several tokens, unless it verifies drafts (a hybrid's DeltaNet layout)."""
         if max_num_batched_tokens <= max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_num_seqs ({max_num_seqs}) "
@@ -161,7 +161,7 @@ class Scheduler:
         self.num_scheduler_steps = num_scheduler_steps
         self.speculative = speculative
         self.pipeline_depth = pipeline_depth
-        self.max_long_rows = max_long_rows
+        self.limit_long_rows = limit_long_rows
         self.steps_scheduled = 0
         max_blocks = -(-max_model_len // pool.block_size)
         self.buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, max_blocks, bucket_row_lens)
@@ -408,14 +408,17 @@ class Scheduler:
         return end - start
 
     def _long_rows_room(self, rows: list[ScheduledRow], chunk: int) -> int:
-        """A prompt chunk's tokens beside `rows` under `max_long_rows`: a step past that many rows of
-        several tokens keeps every row within SHORT_ROW tokens, and a lone token is always a fit."""
-        if self.max_long_rows is None or chunk <= 1 or any(row.drafts for row in rows):
+        """A prompt chunk's tokens beside `rows` under `limit_long_rows`: the whole chunk where the
+        step's shape holds it, else SHORT_ROW tokens, else one (a lone token always fits: it adds
+        no row of several tokens, and the step's tokens, hence its room, only grow)."""
+        if not self.limit_long_rows or chunk <= 1 or any(row.drafts for row in rows):
             return chunk
-        several = [row.num_tokens for row in rows if row.num_tokens > 1]
-        if len(several) < self.max_long_rows:
-            return chunk
-        return 1 if max(several) > SHORT_ROW else min(chunk, SHORT_ROW)
+        lens = [row.num_tokens for row in rows]
+        for n in (chunk, min(chunk, SHORT_ROW)):
+            T, B, bound = self.buckets.step_shape(sum(lens) + n, len(lens) + 1, max(lens + [n]))
+            if bound <= SHORT_ROW or sum(m > 1 for m in lens) + 1 <= long_rows(T, B, bound):
+                return n
+        return 1
 
     def _checkpoint_targets(self, r: Request) -> tuple[int, ...]:
         """Where a hybrid model's prompt keeps its state (block-aligned positions):

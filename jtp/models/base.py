@@ -77,6 +77,6 @@ class ModelFamily(Protocol):
     # Whether `forward`'s own layers read the static bound on tokens per row (meta.query_bound's
     # length) beyond "1: a pure decode step"; the attention implementation says so for itself.
     uses_row_len_bound: bool
-    # The most rows of several tokens a step with a row over SHORT_ROW tokens may hold (the family
-    # lays those rows out apart); None: any number.
-    max_long_rows: int | None
+    # Whether a step with a row over SHORT_ROW tokens holds at most `buckets.long_rows` rows of
+    # several tokens (the family lays them out apart).
+    lays_out_long_rows_apart: bool

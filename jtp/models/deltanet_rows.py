@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jtp.core.buckets import SHORT_ROW
+from jtp.core.buckets import SHORT_ROW, long_rows
 from jtp.models.attention import AttentionMetadata
 
 CHUNK = 64  # HF's chunk size for the chunked delta rule
@@ -35,19 +35,13 @@ class RowLayout(NamedTuple):
 
 
 class SplitRows(NamedTuple):
-    """A prompt step's DeltaNet rows in two layouts: its multi-token rows compacted into `many`
-    [MAX_LONG_ROWS, L] (the chunked rule), every row's lone token (decodes) in `one` [B, 1] (one
-    recurrence step). `single` [T]: the flat tokens `one` computes."""
+    """A prompt step's DeltaNet rows in two layouts: its rows of several tokens compacted into
+    `many` [P, L] (the chunked rule; P = `long_rows` of the step's shape), every row's lone token
+    (decodes) in `one` [B, 1] (one recurrence step). `single` [T]: the flat tokens `one` computes."""
 
     many: RowLayout
     one: RowLayout
     single: jax.Array
-
-
-# A step with a row of more than SHORT_ROW tokens (a prompt chunk) holds at most this many rows of
-# several tokens (the scheduler's `max_long_rows`), so its DeltaNet layers run the chunked rule
-# over [MAX_LONG_ROWS, L] and not over all B rows x L: a lone prompt in a 64-row step did 64x its work.
-MAX_LONG_ROWS = 4
 
 
 def row_layout(meta: AttentionMetadata, num_tokens: int, length: int, num_slots: int, rows=None) -> RowLayout:
@@ -80,14 +74,18 @@ def row_layout(meta: AttentionMetadata, num_tokens: int, length: int, num_slots:
 
 
 def deltanet_rows(meta: AttentionMetadata, num_tokens: int, length: int, num_slots: int) -> RowLayout | SplitRows:
-    """The step's DeltaNet row layout: [B, L] (decode, short rows, verify steps), or `SplitRows`
-    for a step whose bound on tokens per row is over SHORT_ROW."""
+    """The step's DeltaNet row layout: [B, L] (decode steps, short rows, verify steps), or, for a
+    step whose bound on tokens per row is over SHORT_ROW, `SplitRows`: a step takes the most rows
+    its token bucket holds (free for attention), and [B, L] ran the chunked rule over all of them,
+    64x a lone prompt's work in a 64-row step. The step holds at most `long_rows` rows of several
+    tokens (the scheduler keeps to it, the runner refuses a step past it)."""
     B = meta.row_starts.shape[0]
     bound = num_tokens if meta.query_bound is None else meta.query_bound.shape[0]
-    if bound <= SHORT_ROW or B <= MAX_LONG_ROWS or meta.state_keeps is not None:
+    P = long_rows(num_tokens, B, bound)
+    if bound <= SHORT_ROW or P >= B or meta.state_keeps is not None:
         return row_layout(meta, num_tokens, length, num_slots)
     several = meta.row_lens > 1
-    many = jnp.argsort(~several, stable=True)[:MAX_LONG_ROWS].astype(jnp.int32)  # the multi-token rows, in order
+    many = jnp.argsort(~several, stable=True)[:P].astype(jnp.int32)  # the rows of several tokens, in order
     one = row_layout(meta, num_tokens, 1, num_slots, (jnp.arange(B), meta.row_lens == 1))
     return SplitRows(
         many=row_layout(meta, num_tokens, length, num_slots, (many, several[many])),

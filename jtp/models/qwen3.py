@@ -136,7 +136,7 @@ def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_sta
 
 mtp_forward = None  # these checkpoints have no multi-token-prediction head
 uses_row_len_bound = False  # no layer here reads meta.query_bound
-max_long_rows = None
+lays_out_long_rows_apart = False
 
 
 def param_layout(cfg: ModelConfig, tp: int = 1, mtp: bool = False) -> dict[str, Source]:

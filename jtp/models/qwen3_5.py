@@ -21,9 +21,9 @@ checkpoint that must stay intact; see jtp/core/state_pool.py). L is the
 static bound `meta.query_bound` on tokens per row (T when unknown). L = 1 (a pure decode step)
 takes the single-token recurrence (conv-state update + one delta-rule step, HF's decode path);
 L > 1 the chunked rule, min(64, L) tokens per chunk, rows padded to a multiple of the chunk.
-A step with a row over SHORT_ROW tokens and more rows than MAX_LONG_ROWS (a prompt chunk among
-decodes) runs its few rows of several tokens in the chunked layout and every lone token as one
-recurrence step (jtp/models/deltanet_rows.py), so padding rows cost no chunked work.
+A step with a row over SHORT_ROW tokens (a prompt chunk among decodes) runs its few rows of
+several tokens in the chunked layout and every lone token as one recurrence step
+(jtp/models/deltanet_rows.py), so padding rows cost no chunked work.
 
 Sharding: q/k/v/z/b/a (and the conv weights of the q/k/v channels) are separate parameters,
 each split by heads (their logical axes in `param_layout`, the rules in jtp/parallel/rules.py),
@@ -57,7 +57,7 @@ from jtp.models.attention import (
     write_kv,
     zeroed_layer_kv,
 )
-from jtp.models.deltanet_rows import MAX_LONG_ROWS, RowLayout, SplitRows, deltanet_row_length, deltanet_rows
+from jtp.models.deltanet_rows import RowLayout, SplitRows, deltanet_row_length, deltanet_rows
 from jtp.models.delta_rule import (
     chunked_gated_delta_rule,
     decode_step,
@@ -362,7 +362,7 @@ def mtp_forward(
 
 compute_logits = qwen3.compute_logits  # the same LM head (tied or not)
 uses_row_len_bound = True  # the DeltaNet layers chunk each row by it
-max_long_rows = MAX_LONG_ROWS
+lays_out_long_rows_apart = True  # a prompt step holds at most `long_rows` rows of several tokens
 
 
 def init_cache(cfg: ModelConfig, mesh, num_blocks: int, block_size: int, num_state_slots: int, dtype,

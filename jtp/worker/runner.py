@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jtp.config.engine_args import EngineArgs
 from jtp.config.engine_config import EngineConfig
-from jtp.core.buckets import SHORT_ROW
+from jtp.core.buckets import SHORT_ROW, long_rows
 from jtp.core.sampling_params import pack_sampling
 from jtp.core.step_input import PROMPT_CHUNK, SamplingBatch, StepInput, StepPlan
 from jtp.core.multimodal import MAX_IMAGE_PATCHES
@@ -151,10 +151,10 @@ class ModelRunner:
         return self.attention.impl == "kernel" or self.family.uses_row_len_bound
 
     @property
-    def max_long_rows(self) -> int | None:
-        """The most rows of several tokens a step with a row longer than SHORT_ROW may hold (the
-        family's DeltaNet layout), None: no limit."""
-        return self.family.max_long_rows
+    def limits_long_rows(self) -> bool:
+        """Whether a step with a row longer than SHORT_ROW holds at most `long_rows` rows of
+        several tokens (the family's DeltaNet layout)."""
+        return self.family.lays_out_long_rows_apart
 
     @property
     def all_devices(self) -> list:
@@ -270,16 +270,18 @@ class ModelRunner:
         return result
 
     def _check_long_rows(self, ints, layout: StepLayout) -> None:
-        """A step past `max_long_rows` (the scheduler keeps to it) fails here rather than computing
-        rows the family's layout has no room for."""
-        limit = self.max_long_rows
-        if limit is None or layout.verify_positions or (layout.max_row_len or layout.num_tokens) <= SHORT_ROW:
+        """A step past `long_rows` (the scheduler keeps to it) fails here rather than computing rows
+        the family's layout has no room for."""
+        bound = layout.max_row_len or layout.num_tokens
+        if not self.limits_long_rows or layout.verify_positions or bound <= SHORT_ROW:
             return
+        limit = long_rows(layout.num_tokens, layout.num_rows, bound)
         offset, (rows,) = layout.offsets()[0]["row_lens"]
         several = int((ints[offset : offset + rows] > 1).sum())
         if several > limit:
-            raise ValueError(f"a step with a row of more than {SHORT_ROW} tokens holds at most {limit} rows of "
-                             f"several tokens on this model (its DeltaNet layout), not {several}")
+            raise ValueError(f"a step of {layout.num_tokens} tokens with a row of more than {SHORT_ROW} (bound "
+                             f"{bound}) holds at most {limit} rows of several tokens on this model (its DeltaNet "
+                             f"layout), not {several}")
 
     def _run(self, key, fn, args, layout):
         """Call the program of `key`: its ahead-of-time executable, else `fn` (tracing it the first time)."""
