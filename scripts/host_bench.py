@@ -52,7 +52,7 @@ class FakeRunner:
         self.attention = choose_attention(self.mesh)
         # The shape set and step limits of the model this stands in for (ModelRunner's properties).
         self.uses_row_len_bound = self.attention.impl == "kernel" or family_of(self.cfg).uses_row_len_bound
-        self.limits_long_rows = family_of(self.cfg).lays_out_long_rows_apart
+        self.limit_long_rows = family_of(self.cfg).lays_out_long_rows_apart
         self.dtype = "bfloat16"
         self.tp = 1
         self.block_size = config.block_size

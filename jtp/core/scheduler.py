@@ -242,7 +242,7 @@ class Scheduler:
         for r in decoding + prefilling:
             if budget == 0 or len(rows) == max_rows:
                 break
-            chunk = self._long_rows_room(rows, self._chunk(r, budget))
+            chunk = self._chunk_within_long_rows(rows, self._chunk(r, budget))
             # A row that reaches the last known token may append drafts (a decode row, or one that
             # recomputes the tokens a hybrid's state rollback took back).
             drafts = self._drafts(r, budget - chunk) if r.num_computed + chunk == r.num_tokens else ()
@@ -255,7 +255,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(r)
             self._admitted.append(r)
-            rows.append(ScheduledRow(r, r.num_computed, self._long_rows_room(rows, self._chunk(r, budget))))
+            rows.append(ScheduledRow(r, r.num_computed, self._chunk_within_long_rows(rows, self._chunk(r, budget))))
             budget -= rows[-1].num_tokens
         steps = self._decode_steps(rows)
         for row in rows:
@@ -407,10 +407,11 @@ class Scheduler:
                 end = target
         return end - start
 
-    def _long_rows_room(self, rows: list[ScheduledRow], chunk: int) -> int:
+    def _chunk_within_long_rows(self, rows: list[ScheduledRow], chunk: int) -> int:
         """A prompt chunk's tokens beside `rows` under `limit_long_rows`: the whole chunk where the
         step's shape holds it, else SHORT_ROW tokens, else one (a lone token always fits: it adds
-        no row of several tokens, and the step's tokens, hence its room, only grow)."""
+        no row of several tokens, and the step's tokens, hence its room, only grow). A request
+        admitted with one token has reserved its whole worst case all the same."""
         if not self.limit_long_rows or chunk <= 1 or any(row.drafts for row in rows):
             return chunk
         lens = [row.num_tokens for row in rows]

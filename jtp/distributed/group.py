@@ -344,6 +344,7 @@ class GroupRunner(ModelRunner):
         # on every process, and no host work there but the call.
         if isinstance(step, StepInput):
             step = PackedStep.from_step_input(step)
+        self.check_long_rows(step.ints, step.layout)  # before the followers take it
         self.group.broadcast(Kind.STEP, step.encode())
         result = super().dispatch(step)
         self.group.dispatched(self.steps, result)

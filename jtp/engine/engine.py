@@ -115,7 +115,7 @@ class Engine(EngineSnapshots):
         self.cache_identity = f"{cfg!r}|{self.runner.dtype}|{config.quantization}|kv={config.kv_cache_dtype}|block_size={config.block_size}|tp={self.runner.tp}"
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            bucket_row_lens=self.runner.uses_row_len_bound, limit_long_rows=self.runner.limits_long_rows,
+            bucket_row_lens=self.runner.uses_row_len_bound, limit_long_rows=self.runner.limit_long_rows,
             states=self.states, cache_root=root_key(self.cache_identity) if config.enable_prefix_caching else None,
             num_scheduler_steps=config.num_scheduler_steps, speculative=self.speculative,
             pipeline_depth=self.runner.pipeline_depth,

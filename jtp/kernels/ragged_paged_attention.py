@@ -57,19 +57,18 @@ def _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, block_size, limit
     """
     m_rows, head_dim = q.shape
     n_keys = ppi * block_size
-    key_iota = lax.broadcasted_iota(jnp.int32, (1, n_keys), 1)
-    key_iota1 = lax.broadcasted_iota(jnp.int32, (n_keys,), 0)
+    key_iota = lax.broadcasted_iota(jnp.int32, (n_keys,), 0)
 
     def body(it, carry):
         acc, m_prev, l_prev = carry
-        slot = it * n_keys + key_iota1  # the row's key positions this iteration
+        slot = it * n_keys + key_iota  # the row's key positions this iteration
         key_rows = bt_ref[row, slot // block_size] * block_size + slot % block_size
         k = k_ref[key_rows].astype(q.dtype)  # [N, D]; float8 pages: converted in registers
         v = v_ref[key_rows].astype(q.dtype)
         scores = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
         ) * scale_log2  # [M, N], in log2 units
-        scores = jnp.where((it * n_keys + key_iota) <= limit, scores, _MASKED)
+        scores = jnp.where(slot[None, :] <= limit, scores, _MASKED)
         m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
         corr = jnp.exp2(m_prev - m_next)
         p = jnp.exp2(scores - m_next[:, None])
@@ -157,7 +156,7 @@ def _kernel(
     bt_ref,  # [B, M_pad]
     pos_ref,  # [(T+TQ)*G] position of each q row (token position repeated G times)
     q_ref,  # [(T+TQ)*G, D] this kv head's query rows
-    k_ref, v_ref,  # [num_blocks, block_size, D] this kv head's pages
+    k_ref, v_ref,  # [num_blocks * block_size, D] this kv head's key rows
     *out_refs,
     tq: int, group: int, ppi: int, block_size: int, num_splits: int, scale_log2: float, precision,
 ):
@@ -377,7 +376,7 @@ def _decode_kernel(
     ctx_ref,  # [B]
     bt_ref,  # [B, max_blocks]
     q_ref,  # [T*Hq, D]
-    k_ref, v_ref,  # [num_blocks, block_size, D] this kv head's pages
+    k_ref, v_ref,  # [num_blocks * block_size, D] this kv head's key rows
     *out_refs,
     group: int, hq: int, m_rows: int, ppi: int, block_size: int, num_splits: int, scale_log2: float, precision,
 ):

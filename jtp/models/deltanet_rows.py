@@ -75,12 +75,15 @@ def row_layout(meta: AttentionMetadata, num_tokens: int, length: int, num_slots:
 
 def deltanet_rows(meta: AttentionMetadata, num_tokens: int, length: int, num_slots: int) -> RowLayout | SplitRows:
     """The step's DeltaNet row layout: [B, L] (decode steps, short rows, verify steps), or, for a
-    step whose bound on tokens per row is over SHORT_ROW, `SplitRows`: a step takes the most rows
-    its token bucket holds (free for attention), and [B, L] ran the chunked rule over all of them,
-    64x a lone prompt's work in a 64-row step. The step holds at most `long_rows` rows of several
-    tokens (the scheduler keeps to it, the runner refuses a step past it)."""
+    step whose bound on tokens per row is over SHORT_ROW, `SplitRows`. (Such a step takes the most
+    rows its token bucket holds, free for attention; [B, L] would run the chunked rule over every
+    one of them, 64x a lone prompt's work in a 64-row step.)
+
+    The step must hold at most `long_rows` rows of several tokens: rows past that are computed in
+    neither layout. The scheduler keeps to it and the runner refuses a step past it; a caller of
+    the model's forward alone must keep to it too."""
     B = meta.row_starts.shape[0]
-    bound = num_tokens if meta.query_bound is None else meta.query_bound.shape[0]
+    bound = num_tokens if meta.query_bound is None else min(meta.query_bound.shape[0], num_tokens)
     P = long_rows(num_tokens, B, bound)
     if bound <= SHORT_ROW or P >= B or meta.state_keeps is not None:
         return row_layout(meta, num_tokens, length, num_slots)

@@ -264,6 +264,7 @@ class PipelineRunner(ModelRunner):
         if self.local[-1]:
             return super().dispatch(step, late)
         ints, _, layout, _ = host_buffers(step, self.images is not None)
+        self.check_long_rows(ints, layout)
         _, self.cache, _ = self._pipeline_forward(ints[: layout.forward.offsets()[2]], layout=layout.forward)
         return None
 

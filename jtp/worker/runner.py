@@ -151,7 +151,7 @@ class ModelRunner:
         return self.attention.impl == "kernel" or self.family.uses_row_len_bound
 
     @property
-    def limits_long_rows(self) -> bool:
+    def limit_long_rows(self) -> bool:
         """Whether a step with a row longer than SHORT_ROW holds at most `long_rows` rows of
         several tokens (the family's DeltaNet layout)."""
         return self.family.lays_out_long_rows_apart
@@ -240,7 +240,7 @@ class ModelRunner:
         sampling part (its token masks) meanwhile, while the device runs the forward.
         """
         ints, floats, layout, targets = host_buffers(step, self.images is not None)
-        self._check_long_rows(ints, layout)
+        self.check_long_rows(ints, layout)
         num_steps = ints[layout.offsets()[0]["num_steps"][0]]
         loops = self._loops(layout)
         if loops:
@@ -269,11 +269,11 @@ class ModelRunner:
         result, self.cache, self.sampled = self._run(*self._fused_program(ints, floats, layout))
         return result
 
-    def _check_long_rows(self, ints, layout: StepLayout) -> None:
-        """A step past `long_rows` (the scheduler keeps to it) fails here rather than computing rows
-        the family's layout has no room for."""
-        bound = layout.max_row_len or layout.num_tokens
-        if not self.limits_long_rows or layout.verify_positions or bound <= SHORT_ROW:
+    def check_long_rows(self, ints, layout: StepLayout) -> None:
+        """A step past `long_rows` (the scheduler keeps to it) fails here, before any process runs
+        it, rather than computing rows the family's layout has no room for."""
+        bound = min(layout.max_row_len or layout.num_tokens, layout.num_tokens)
+        if not self.limit_long_rows or layout.verify_positions or bound <= SHORT_ROW:
             return
         limit = long_rows(layout.num_tokens, layout.num_rows, bound)
         offset, (rows,) = layout.offsets()[0]["row_lens"]
