@@ -436,6 +436,7 @@ def run_decode(engine, timer, rng, batch: int, args, chunk: int) -> dict:
         decode_steps_per_dispatch=tokens / max(1, batch * args.decode_steps),
         ms_per_step_median=1e3 * statistics.median(step_s),
         ms_per_step_mean=1e3 * total_s / args.decode_steps,
+        ms_per_step_max=1e3 * max(step_s),  # tokens/s counts every step: one slow step shows here
         wait_ms_per_step_median=1e3 * statistics.median(runner_s),
         host_ms_per_step_median=1e3 * statistics.median(s - r for s, r in zip(step_s, runner_s)),
         host_phases_ms_median=timer.take_phases(),
@@ -908,7 +909,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - the probe is a diagnostic; never lose the run for it
             d["attention_probe_error"] = f"{type(e).__name__}: {e}"
         res["decode"].append(d)
-        log(f"  {d['tokens_per_s']:.1f} tokens/s, {d['ms_per_step_median']:.2f} ms/step "
+        log(f"  {d['tokens_per_s']:.1f} tokens/s, {d['ms_per_step_median']:.2f} ms/step (slowest {d['ms_per_step_max']:.1f}) "
             f"(waiting on device {d['wait_ms_per_step_median']:.2f}, attention est. {d.get('attention_ms_per_step_est', float('nan')):.2f}), "
             f"fill {d['fill_s']:.1f}s/{d['fill_steps']} steps")
         add_rooflines(res)
