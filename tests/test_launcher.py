@@ -747,8 +747,8 @@ class Squatters:
 
 def _hung_up(sock: socket.socket) -> bool:
     try:
-        while chunk := sock.recv(4096, socket.MSG_DONTWAIT):  # the greeting, if unread
-            del chunk
+        while sock.recv(4096, socket.MSG_DONTWAIT):  # the greeting, if unread
+            pass
         return True
     except BlockingIOError:
         return False

@@ -162,7 +162,7 @@ def test_steps_in_flight_hold_disjoint_requests_one_per_stage(pipe_engine, demo_
     prompts = [[3 + i, 9, 27, 81 % 97, i] for i in range(6)]
     rids = [engine.submit(p, greedy) for p in prompts]
     steps_before = runner.clock.stats(0)["steps"]
-    most_in_flight, dispatched = 0, 0
+    most_in_flight = 0
     while engine.has_unfinished():
         engine.step()
         in_flight = [[row.request.id for row in rows] for rows, _ in engine._inflight]

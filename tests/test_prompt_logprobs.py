@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_hybrid import SHALLOW, build_model, double, hf_logits, save  # noqa: E402
+from hf_hybrid import SHALLOW, build_model, double, save  # noqa: E402
 from hf_models import log_softmax, make_hf_checkpoint  # noqa: E402
 
 from jtp.config.engine_args import EngineArgs  # noqa: E402
