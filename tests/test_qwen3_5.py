@@ -309,7 +309,8 @@ def fused_decode_inputs(rng, T=4, Hk=2, ratio=3, dk=32, dv=64, taps=4, slots=10)
 
 def test_fused_decode_matches_numpy():
     """A DeltaNet layer's decode token in the two GPU kernels (interpreted here) against float64
-    numpy; every slot nobody writes keeps its bytes (the pools are updated in place)."""
+    numpy; every slot nobody writes keeps its bytes (the pools are updated in place), the scratch
+    slot too: padding rows move no state."""
     import jax
     import jax.numpy as jnp
 
@@ -334,10 +335,12 @@ def test_fused_decode_matches_numpy():
         text = str(step.trace(*parts, *rest).jaxpr)
         assert "jtp_conv_update" in text and "jtp_delta_rule_step" in text
         o, states, pool = step(*parts, *rest)
-        real = slice(0, 4)  # padding rows' outputs are discarded, their writes go to the scratch slot
+        real = slice(0, 4)  # the two padding rows: zeros out, no state read or written
         np.testing.assert_allclose(np.asarray(o)[real], want_o[real], rtol=2e-5, atol=2e-5)
-        for got, want in zip((*states, pool), (*want_states, want_pool)):
+        assert not np.asarray(o)[4:].any()
+        for got, want, before in zip((*states, pool), (*want_states, want_pool), (*args[6], args[9])):
             np.testing.assert_allclose(np.asarray(got)[:-1], want[:-1], rtol=2e-5, atol=2e-5)
+            np.testing.assert_array_equal(np.asarray(got)[-1], before[-1])  # the scratch slot: untouched
 
 
 def test_fused_decode_lowers_to_triton_and_splits_heads_under_tp():
@@ -442,6 +445,28 @@ def test_gpu_kernels_match_hf(tmp_path, monkeypatch):
         ref = hh.hf_logits(model64, prompt + generated[i][:-1])[len(prompt):]
         assert logprob_error(StepOutput.concat(outputs[i]), ref) < 1e-4, i
         assert [int(t) for t in ref.argmax(-1)] == generated[i][1:], i
+
+
+def test_gpu_kernels_in_a_split_prompt_step_match_hf(tmp_path, monkeypatch):
+    """The GPU path of a prompt step laid out apart (deltanet_rows.SplitRows): two decodes and a
+    one-token prompt through the fused DeltaNet decode kernels (interpreted; five of the eight rows
+    are not theirs), two prompt chunks through the chunked rule, each row's logits against HF."""
+    from jtp.kernels import delta_rule_step
+
+    model = hh.build_model("qwen3_5_text", linear_key_head_dim=16, linear_value_head_dim=32)
+    path, model64 = hh.save(model, tmp_path / "model"), hh.double(model)
+    monkeypatch.setenv("JTP_ATTENTION", "kernel")
+    traced = []
+    kernel = delta_rule_step.delta_rule_step
+    monkeypatch.setattr(delta_rule_step, "delta_rule_step", lambda *a, **kw: traced.append(1) or kernel(*a, **kw))
+    runner, planner = make_runner(path, max_seqs=8), hh.Planner()
+    seqs = {s: tokens(40 + s, n) for s, n in {0: 9, 1: 6, 2: 20, 3: 3, 4: 1}.items()}
+    run_step(runner, planner.plan([(s, s, seqs[s][:-1]) for s in (0, 1)], 32, 8))
+    rows = [(0, 0, seqs[0][-1:]), (1, 1, seqs[1][-1:])] + [(s, s, seqs[s]) for s in (2, 3, 4)]
+    out = run_step(runner, planner.plan(rows, 32, 8))
+    assert traced, "the lone tokens did not take the fused kernel"
+    for b, (s, _, _) in enumerate(rows):
+        assert logprob_error(out.take([b]), hh.hf_logits(model64, seqs[s])[[-1]]) < 1e-4, f"sequence {s}"
 
 
 @pytest.mark.parametrize("C", [1, 2, 3, 17, 64])

@@ -19,15 +19,17 @@ h // r):
     S    = exp(g) S_read;   S += k (beta (v - S^T k))^T;   o = S^T q;   S -> pool[write slot]
 
 program (row, value head, block of value columns) loads its [dk, BV] tile of the state once, keeps
-it in registers and stores it once. A row that is padding (not `valid`) has k = g = beta = 0.
+it in registers and stores it once. A row that is not `valid` (padding, or in a prompt step a row
+of several tokens, which the chunked rule runs) reads and writes no state and outputs zeros: a
+lone prompt's step in a 64-row bucket moves no state for its 63 other rows.
 
 Same functions as the jnp path of jtp/models/qwen3_5.py (`conv_step`, the gates, and
 jtp/models/delta_rule.py's `gated_delta_step` between a gather from the pool and `set_rows`), where
 XLA makes ~15 small kernels of a layer's decode step.
 
 In place: a row's write slot is its own (it read it) or a free one (no other row reads it this
-step; jtp/core/state_pool.py keeps that invariant), and padding rows write the scratch slot, which
-nobody reads; each program reads and writes only its own channels of its own row. Fresh rows do
+step; jtp/core/state_pool.py keeps that invariant), and rows that are not valid write nothing
+(the jnp path writes their state unchanged to the scratch slot, which nobody reads); each program reads and writes only its own channels of its own row. Fresh rows do
 load their tile (of slot 0, possibly while its row rewrites it) but discard it for the zero state,
 so no value used depends on the order in which programs run.
 """
@@ -70,15 +72,20 @@ def _conv_kernel(token_ref, valid_ref, read_ref, fresh_ref, write_ref, *refs, so
     w_refs, state_in, out_refs, state_out = (refs[i * n : (i + 1) * n] for i in range(4))
     b, c = pl.program_id(0), pl.program_id(1)
     taps = w_refs[0].shape[1]
+    valid = valid_ref[b] != 0
     first = 0
     for i, (source, offset) in enumerate(parts):
         count = w_refs[i].shape[0] // block
+        part = (c >= first) & (c < first + count)
 
-        @pl.when((c >= first) & (c < first + count))
+        @pl.when(part & ~valid)
+        def _(i=i, first=first):
+            out_refs[i][b, pl.ds((c - first) * block, block)] = jnp.zeros((block,), out_refs[i].dtype)
+
+        @pl.when(part & valid)
         def _(i=i, source=source, offset=offset, first=first):
             cols = pl.ds((c - first) * block, block)
             x = x_refs[source][token_ref[b], pl.ds(offset + (c - first) * block, block)]
-            x = jnp.where(valid_ref[b] != 0, x, jnp.zeros_like(x))
             fresh = fresh_ref[b] != 0
             slot = read_ref[b]
             prev = [jnp.where(fresh, 0.0, state_in[i][slot, cols, j].astype(jnp.float32)).astype(x.dtype)
@@ -130,23 +137,30 @@ def _step_kernel(token_ref, valid_ref, read_ref, fresh_ref, write_ref, q_ref, k_
     dk = pool_in.shape[2]
     cols = pl.ds(j * COLUMNS, COLUMNS)
     valid = valid_ref[b] != 0
-    t = token_ref[b]
-    key = pl.ds((h // ratio) * dk, dk)
-    q = _l2_normalize(q_ref[b, key].astype(jnp.float32)) * dk**-0.5
-    k = jnp.where(valid, _l2_normalize(k_ref[b, key].astype(jnp.float32)), 0.0)
-    beta = jnp.where(valid, jax.nn.sigmoid(gate_refs[b_part[0]][t, b_part[1] + h].astype(jnp.float32)), 0.0)
-    z = gate_refs[a_part[0]][t, a_part[1] + h].astype(jnp.float32) + dt_bias_ref[h].astype(jnp.float32)
-    softplus = jnp.maximum(z, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(z)))
-    g = jnp.where(valid, -jnp.exp(a_log_ref[h].astype(jnp.float32)) * softplus, 0.0)
-    v = v_ref[b, pl.ds(h * pool_in.shape[3] + j * COLUMNS, COLUMNS)].astype(jnp.float32)
 
-    state = pool_in[read_ref[b], h, :, cols].astype(jnp.float32)  # [dk, BV]; pool_out is the same buffer
-    state = jnp.where(fresh_ref[b] != 0, 0.0, state)
-    state = jnp.exp(g) * state
-    pred = jnp.sum(state * k[:, None], axis=0)  # S^T k, [BV]
-    state = state + k[:, None] * (beta * (v - pred))[None, :]
-    o_ref[b, h, cols] = jnp.sum(state * q[:, None], axis=0)
-    pool_out[write_ref[b], h, :, cols] = state.astype(pool_out.dtype)
+    @pl.when(~valid)
+    def _():
+        o_ref[b, h, cols] = jnp.zeros((COLUMNS,), o_ref.dtype)
+
+    @pl.when(valid)
+    def _():
+        t = token_ref[b]
+        key = pl.ds((h // ratio) * dk, dk)
+        q = _l2_normalize(q_ref[b, key].astype(jnp.float32)) * dk**-0.5
+        k = _l2_normalize(k_ref[b, key].astype(jnp.float32))
+        beta = jax.nn.sigmoid(gate_refs[b_part[0]][t, b_part[1] + h].astype(jnp.float32))
+        z = gate_refs[a_part[0]][t, a_part[1] + h].astype(jnp.float32) + dt_bias_ref[h].astype(jnp.float32)
+        softplus = jnp.maximum(z, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(z)))
+        g = -jnp.exp(a_log_ref[h].astype(jnp.float32)) * softplus
+        v = v_ref[b, pl.ds(h * pool_in.shape[3] + j * COLUMNS, COLUMNS)].astype(jnp.float32)
+
+        state = pool_in[read_ref[b], h, :, cols].astype(jnp.float32)  # [dk, BV]; pool_out is the same buffer
+        state = jnp.where(fresh_ref[b] != 0, 0.0, state)
+        state = jnp.exp(g) * state
+        pred = jnp.sum(state * k[:, None], axis=0)  # S^T k, [BV]
+        state = state + k[:, None] * (beta * (v - pred))[None, :]
+        o_ref[b, h, cols] = jnp.sum(state * q[:, None], axis=0)
+        pool_out[write_ref[b], h, :, cols] = state.astype(pool_out.dtype)
 
 
 def delta_rule_step(q, k, v, sources, a_part, b_part, a_log, dt_bias, pool, token, valid, read_slots, fresh,
