@@ -415,18 +415,25 @@ def test_which_decode_steps_take_the_fused_kernels():
     assert not fused_decode_supported(PagedAttention("kernel", mesh), 16, 32, 3, 48, 48, 192)  # 3 key heads on 2
 
 
-def test_gpu_kernels_match_hf(tmp_path, monkeypatch):
-    """The GPU path (Pallas kernels, interpreted off-GPU) through the serving step: decode steps of two
-    sequences and two padding rows run the fused DeltaNet decode step and the attention kernels, and
-    agree with HF. (DeltaNet head dims the kernel tiles: powers of two, 32 value columns or more.)"""
+def gpu_path_model(tmp_path, monkeypatch):
+    """A tiny hybrid whose DeltaNet head dims the kernels tile (powers of two, 32 value columns or
+    more), the kernel path switched on (interpreted off-GPU): (its path, its float64 HF copy, a list
+    that grows each time the fused DeltaNet step kernel is traced)."""
     from jtp.kernels import delta_rule_step
 
     model = hh.build_model("qwen3_5_text", linear_key_head_dim=16, linear_value_head_dim=32)
-    path, model64 = hh.save(model, tmp_path / "model"), hh.double(model)
     monkeypatch.setenv("JTP_ATTENTION", "kernel")
     traced = []
     kernel = delta_rule_step.delta_rule_step
     monkeypatch.setattr(delta_rule_step, "delta_rule_step", lambda *a, **kw: traced.append(1) or kernel(*a, **kw))
+    return hh.save(model, tmp_path / "model"), hh.double(model), traced
+
+
+def test_gpu_kernels_match_hf(tmp_path, monkeypatch):
+    """The GPU path (Pallas kernels, interpreted off-GPU) through the serving step: decode steps of two
+    sequences and two padding rows run the fused DeltaNet decode step and the attention kernels, and
+    agree with HF. (DeltaNet head dims the kernel tiles: powers of two, 32 value columns or more.)"""
+    path, model64, traced = gpu_path_model(tmp_path, monkeypatch)
     runner = make_runner(path)
     assert runner.attention.impl == "kernel"
     prompts = [tokens(20, 12), tokens(21, 7)]
@@ -451,14 +458,7 @@ def test_gpu_kernels_in_a_split_prompt_step_match_hf(tmp_path, monkeypatch):
     """The GPU path of a prompt step laid out apart (deltanet_rows.SplitRows): two decodes and a
     one-token prompt through the fused DeltaNet decode kernels (interpreted; five of the eight rows
     are not theirs), two prompt chunks through the chunked rule, each row's logits against HF."""
-    from jtp.kernels import delta_rule_step
-
-    model = hh.build_model("qwen3_5_text", linear_key_head_dim=16, linear_value_head_dim=32)
-    path, model64 = hh.save(model, tmp_path / "model"), hh.double(model)
-    monkeypatch.setenv("JTP_ATTENTION", "kernel")
-    traced = []
-    kernel = delta_rule_step.delta_rule_step
-    monkeypatch.setattr(delta_rule_step, "delta_rule_step", lambda *a, **kw: traced.append(1) or kernel(*a, **kw))
+    path, model64, traced = gpu_path_model(tmp_path, monkeypatch)
     runner, planner = make_runner(path, max_seqs=8), hh.Planner()
     seqs = {s: tokens(40 + s, n) for s, n in {0: 9, 1: 6, 2: 20, 3: 3, 4: 1}.items()}
     run_step(runner, planner.plan([(s, s, seqs[s][:-1]) for s in (0, 1)], 32, 8))
