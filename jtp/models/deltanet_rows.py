@@ -44,32 +44,33 @@ class SplitRows(NamedTuple):
     single: jax.Array
 
 
-def row_layout(meta: AttentionMetadata, num_tokens: int, length: int, num_slots: int, rows=None) -> RowLayout:
-    """The [B, L] layout of meta's rows, or of the rows `rows` = (index [P], taken [P]) into them
-    (untaken entries are empty rows: no tokens, they write the scratch slot)."""
+def row_layout(meta: AttentionMetadata, num_tokens: int, length: int, num_slots: int, idx=None,
+               taken=None) -> RowLayout:
+    """The [B, L] layout of meta's rows, or of the rows `idx` [P] among them; with `taken` ([B], or
+    [P] with idx) the entries not taken are empty rows: no tokens, they write the scratch slot."""
     t = jnp.arange(length)
     B = meta.row_starts.shape[0]
-    idx, taken = rows if rows is not None else (jnp.arange(B), jnp.ones(B, bool))
-    lens = jnp.where(taken, meta.row_lens[idx], 0)
-    gather = jnp.clip(meta.row_starts[idx][:, None] + t[None, :], 0, num_tokens - 1)
+    pick = (lambda a: a) if idx is None else (lambda a: a[idx])  # noqa: E731
+    lens = pick(meta.row_lens) if taken is None else jnp.where(taken, pick(meta.row_lens), 0)
+    gather = jnp.clip(pick(meta.row_starts)[:, None] + t[None, :], 0, num_tokens - 1)
     valid = t[None, :] < lens[:, None]
-    real = (lens > 0) & (meta.state_writes[idx] >= 0)
+    real = (lens > 0) & (pick(meta.state_writes) >= 0)
     token_row = jnp.clip(meta.token_rows, 0, B - 1)
     token_t = jnp.clip(jnp.arange(num_tokens) - meta.row_starts[token_row], 0, length - 1)
-    if rows is not None:  # each token's entry of idx: its row's rank among the taken rows
+    if idx is not None:  # each token's entry of idx: its row's rank among the chosen rows
         rank = jnp.zeros(B, jnp.int32).at[idx].set(jnp.arange(idx.shape[0], dtype=jnp.int32))
         token_row = rank[token_row]
-    keeps = None if meta.state_keeps is None else meta.state_keeps[idx]
+    keeps = None if meta.state_keeps is None else pick(meta.state_keeps)
     return RowLayout(
         gather=gather,
         valid=valid,
-        fresh=meta.state_reads[idx] < 0,
-        read_slots=jnp.clip(meta.state_reads[idx], 0, num_slots - 1),
-        write_slots=jnp.where(real, meta.state_writes[idx], num_slots - 1),
+        fresh=pick(meta.state_reads) < 0,
+        read_slots=jnp.clip(pick(meta.state_reads), 0, num_slots - 1),
+        write_slots=jnp.where(real, pick(meta.state_writes), num_slots - 1),
         token_row=token_row,
         token_t=token_t,
         keep_slots=None if keeps is None else jnp.where(real & (keeps >= 0), keeps, num_slots - 1),
-        keep_lens=None if meta.keep_lens is None else meta.keep_lens[idx],
+        keep_lens=None if meta.keep_lens is None else pick(meta.keep_lens),
     )
 
 
@@ -89,9 +90,9 @@ def deltanet_rows(meta: AttentionMetadata, num_tokens: int, length: int, num_slo
         return row_layout(meta, num_tokens, length, num_slots)
     several = meta.row_lens > 1
     many = jnp.argsort(~several, stable=True)[:P].astype(jnp.int32)  # the rows of several tokens, in order
-    one = row_layout(meta, num_tokens, 1, num_slots, (jnp.arange(B), meta.row_lens == 1))
+    one = row_layout(meta, num_tokens, 1, num_slots, taken=meta.row_lens == 1)
     return SplitRows(
-        many=row_layout(meta, num_tokens, length, num_slots, (many, several[many])),
+        many=row_layout(meta, num_tokens, length, num_slots, many, several[many]),
         one=one,
         single=meta.row_lens[one.token_row] == 1,
     )
