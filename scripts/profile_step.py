@@ -1,7 +1,8 @@
-"""Where a decode step's time goes: the host's phases and the device's kernels, from one run.
+"""Where a decode (or prompt) step's time goes: the host's phases and the device's kernels, from one run.
 
     python scripts/profile_step.py --model DIR [--tp 1] [--batch 1] [--context 1024] [--steps 24]
                                    [--num-scheduler-steps K] [--dtype bfloat16] [--out DIR] [--json FILE]
+                                   [--prefill [--chunk TOKENS]]
 
 B requests of `--context` random tokens are prefilled, then `--steps` decode steps run through the
 engine's real `step()` twice:
@@ -12,7 +13,8 @@ engine's real `step()` twice:
    step, the largest kernels) and the host's own XLA events (argument parsing, input handling).
 
 The table says which side bounds a step: a device busy for less than the step's wall time waits
-for the host. With `--num-scheduler-steps K` each engine step is one dispatch of K decode steps: the
+for the host. With `--prefill` the steps are those that prefill B prompts of `--context` tokens
+(`--chunk` tokens a step), after one such batch has compiled them. With `--num-scheduler-steps K` each engine step is one dispatch of K decode steps: the
 host phases are per dispatch, the device's figures per decode step (kernels and busy time / K).
 """
 
@@ -115,7 +117,8 @@ def summarize_trace(events: list[dict], names: dict[int, str], steps: int, top: 
 def markdown(res: dict) -> str:
     h = res["host_ms"]
     lines = [
-        f"# profile_step: {res['model']} tp={res['tp']} B={res['batch']} context {res['context']}"
+        f"# profile_step: {res['model']} tp={res['tp']} B={res['batch']} "
+        f"{'prompts of %d tokens, %d a step' % (res['context'], res['chunk']) if res.get('prefill') else 'context %d' % res['context']}"
         f"{' K=%d' % res['num_scheduler_steps'] if res.get('num_scheduler_steps', 1) > 1 else ''} ({res['device']})",
         "",
         f"`{res['command']}`" + (f" with XLA_FLAGS=`{res['xla_flags']}`" if res.get("xla_flags") else ""),
@@ -149,6 +152,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per dispatch (the device loop)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="profile prompt steps instead: B prompts of --context tokens, --chunk tokens a step")
+    ap.add_argument("--chunk", type=int, default=None, help="token budget per step (default max(512, 2 B); --prefill: context)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=Path("/tmp/jtp-profile"))
     ap.add_argument("--json", type=Path, default=None)
@@ -169,7 +175,7 @@ def main(argv=None) -> int:
     from jtp.core.sampling_params import SamplingParams
     from jtp.engine.engine import Engine
 
-    chunk = max(512, 2 * args.batch)
+    chunk = args.chunk or (args.context if args.prefill else max(512, 2 * args.batch))
     longest = args.context + 3 * args.steps * args.num_scheduler_steps + 64
     engine = Engine.from_args(EngineArgs(
         model=str(args.model), tensor_parallel_size=args.tp, dtype=args.dtype, max_num_seqs=args.batch,
@@ -178,22 +184,43 @@ def main(argv=None) -> int:
         load_format=args.load_format, quantization=args.quantization, num_scheduler_steps=args.num_scheduler_steps))
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=3 * args.steps * args.num_scheduler_steps + 32, temperature=0.0, ignore_eos=True)
-    rids = [engine.submit(rng.integers(0, engine.cfg.vocab_size, args.context).tolist(), params)
-            for _ in range(args.batch)]
-    outs = [engine.outputs.stream(r) for r in rids]
-    while any(not o.request.output_ids for o in outs):  # prefill
-        engine.step()
+
+    def submit_all():
+        rids = [engine.submit(rng.integers(0, engine.cfg.vocab_size, args.context).tolist(), params)
+                for _ in range(args.batch)]
+        return rids, [engine.outputs.stream(r) for r in rids]
+
+    def prefilled(outs):
+        return all(o.request.output_ids for o in outs)
+
+    rids, outs = submit_all()
     timer = PhaseTimer(engine)
-    for _ in range(4):  # compiled, steady
-        engine.step()
-    for _ in range(args.steps):
-        timer.step(engine)
-        if args.sync:
-            jax.block_until_ready(engine.runner.sampled)
+    if args.prefill:  # steps = the prompt steps of one batch; the first batch compiles, the second is timed
+        for r in range(2):
+            steps = 0
+            while not prefilled(outs):
+                if r:
+                    timer.step(engine)
+                else:
+                    engine.step()
+                steps += 1
+            for rid in rids:
+                engine.abort(rid)
+            rids, outs = submit_all()
+        args.steps, args.num_scheduler_steps = steps, 1
+    else:
+        while not prefilled(outs):
+            engine.step()
+        for _ in range(4):  # compiled, steady
+            engine.step()
+        for _ in range(args.steps):
+            timer.step(engine)
+            if args.sync:
+                jax.block_until_ready(engine.runner.sampled)
     res = {
         "command": " ".join(["scripts/profile_step.py", *(argv if argv is not None else sys.argv[1:])]),
         "model": Path(args.model).name, "tp": args.tp, "batch": args.batch, "context": args.context, "sync": args.sync,
-        "num_scheduler_steps": args.num_scheduler_steps,
+        "num_scheduler_steps": args.num_scheduler_steps, "prefill": args.prefill, "chunk": chunk,
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "jax": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "host_ms": timer.medians_ms(),
     }
@@ -203,6 +230,8 @@ def main(argv=None) -> int:
             if args.sync:
                 jax.block_until_ready(engine.runner.sampled)
         jax.block_until_ready(engine.runner.sampled)
+    if args.prefill and not prefilled(outs):
+        res["trace_error"] = "the traced steps did not finish the prompts"
     try:
         res["trace"] = summarize_trace(*trace_events(args.out), args.steps * args.num_scheduler_steps, args.top)
     except (FileNotFoundError, KeyError, ValueError) as e:

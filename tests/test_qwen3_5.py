@@ -261,6 +261,40 @@ def test_single_step_rule_equals_chunked_rule():
         assert rel(states[n][b], kept[b]) < 1e-5, f"row {b}: state after {n} tokens"
 
 
+def test_chunked_rule_skips_chunks_past_each_rows_end():
+    """Given each row's length and a bound on their sum, the chunked rule computes only the chunks
+    that hold tokens (10 of 12 here): its outputs, final and kept states equal the recurrence's."""
+    import jax
+    import jax.numpy as jnp
+
+    from jtp.models.delta_rule import chunked_gated_delta_rule, gated_delta_step
+
+    B, L, H, dk, dv, C = 3, 16, 2, 4, 5, 4
+    lens = jnp.array([16, 3, 6], jnp.int32)
+    ks = jax.random.split(jax.random.PRNGKey(1), 6)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q, k = unit(jax.random.normal(ks[0], (B, L, H, dk))), unit(jax.random.normal(ks[1], (B, L, H, dk)))
+    v = jax.random.normal(ks[2], (B, L, H, dv))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, L, H)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, L, H)))
+    S0 = jax.random.normal(ks[5], (B, H, dk, dv))
+    pad = jnp.arange(L)[None, :] >= lens[:, None]
+    k, g, beta = jnp.where(pad[..., None, None], 0.0, k), jnp.where(pad[..., None], 0.0, g), jnp.where(pad[..., None], 0.0, beta)
+    keep_lens = jnp.array([10, 2, 0], jnp.int32)
+    rule = jax.jit(chunked_gated_delta_rule, static_argnames=("chunk", "max_tokens"))
+    o, S_end, kept = rule(q, k, v, g, beta, S0, chunk=C, keep_lens=keep_lens, row_lens=lens, max_tokens=25)
+    S, states, outs = S0, [S0], []
+    for t in range(L):
+        o_t, S = gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
+        outs.append(o_t)
+        states.append(S)
+    real = ~pad[..., None, None]
+    assert rel(jnp.where(real, jnp.stack(outs, 1), 0.0), jnp.where(real, o, 0.0)) < 1e-5
+    assert rel(S, S_end) < 1e-5
+    for b, n in enumerate(keep_lens.tolist()):
+        assert rel(states[n][b], kept[b]) < 1e-5, f"row {b}: state after {n} tokens"
+
+
 def numpy_fused_decode(q, k, v, a, b, weights, states, a_log, dt_bias, pool, rows, ratio):
     """float64 numpy of a DeltaNet decode token (conv update, gates, l2norms, recurrence) per row."""
     token, valid, read, fresh, write = rows

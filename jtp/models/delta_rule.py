@@ -11,6 +11,8 @@ on GPUs (`fused_decode`, jtp/kernels/delta_rule_step.py).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -21,7 +23,7 @@ from jtp.models.attention import PagedAttention, set_rows
 _HIGHEST = jax.lax.Precision.HIGHEST  # the recurrence is fp32 math; no TF32 shortcuts on GPUs
 
 
-def unit_lower_inverse(A: jax.Array) -> jax.Array:
+def unit_lower_inverse(A: jax.Array, precision=_HIGHEST) -> jax.Array:
     """(I + A)^-1 for strictly lower-triangular A [..., C, C]. A is nilpotent (A^C = 0), so
     (I + A)^-1 = sum_j (-A)^j = (I - A)(I + A^2)(I + A^4)...: about 2 log2(C) matmuls, no solve.
     Why not lax.linalg.triangular_solve: a solve is sequential where matmuls run on tensor cores,
@@ -29,64 +31,93 @@ def unit_lower_inverse(A: jax.Array) -> jax.Array:
     eye = jnp.eye(A.shape[-1], dtype=A.dtype)
     inverse, power = eye - A, A
     for _ in range(max(0, (A.shape[-1] - 1).bit_length() - 1)):
-        power = jnp.matmul(power, power, precision=_HIGHEST)  # A^2, A^4, ...
-        inverse = jnp.matmul(inverse, eye + power, precision=_HIGHEST)
+        power = jnp.matmul(power, power, precision=precision)  # A^2, A^4, ...
+        inverse = jnp.matmul(inverse, eye + power, precision=precision)
     return inverse
 
 
-def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int, keep_lens=None):
-    """The gated delta rule over [B, L] rows, `chunk` tokens at a time (reference §2 step 7).
+def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int, keep_lens=None, row_lens=None,
+                             max_tokens: int | None = None, precision=_HIGHEST):
+    """The gated delta rule over [B, L] rows, `chunk` tokens at a time (reference §2 step 7), in
+    its chunkwise-parallel form: everything a chunk computes from its own tokens (the intra-chunk
+    system, its solve, the masked q k^T) runs for all chunks at once, and only the state is carried
+    from chunk to chunk (two matmuls a chunk, all rows together).
 
     q, k [B, L, H, dk]; v [B, L, H, dv]; g (log decay), beta [B, L, H]; state [B, H, dk, dv];
     all fp32, L a multiple of chunk. Padding tokens must have k = g = beta = 0 (no-ops).
+    Given row_lens [B] (tokens per row) and max_tokens (a static bound on their sum), the per-chunk
+    work skips chunks past a row's end: it runs on ceil(max_tokens / chunk) + B chunks, not B L / chunk.
     Returns o [B, L, H, dv], the final state and, given keep_lens [B], the state after each
     row's first keep_lens[b] tokens (else None).
     """
     B, L, H, dk = k.shape
-    n = L // chunk
+    n, C = L // chunk, chunk
+    einsum = functools.partial(jnp.einsum, precision=precision)
 
-    def chunks(x):  # [B, L, H, ...] -> [n, B, H, chunk, ...]
-        x = x.reshape(B, n, chunk, H, *x.shape[3:])
-        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
+    def chunks(x):  # [B, L, H, ...] -> [B n, H, C, ...]: one entry per chunk, rows' chunks in order
+        x = jnp.swapaxes(x.reshape(B, n, C, H, *x.shape[3:]), 2, 3)
+        return x.reshape(B * n, H, C, *x.shape[4:])
 
-    causal = jnp.tril(jnp.ones((chunk, chunk), bool))  # j <= i
-    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)  # j < i
+    live = B * n if row_lens is None or max_tokens is None else min(B * n, -(-max_tokens // C) + B)
+    idx = None
+    if live < B * n:  # the live chunks first (in order), then enough empty ones to fill `live`
+        is_live = (jnp.arange(n)[None, :] * C < row_lens[:, None]).reshape(B * n)
+        idx = jnp.argsort(~is_live, stable=True)[:live]
 
-    def step(carry, c):
-        S, kept = carry
-        q, k, v, g, beta, first = c  # [B, H, C, d] / [B, H, C]; first: the chunk's first index
-        gamma = jnp.cumsum(g, axis=-1)
-        # exp(gamma_i - gamma_j) for j <= i; masked before exp so nothing overflows.
-        decay = jnp.exp(jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
-        kb = k * beta[..., None]
-        A = jnp.einsum("bhid,bhjd->bhij", kb, k, precision=_HIGHEST) * jnp.where(strict, decay, 0.0)
-        # (I + A) [U | W] = [beta v | beta k e^gamma]: forward substitution in one solve.
-        rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gamma)[..., None]], axis=-1)
-        UW = jnp.einsum("bhij,bhjd->bhid", unit_lower_inverse(A), rhs, precision=_HIGHEST)
-        U, W = UW[..., : v.shape[-1]], UW[..., v.shape[-1] :]
-        V_new = U - jnp.einsum("bhik,bhkv->bhiv", W, S, precision=_HIGHEST)
-        P = jnp.einsum("bhid,bhjd->bhij", q, k, precision=_HIGHEST) * decay
-        o = jnp.einsum("bhik,bhkv->bhiv", q * jnp.exp(gamma)[..., None], S, precision=_HIGHEST)
-        o = o + jnp.einsum("bhij,bhjv->bhiv", P, V_new, precision=_HIGHEST)
-        if keep_lens is not None:  # the state after token m of this chunk: S_m from S as S_C below
-            m = keep_lens - 1 - first  # [B]
-            gamma_m = jnp.take_along_axis(gamma, jnp.clip(m, 0, chunk - 1)[:, None, None], axis=-1)  # [B, H, 1]
-            upto = (jnp.arange(chunk) <= m[:, None])[:, None, :]  # [B, 1, C]
-            weight = jnp.where(upto, jnp.exp(jnp.where(upto, gamma_m - gamma, 0.0)), 0.0)
-            S_m = jnp.exp(gamma_m)[..., None] * S + jnp.einsum(
-                "bhjk,bhjv->bhkv", k * weight[..., None], V_new, precision=_HIGHEST
-            )
-            here = ((m >= 0) & (m < chunk))[:, None, None, None]
-            kept = jnp.where(here, S_m, kept)
-        last = gamma[..., -1:]
-        S = jnp.exp(last)[..., None] * S + jnp.einsum(
-            "bhjk,bhjv->bhkv", k * jnp.exp(last - gamma)[..., None], V_new, precision=_HIGHEST
-        )
-        return (S, kept), o
+    def take(x):  # [B n, ...] -> [live, ...]
+        return x if idx is None else x[idx]
 
-    xs = tuple(chunks(x) for x in (q, k, v, g, beta)) + (jnp.arange(n) * chunk,)
-    (state, kept), o = jax.lax.scan(step, (state, state if keep_lens is not None else None), xs)
-    o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, L, H, -1)  # [n, B, H, C, dv] -> [B, L, H, dv]
+    def spread(x):  # [live, ...] -> [B, n, ...]; the chunks not taken are zero
+        if idx is not None:
+            x = jnp.zeros((B * n, *x.shape[1:]), x.dtype).at[idx].set(x)
+        return x.reshape(B, n, *x.shape[1:])
+
+    # Per chunk, from its own tokens alone ([live, H, C, ...]).
+    q_, k_, v_, g_, beta_ = (take(chunks(x)) for x in (q, k, v, g, beta))
+    causal = jnp.tril(jnp.ones((C, C), bool))  # j <= i
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)  # j < i
+    gamma = jnp.cumsum(g_, axis=-1)
+    # exp(gamma_i - gamma_j) for j <= i; masked before exp so nothing overflows.
+    decay = jnp.exp(jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
+    kb = k_ * beta_[..., None]
+    A = einsum("nhid,nhjd->nhij", kb, k_) * jnp.where(strict, decay, 0.0)
+    # (I + A) [U | W] = [beta v | beta k e^gamma]: forward substitution in one solve.
+    rhs = jnp.concatenate([v_ * beta_[..., None], kb * jnp.exp(gamma)[..., None]], axis=-1)
+    UW = einsum("nhij,nhjd->nhid", unit_lower_inverse(A, precision), rhs)
+    U, W = UW[..., : v.shape[-1]], UW[..., v.shape[-1] :]
+    last = gamma[..., -1]  # [live, H]
+    k_out = k_ * jnp.exp(last[..., None] - gamma)[..., None]  # what each key adds to the chunk's end state
+
+    # From chunk to chunk: S' = e^last S + k_out^T (U - W S), for all rows at once.
+    def step(S, c):
+        U, W, k_out, last = c
+        new_values = U - einsum("bhck,bhkv->bhcv", W, S)
+        return jnp.exp(last)[..., None, None] * S + einsum("bhck,bhcv->bhkv", k_out, new_values), S
+
+    xs = tuple(jnp.moveaxis(spread(x), 1, 0) for x in (U, W, k_out, last))  # [n, B, ...]
+    state, starts = jax.lax.scan(step, state, xs)  # starts: the state each chunk starts from [n, B, ...]
+    starts = jnp.moveaxis(starts, 0, 1)  # [B, n, H, dk, dv]
+
+    S = take(starts.reshape(B * n, H, dk, -1))
+    new_values = U - einsum("nhck,nhkv->nhcv", W, S)
+    o = einsum("nhik,nhkv->nhiv", q_ * jnp.exp(gamma)[..., None], S)
+    o = o + einsum("nhij,nhjv->nhiv", einsum("nhid,nhjd->nhij", q_, k_) * decay, new_values)
+    o = jnp.swapaxes(spread(o), 2, 3).reshape(B, L, H, -1)  # [B, n, H, C, dv] -> [B, L, H, dv]
+
+    kept = None
+    if keep_lens is not None:  # the state after token m = keep_lens - 1, from its chunk's start state
+        m = keep_lens - 1
+        c = jnp.clip(m // C, 0, n - 1)
+        pick = jnp.arange(B) * n + c  # that chunk of each row
+        gamma_c = jnp.cumsum(chunks(g)[pick], axis=-1)  # [B, H, C]
+        pos = jnp.clip(m - c * C, 0, C - 1)
+        gamma_m = jnp.take_along_axis(gamma_c, pos[:, None, None], axis=-1)  # [B, H, 1]
+        upto = (jnp.arange(C) <= pos[:, None])[:, None, :]  # [B, 1, C]
+        weight = jnp.where(upto, jnp.exp(jnp.where(upto, gamma_m - gamma_c, 0.0)), 0.0)
+        start = starts[jnp.arange(B), c]
+        values = spread(U)[jnp.arange(B), c] - einsum("bhck,bhkv->bhcv", spread(W)[jnp.arange(B), c], start)
+        S_m = jnp.exp(gamma_m)[..., None] * start + einsum("bhck,bhcv->bhkv", chunks(k)[pick] * weight[..., None], values)
+        kept = jnp.where((m >= 0)[:, None, None, None], S_m, starts[:, 0])
     return o, state, kept
 
 

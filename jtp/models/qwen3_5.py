@@ -222,7 +222,7 @@ def deltanet_mixer(p: dict, cfg: ModelConfig, q, k, v, a, b, state: DeltaNetStat
         o = o[:, None]
     else:
         o, final, kept = chunked_gated_delta_rule(q, k, v, g, beta, _slot_state(state.recurrent, rows), chunk,
-                                                  rows.keep_lens)
+                                                  rows.keep_lens, rows.valid.sum(-1), max_tokens=a.shape[0])
         recurrent = set_rows(state.recurrent, rows.write_slots, final)
         if rows.keep_slots is not None:  # (verify rows always have several tokens: never L = 1)
             recurrent = set_rows(recurrent, rows.keep_slots, kept)
