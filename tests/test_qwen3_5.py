@@ -228,6 +228,38 @@ def test_prompt_step_lays_out_its_long_rows_apart(case):
 # ----------------------------------------------------------------------------- per-row padding (query_bound)
 
 
+def delta_rule_inputs(B, L, H, dk, dv, empty, seed):
+    """Random q, k, v, g, beta, state of the gated delta rule; k = g = beta = 0 where empty [B, L]
+    (padding tokens, which must leave the state alone)."""
+    import jax
+    import jax.numpy as jnp
+
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q, k = unit(jax.random.normal(ks[0], (B, L, H, dk))), unit(jax.random.normal(ks[1], (B, L, H, dk)))
+    v = jax.random.normal(ks[2], (B, L, H, dv))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, L, H)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, L, H)))
+    e = empty[..., None]
+    return q, jnp.where(e[..., None], 0.0, k), v, jnp.where(e, 0.0, g), jnp.where(e, 0.0, beta), \
+        jax.random.normal(ks[5], (B, H, dk, dv))
+
+
+def token_by_token(q, k, v, g, beta, S):
+    """The L = 1 recurrence over every token: (outputs [B, L, H, dv], the states after 0..L tokens)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jtp.models.delta_rule import gated_delta_step
+
+    step, outs, states = jax.jit(gated_delta_step), [], [S]
+    for t in range(q.shape[1]):
+        o, S = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
+        outs.append(o)
+        states.append(S)
+    return jnp.stack(outs, 1), states
+
+
 def test_single_step_rule_equals_chunked_rule():
     """The L = 1 decode recurrence, token after token, is the chunked rule over the same tokens;
     and the chunked rule's kept state (a verify row's state before its drafts) is the recurrence's
@@ -235,28 +267,17 @@ def test_single_step_rule_equals_chunked_rule():
     import jax
     import jax.numpy as jnp
 
-    from jtp.models.delta_rule import chunked_gated_delta_rule, gated_delta_step
+    from jtp.models.delta_rule import chunked_gated_delta_rule
 
-    B, L, H, dk, dv = 3, 8, 2, 4, 5
-    ks = jax.random.split(jax.random.PRNGKey(0), 6)
-    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    q, k = unit(jax.random.normal(ks[0], (B, L, H, dk))), unit(jax.random.normal(ks[1], (B, L, H, dk)))
-    v = jax.random.normal(ks[2], (B, L, H, dv))
-    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, L, H)))
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, L, H)))
-    S0 = jax.random.normal(ks[5], (B, H, dk, dv))
+    B, L = 3, 8
     # Row 2 is empty from t = 5 on: k = g = beta = 0 must leave its state alone in both paths.
     pad = (jnp.arange(B)[:, None] == 2) & (jnp.arange(L)[None, :] >= 5)
-    k, g, beta = jnp.where(pad[..., None, None], 0.0, k), jnp.where(pad[..., None], 0.0, g), jnp.where(pad[..., None], 0.0, beta)
+    x = delta_rule_inputs(B, L, 2, 4, 5, pad, seed=0)
     keep_lens = jnp.array([3, 6, 0], jnp.int32)  # in the first chunk, the second, and none at all
-    o_ref, S_ref, kept = jax.jit(chunked_gated_delta_rule, static_argnums=6)(q, k, v, g, beta, S0, 4, keep_lens)
-    S, outs, states, step = S0, [], [S0], jax.jit(gated_delta_step)
-    for t in range(L):
-        o, S = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
-        outs.append(o)
-        states.append(S)
-    assert rel(jnp.stack(outs, 1), o_ref) < 1e-5
-    assert rel(S, S_ref) < 1e-5
+    o_ref, S_ref, kept = jax.jit(chunked_gated_delta_rule, static_argnums=6)(*x, 4, keep_lens)
+    outs, states = token_by_token(*x)
+    assert rel(outs, o_ref) < 1e-5
+    assert rel(states[-1], S_ref) < 1e-5
     for b, n in enumerate(keep_lens.tolist()):
         assert rel(states[n][b], kept[b]) < 1e-5, f"row {b}: state after {n} tokens"
 
@@ -267,30 +288,19 @@ def test_chunked_rule_skips_chunks_past_each_rows_end():
     import jax
     import jax.numpy as jnp
 
-    from jtp.models.delta_rule import chunked_gated_delta_rule, gated_delta_step
+    from jtp.models.delta_rule import chunked_gated_delta_rule
 
-    B, L, H, dk, dv, C = 3, 16, 2, 4, 5, 4
+    B, L = 3, 16
     lens = jnp.array([16, 3, 6], jnp.int32)
-    ks = jax.random.split(jax.random.PRNGKey(1), 6)
-    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    q, k = unit(jax.random.normal(ks[0], (B, L, H, dk))), unit(jax.random.normal(ks[1], (B, L, H, dk)))
-    v = jax.random.normal(ks[2], (B, L, H, dv))
-    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, L, H)))
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, L, H)))
-    S0 = jax.random.normal(ks[5], (B, H, dk, dv))
     pad = jnp.arange(L)[None, :] >= lens[:, None]
-    k, g, beta = jnp.where(pad[..., None, None], 0.0, k), jnp.where(pad[..., None], 0.0, g), jnp.where(pad[..., None], 0.0, beta)
+    x = delta_rule_inputs(B, L, 2, 4, 5, pad, seed=1)
     keep_lens = jnp.array([10, 2, 0], jnp.int32)
     rule = jax.jit(chunked_gated_delta_rule, static_argnames=("chunk", "max_tokens"))
-    o, S_end, kept = rule(q, k, v, g, beta, S0, chunk=C, keep_lens=keep_lens, row_lens=lens, max_tokens=25)
-    S, states, outs = S0, [S0], []
-    for t in range(L):
-        o_t, S = gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
-        outs.append(o_t)
-        states.append(S)
+    o, S_end, kept = rule(*x, chunk=4, keep_lens=keep_lens, row_lens=lens, max_tokens=25)
+    outs, states = token_by_token(*x)
     real = ~pad[..., None, None]
-    assert rel(jnp.where(real, jnp.stack(outs, 1), 0.0), jnp.where(real, o, 0.0)) < 1e-5
-    assert rel(S, S_end) < 1e-5
+    assert rel(jnp.where(real, outs, 0.0), jnp.where(real, o, 0.0)) < 1e-5
+    assert rel(states[-1], S_end) < 1e-5
     for b, n in enumerate(keep_lens.tolist()):
         assert rel(states[n][b], kept[b]) < 1e-5, f"row {b}: state after {n} tokens"
 
