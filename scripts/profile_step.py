@@ -167,6 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                     help="dummy: random weights drawn on the devices from config.json alone")
     args = ap.parse_args(argv)
+    if args.prefill and args.num_scheduler_steps != 1:
+        ap.error("--prefill profiles prompt steps, one a dispatch: leave --num-scheduler-steps at 1")
 
     import jax
     import numpy as np
@@ -183,7 +185,9 @@ def main(argv=None) -> int:
         max_model_len=longest, skip_tokenizer_init=True, enable_prefix_caching=False,
         load_format=args.load_format, quantization=args.quantization, num_scheduler_steps=args.num_scheduler_steps))
     rng = np.random.default_rng(0)
-    params = SamplingParams(max_tokens=3 * args.steps * args.num_scheduler_steps + 32, temperature=0.0, ignore_eos=True)
+    # --prefill: one token each, so no decode row shares a prompt step's budget
+    max_tokens = 1 if args.prefill else 3 * args.steps * args.num_scheduler_steps + 32
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     def submit_all():
         rids = [engine.submit(rng.integers(0, engine.cfg.vocab_size, args.context).tolist(), params)
@@ -235,7 +239,7 @@ def main(argv=None) -> int:
     try:
         res["trace"] = summarize_trace(*trace_events(args.out), args.steps * args.num_scheduler_steps, args.top)
     except (FileNotFoundError, KeyError, ValueError) as e:
-        res["trace_error"] = f"{type(e).__name__}: {e}"
+        res["trace_error"] = "; ".join(filter(None, (res.get("trace_error"), f"{type(e).__name__}: {e}")))
     # Greedy tokens of every request: equal across runs that change only how the step is launched.
     res["tokens_sha256"] = hashlib.sha256(np.asarray([t for o in outs for t in o.request.output_ids], np.int64)).hexdigest()[:16]
     for r in rids:

@@ -58,7 +58,9 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int, keep_lens=None
         x = jnp.swapaxes(x.reshape(B, n, C, H, *x.shape[3:]), 2, 3)
         return x.reshape(B * n, H, C, *x.shape[4:])
 
-    live = B * n if row_lens is None or max_tokens is None else min(B * n, -(-max_tokens // C) + B)
+    live = B * n  # chunks that get the per-chunk work
+    if row_lens is not None and max_tokens is not None:
+        live = min(live, -(-max_tokens // C) + B)  # ceil(tokens / C), plus one part-filled chunk a row
     idx = None
     if live < B * n:  # the live chunks first (in order), then enough empty ones to fill `live`
         is_live = (jnp.arange(n)[None, :] * C < row_lens[:, None]).reshape(B * n)

@@ -221,6 +221,7 @@ def deltanet_mixer(p: dict, cfg: ModelConfig, q, k, v, a, b, state: DeltaNetStat
                                    rows.fresh, rows.write_slots)
         o = o[:, None]
     else:
+        # The step's T flat tokens bound its rows' lengths: rows are disjoint slices of them.
         o, final, kept = chunked_gated_delta_rule(q, k, v, g, beta, _slot_state(state.recurrent, rows), chunk,
                                                   rows.keep_lens, rows.valid.sum(-1), max_tokens=a.shape[0])
         recurrent = set_rows(state.recurrent, rows.write_slots, final)
