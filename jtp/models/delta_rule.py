@@ -96,7 +96,8 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int, keep_lens=None
         new_values = U - einsum("bhck,bhkv->bhcv", W, S)
         return jnp.exp(last)[..., None, None] * S + einsum("bhck,bhcv->bhkv", k_out, new_values), S
 
-    xs = tuple(jnp.moveaxis(spread(x), 1, 0) for x in (U, W, k_out, last))  # [n, B, ...]
+    U_rows, W_rows, k_out_rows, last_rows = (spread(x) for x in (U, W, k_out, last))  # [B, n, ...]
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (U_rows, W_rows, k_out_rows, last_rows))  # [n, B, ...]
     state, starts = jax.lax.scan(step, state, xs)  # starts: the state each chunk starts from [n, B, ...]
     starts = jnp.moveaxis(starts, 0, 1)  # [B, n, H, dk, dv]
 
@@ -109,16 +110,16 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int, keep_lens=None
     kept = None
     if keep_lens is not None:  # the state after token m = keep_lens - 1, from its chunk's start state
         m = keep_lens - 1
-        c = jnp.clip(m // C, 0, n - 1)
-        pick = jnp.arange(B) * n + c  # that chunk of each row
-        gamma_c = jnp.cumsum(chunks(g)[pick], axis=-1)  # [B, H, C]
+        rows, c = jnp.arange(B), jnp.clip(m // C, 0, n - 1)  # that chunk of each row
+        gamma_c = jnp.cumsum(jnp.swapaxes(g.reshape(B, n, C, H)[rows, c], 1, 2), axis=-1)  # [B, H, C]
+        k_c = jnp.swapaxes(k.reshape(B, n, C, H, dk)[rows, c], 1, 2)  # [B, H, C, dk]
         pos = jnp.clip(m - c * C, 0, C - 1)
         gamma_m = jnp.take_along_axis(gamma_c, pos[:, None, None], axis=-1)  # [B, H, 1]
         upto = (jnp.arange(C) <= pos[:, None])[:, None, :]  # [B, 1, C]
         weight = jnp.where(upto, jnp.exp(jnp.where(upto, gamma_m - gamma_c, 0.0)), 0.0)
-        start = starts[jnp.arange(B), c]
-        values = spread(U)[jnp.arange(B), c] - einsum("bhck,bhkv->bhcv", spread(W)[jnp.arange(B), c], start)
-        S_m = jnp.exp(gamma_m)[..., None] * start + einsum("bhck,bhcv->bhkv", chunks(k)[pick] * weight[..., None], values)
+        start = starts[rows, c]
+        values = U_rows[rows, c] - einsum("bhck,bhkv->bhcv", W_rows[rows, c], start)
+        S_m = jnp.exp(gamma_m)[..., None] * start + einsum("bhck,bhcv->bhkv", k_c * weight[..., None], values)
         kept = jnp.where((m >= 0)[:, None, None, None], S_m, starts[:, 0])
     return o, state, kept
 
