@@ -14,8 +14,9 @@ engine's real `step()` twice:
 
 The table says which side bounds a step: a device busy for less than the step's wall time waits
 for the host. With `--prefill` the steps are those that prefill B prompts of `--context` tokens
-(`--chunk` tokens a step), after one such batch has compiled them. With `--num-scheduler-steps K` each engine step is one dispatch of K decode steps: the
-host phases are per dispatch, the device's figures per decode step (kernels and busy time / K).
+(`--chunk` tokens a step), after one such batch has compiled them. With `--num-scheduler-steps K`
+each engine step is one dispatch of K decode steps: the host phases are per dispatch, the device's
+figures per decode step (kernels and busy time / K).
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
             for rid in rids:
                 engine.abort(rid)
             rids, outs = submit_all()
-        args.steps, args.num_scheduler_steps = steps, 1
+        args.steps = steps
     else:
         while not prefilled(outs):
             engine.step()
