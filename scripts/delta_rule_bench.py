@@ -1,13 +1,16 @@
 """Time the chunked gated delta rule alone (a DeltaNet layer's prompt recurrence) at a model's shapes.
 
     PYTHONPATH=. python3 scripts/delta_rule_bench.py [--heads 32 --dk 128 --dv 128] [--rows 4 --length 2048]
-                                                      [--live 1] [--precisions highest,bf16x3,tf32x3]
+                                                      [--live 1] [--precisions highest,bf16x3,tf32x3] [--kernel]
 
 The step layout of a lone `--length`-token prompt among `--rows` rows (`--live` of them hold tokens,
 the rest are empty, as in a split prompt step's [P, L] rows): per precision of the rule's matmuls,
 the device time of one layer's call (median of repeated calls chained in one program) with the
 chunks past each row's end skipped (`row_lens`, as the model calls it) and without, and each
 variant's largest relative error in the live rows' outputs and the final states against the first run.
+--kernel: each variant also with the chunk-to-chunk loop and the outputs as one Pallas kernel
+(`kernel=True`, jtp/kernels/delta_rule_chunks.py; its dots at the kernel's own precision), and the
+largest absolute difference of its outputs (live rows) and final states from the same variant's jnp loop.
 """
 
 from __future__ import annotations
@@ -78,6 +81,10 @@ def rel(a, b):
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
+def absdiff(a, b):
+    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=4)
@@ -90,36 +97,46 @@ def main():
     ap.add_argument("--precisions", default="highest,bf16x3,tf32x3")
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kernel", action="store_true", help="also run each variant with kernel=True")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     x, lens = inputs(args.rows, args.length, args.live, args.heads, args.dk, args.dv)
     tokens = args.live * args.length
-    results, reference = [], None
-    variants = [(name, skip) for name in args.precisions.split(",") for skip in (True, False)]
-    for name, skip in variants:
+    results, reference, jnp_loop = [], None, {}
+    variants = [(name, skip, kernel) for name in args.precisions.split(",") for skip in (True, False)
+                for kernel in ((False, True) if args.kernel else (False,))]
+    for name, skip, kernel in variants:
         fn = functools.partial(chunked_gated_delta_rule, chunk=args.chunk, precision=PRECISIONS[name],
-                               row_lens=lens if skip else None, max_tokens=tokens if skip else None)
+                               row_lens=lens if skip else None, max_tokens=tokens if skip else None, kernel=kernel)
         try:
             o, s, _ = jax.jit(fn)(*x)
             seconds = time_calls(fn, x, args.copies, args.reps)
         except Exception as e:  # a precision this backend does not run
-            results.append(dict(precision=name, skip_empty_chunks=skip, error=f"{type(e).__name__}: {str(e)[:200]}"))
+            results.append(dict(precision=name, skip_empty_chunks=skip, kernel=kernel,
+                                error=f"{type(e).__name__}: {str(e)[:200]}"))
             print(results[-1], flush=True)
             continue
         if reference is None:
             reference = (o, s)
-        results.append(dict(precision=name, skip_empty_chunks=skip, ms=1e3 * seconds,
+        results.append(dict(precision=name, skip_empty_chunks=skip, kernel=kernel, ms=1e3 * seconds,
                             tokens_per_s=tokens / seconds, rel_err_o=rel(o[: args.live], reference[0][: args.live]),
                             rel_err_state=rel(s, reference[1])))
+        if not kernel:
+            jnp_loop[name, skip] = (o, s)
+        elif (name, skip) in jnp_loop:
+            o_jnp, s_jnp = jnp_loop[name, skip]
+            results[-1].update(abs_diff_o=absdiff(o[: args.live], o_jnp[: args.live]), abs_diff_state=absdiff(s, s_jnp))
         print(results[-1], flush=True)
     header = (f"chunked delta rule, rows {args.rows} x {args.length} ({args.live} live), heads {args.heads}, "
               f"dk {args.dk}, dv {args.dv}, chunk {args.chunk}, {jax.devices()[0].device_kind}")
-    print(f"\n{header}\n\n| precision | skip empty chunks | ms per layer | tokens/s | rel err o | rel err state |")
-    print("|---|---|---:|---:|---:|---:|")
+    print(f"\n{header}\n\n| precision | skip empty chunks | kernel | ms per layer | tokens/s | rel err o | "
+          "rel err state | abs diff o / state vs jnp loop |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in results:
         if "ms" in r:
-            print(f"| {r['precision']} | {r['skip_empty_chunks']} | {r['ms']:.3f} | {r['tokens_per_s']:,.0f} | "
-                  f"{r['rel_err_o']:.1e} | {r['rel_err_state']:.1e} |")
+            diff = f"{r['abs_diff_o']:.1e} / {r['abs_diff_state']:.1e}" if "abs_diff_o" in r else ""
+            print(f"| {r['precision']} | {r['skip_empty_chunks']} | {r['kernel']} | {r['ms']:.3f} | "
+                  f"{r['tokens_per_s']:,.0f} | {r['rel_err_o']:.1e} | {r['rel_err_state']:.1e} | {diff} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(setup=header, results=results), f, indent=1)

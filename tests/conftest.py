@@ -56,6 +56,7 @@ MODULE_TIERS = {
     "unit": (
         "test_attention", "test_input_batch", "test_layout", "test_page_pool", "test_sampling", "test_state_pool",
         "test_tokenizer", "test_load_integrity", "test_fused_norm", "test_moe_routing",
+        "test_delta_rule_kernel",
     ),
     "parity": ("test_hf_parity", "test_qwen3_5", "test_prompt_logprobs", "test_fp8", "test_quantize_checkpoint",
                "test_int4", "test_vision", "test_multimodal_engine"),

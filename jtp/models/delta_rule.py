@@ -6,7 +6,8 @@ the Qwen3.5 architecture reference):
 over chunks of a row's tokens (prefill, `chunked_gated_delta_rule`) and one token at a time
 (decode, `gated_delta_step`, with each row's state read from and written to the slot pool:
 `decode_step`); and a layer's whole decode token, conv and gates included, as two Pallas kernels
-on GPUs (`fused_decode`, jtp/kernels/delta_rule_step.py).
+on GPUs (`fused_decode`, jtp/kernels/delta_rule_step.py); and the chunked rule's chunk-to-chunk
+loop as one (`chunked_rule_kernel`, jtp/kernels/delta_rule_chunks.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jtp.kernels import delta_rule_chunks as chunk_kernel
 from jtp.kernels import delta_rule_step as fused
 from jtp.models.attention import PagedAttention, set_rows
 
@@ -37,7 +39,7 @@ def unit_lower_inverse(A: jax.Array, precision=_HIGHEST) -> jax.Array:
 
 
 def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int, keep_lens=None, row_lens=None,
-                             max_tokens: int | None = None, precision=_HIGHEST):
+                             max_tokens: int | None = None, precision=_HIGHEST, kernel: bool = False):
     """The gated delta rule over [B, L] rows, `chunk` tokens at a time (reference §2 step 7), in
     its chunkwise-parallel form: everything a chunk computes from its own tokens (the intra-chunk
     system, its solve, the masked q k^T) runs for all chunks at once, and only the state is carried
@@ -49,9 +51,12 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int, keep_lens=None
     work skips chunks past a row's end: it runs on ceil(max_tokens / chunk) + B chunks, not B L / chunk.
     Returns o [B, L, H, dv], the final state and, given keep_lens [B], the state after each
     row's first keep_lens[b] tokens (else None).
+    kernel: the chunk-to-chunk loop and the outputs in one Pallas kernel
+    (jtp/kernels/delta_rule_chunks.py; Pallas' interpreter off-GPU) where it tiles the shapes.
     """
     B, L, H, dk = k.shape
     n, C = L // chunk, chunk
+    kernel = kernel and chunk_kernel.supported(C, dk, v.shape[-1])
     einsum = functools.partial(jnp.einsum, precision=precision)
 
     def chunks(x):  # [B, L, H, ...] -> [B n, H, C, ...]: one entry per chunk, rows' chunks in order
@@ -90,37 +95,55 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int, keep_lens=None
     last = gamma[..., -1]  # [live, H]
     k_out = k_ * jnp.exp(last[..., None] - gamma)[..., None]  # what each key adds to the chunk's end state
 
-    # From chunk to chunk: S' = e^last S + k_out^T (U - W S), for all rows at once.
-    def step(S, c):
-        U, W, k_out, last = c
-        new_values = U - einsum("bhck,bhkv->bhcv", W, S)
-        return jnp.exp(last)[..., None, None] * S + einsum("bhck,bhcv->bhkv", k_out, new_values), S
+    if kernel:  # the loop and the outputs in one kernel, each row's chunks from its first live one
+        if idx is None:
+            first, count = jnp.arange(B) * n, jnp.full((B,), n)
+        else:
+            count = is_live.reshape(B, n).sum(1)
+            first = jnp.minimum(jnp.cumsum(count) - count, live)
+            count = jnp.minimum(count, live - first)  # never past the live chunks (max_tokens too small)
+        m = keep_lens - 1 if keep_lens is not None else jnp.full((B,), -1)
+        keep = jnp.where(m >= 0, jnp.clip(m // C, 0, n - 1), 0)  # chunk 0 starts from the initial state
+        qk = einsum("nhid,nhjd->nhij", q_, k_) * decay
+        o, state, start = chunk_kernel.chunk_loop(q_ * jnp.exp(gamma)[..., None], qk, U, W, k_out, last, state,
+                                                  first, count, keep, interpret=jax.default_backend() != "gpu")
+        if idx is not None:  # the chunks of no row, which the kernel does not write
+            o = jnp.where((jnp.arange(live) < count.sum())[:, None, None, None], o, 0.0)
+    else:  # from chunk to chunk: S' = e^last S + k_out^T (U - W S), for all rows at once
+        def step(S, c):
+            U, W, k_out, last = c
+            new_values = U - einsum("bhck,bhkv->bhcv", W, S)
+            return jnp.exp(last)[..., None, None] * S + einsum("bhck,bhcv->bhkv", k_out, new_values), S
 
-    U_rows, W_rows, k_out_rows, last_rows = (spread(x) for x in (U, W, k_out, last))  # [B, n, ...]
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (U_rows, W_rows, k_out_rows, last_rows))  # [n, B, ...]
-    state, starts = jax.lax.scan(step, state, xs)  # starts: the state each chunk starts from [n, B, ...]
-    starts = jnp.moveaxis(starts, 0, 1)  # [B, n, H, dk, dv]
+        U_rows, W_rows, k_out_rows, last_rows = (spread(x) for x in (U, W, k_out, last))  # [B, n, ...]
+        xs = tuple(jnp.moveaxis(x, 1, 0) for x in (U_rows, W_rows, k_out_rows, last_rows))  # [n, B, ...]
+        state, starts = jax.lax.scan(step, state, xs)  # starts: the state each chunk starts from [n, B, ...]
+        starts = jnp.moveaxis(starts, 0, 1)  # [B, n, H, dk, dv]
 
-    S = take(starts.reshape(B * n, H, dk, -1))
-    new_values = U - einsum("nhck,nhkv->nhcv", W, S)
-    o = einsum("nhik,nhkv->nhiv", q_ * jnp.exp(gamma)[..., None], S)
-    o = o + einsum("nhij,nhjv->nhiv", einsum("nhid,nhjd->nhij", q_, k_) * decay, new_values)
+        S = take(starts.reshape(B * n, H, dk, -1))
+        new_values = U - einsum("nhck,nhkv->nhcv", W, S)
+        o = einsum("nhik,nhkv->nhiv", q_ * jnp.exp(gamma)[..., None], S)
+        o = o + einsum("nhij,nhjv->nhiv", einsum("nhid,nhjd->nhij", q_, k_) * decay, new_values)
     o = jnp.swapaxes(spread(o), 2, 3).reshape(B, L, H, -1)  # [B, n, H, C, dv] -> [B, L, H, dv]
 
     kept = None
     if keep_lens is not None:  # the state after token m = keep_lens - 1, from its chunk's start state
         m = keep_lens - 1
         rows, c = jnp.arange(B), jnp.clip(m // C, 0, n - 1)  # that chunk of each row
+        if kernel:  # that chunk's U and W where it is live (else zero, as spread makes them)
+            has = (keep < count)[:, None, None, None]
+            U_c, W_c = (jnp.where(has, x[jnp.minimum(first + keep, live - 1)], 0.0) for x in (U, W))
+        else:
+            start, U_c, W_c = starts[rows, c], U_rows[rows, c], W_rows[rows, c]
         gamma_c = jnp.cumsum(jnp.swapaxes(g.reshape(B, n, C, H)[rows, c], 1, 2), axis=-1)  # [B, H, C]
         k_c = jnp.swapaxes(k.reshape(B, n, C, H, dk)[rows, c], 1, 2)  # [B, H, C, dk]
         pos = jnp.clip(m - c * C, 0, C - 1)
         gamma_m = jnp.take_along_axis(gamma_c, pos[:, None, None], axis=-1)  # [B, H, 1]
         upto = (jnp.arange(C) <= pos[:, None])[:, None, :]  # [B, 1, C]
         weight = jnp.where(upto, jnp.exp(jnp.where(upto, gamma_m - gamma_c, 0.0)), 0.0)
-        start = starts[rows, c]
-        values = U_rows[rows, c] - einsum("bhck,bhkv->bhcv", W_rows[rows, c], start)
+        values = U_c - einsum("bhck,bhkv->bhcv", W_c, start)
         S_m = jnp.exp(gamma_m)[..., None] * start + einsum("bhck,bhcv->bhkv", k_c * weight[..., None], values)
-        kept = jnp.where((m >= 0)[:, None, None, None], S_m, starts[:, 0])
+        kept = jnp.where((m >= 0)[:, None, None, None], S_m, start if kernel else starts[:, 0])
     return o, state, kept
 
 
@@ -148,6 +171,33 @@ def decode_step(q, k, v, g, beta, pool, read_slots, fresh, write_slots):
     pool [slots, H, dk, dv]. Returns (o [B, H, dv], the updated pool)."""
     o, final = gated_delta_step(q, k, v, g, beta, read_states(pool, read_slots, fresh))
     return o, set_rows(pool, write_slots, final)
+
+
+def chunk_kernel_supported(attend: PagedAttention, chunk: int, dk: int, dv: int, key_heads: int) -> bool:
+    """Whether a DeltaNet layer's chunked rule takes the chunk kernel (`chunked_rule_kernel`): the
+    GPU kernel path (attend.impl "kernel"), shapes the kernel tiles, key heads that split over tp."""
+    return attend.impl == "kernel" and key_heads % attend.tp == 0 and chunk_kernel.supported(chunk, dk, dv)
+
+
+def chunked_rule_kernel(attend: PagedAttention, q, k, v, g, beta, state, chunk: int, keep_lens, row_lens,
+                        max_tokens: int | None):
+    """`chunked_gated_delta_rule(kernel=True)`; under tensor parallelism per head shard inside
+    shard_map (a pallas_call is opaque to XLA's SPMD partitioner; the rule is head-local).
+    row_lens [B] (not None); keep_lens [B] or None."""
+    rule = functools.partial(chunked_gated_delta_rule, chunk=chunk, max_tokens=max_tokens, kernel=True)
+    if attend.tp == 1:
+        return rule(q, k, v, g, beta, state, keep_lens=keep_lens, row_lens=row_lens)
+    keep = keep_lens is not None
+
+    def local(q, k, v, g, beta, state, row_lens, keep_lens):
+        o, final, kept = rule(q, k, v, g, beta, state, keep_lens=keep_lens if keep else None, row_lens=row_lens)
+        return o, final, kept if keep else final
+
+    heads, states = P(None, None, "tp"), P(None, "tp")
+    o, final, kept = jax.shard_map(local, mesh=attend.mesh, in_specs=(heads,) * 5 + (states, P(), P()),
+                                   out_specs=(heads, states, states), check_vma=False)(
+        q, k, v, g, beta, state, row_lens, keep_lens if keep else row_lens)
+    return o, final, kept if keep else None
 
 
 def fused_decode_supported(attend: PagedAttention, dk: int, dv: int, key_heads: int, *channels: int) -> bool:

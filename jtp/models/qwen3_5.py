@@ -59,7 +59,9 @@ from jtp.models.attention import (
 )
 from jtp.models.deltanet_rows import RowLayout, SplitRows, deltanet_row_length, deltanet_rows
 from jtp.models.delta_rule import (
+    chunk_kernel_supported,
     chunked_gated_delta_rule,
+    chunked_rule_kernel,
     decode_step,
     fused_decode,
     fused_decode_supported,
@@ -185,12 +187,14 @@ def _mix(p: dict, cfg: ModelConfig, columns, state: DeltaNetState, rows: RowLayo
             columns, convs, state[:3], p["gdn_A_log"], p["gdn_dt_bias"], state.recurrent,
             (rows.gather[:, 0], rows.valid[:, 0], rows.read_slots, rows.fresh, rows.write_slots), attend)
         return o[:, None], DeltaNetState(*conv_states, recurrent)
-    return deltanet_mixer(p, cfg, *map(take_columns, columns), state, rows, chunk)
+    return deltanet_mixer(p, cfg, *map(take_columns, columns), state, rows, chunk, attend)
 
 
-def deltanet_mixer(p: dict, cfg: ModelConfig, q, k, v, a, b, state: DeltaNetState, rows: RowLayout, chunk: int):
+def deltanet_mixer(p: dict, cfg: ModelConfig, q, k, v, a, b, state: DeltaNetState, rows: RowLayout, chunk: int,
+                   attend: PagedAttention | None = None):
     """`gated_deltanet`'s conv, gates and recurrence in jnp (`fused_decode`'s reference for L = 1):
-    q, k, v [T, C] the projections before the conv, a, b [T, Hv] -> (o [B, L, Hv, dv] fp32, the new state)."""
+    q, k, v [T, C] the projections before the conv, a, b [T, Hv] -> (o [B, L, Hv, dv] fp32, the new state).
+    With attend on the kernel path, the chunked rule's loop runs as a kernel (`chunk_kernel_supported`)."""
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     B, L = rows.valid.shape
@@ -222,8 +226,11 @@ def deltanet_mixer(p: dict, cfg: ModelConfig, q, k, v, a, b, state: DeltaNetStat
         o = o[:, None]
     else:
         # The step's T flat tokens bound its rows' lengths: rows are disjoint slices of them.
-        o, final, kept = chunked_gated_delta_rule(q, k, v, g, beta, _slot_state(state.recurrent, rows), chunk,
-                                                  rows.keep_lens, rows.valid.sum(-1), max_tokens=a.shape[0])
+        args = (q, k, v, g, beta, _slot_state(state.recurrent, rows), chunk, rows.keep_lens, rows.valid.sum(-1))
+        if attend is not None and chunk_kernel_supported(attend, chunk, dk, dv, Hk):
+            o, final, kept = chunked_rule_kernel(attend, *args, max_tokens=a.shape[0])
+        else:
+            o, final, kept = chunked_gated_delta_rule(*args, max_tokens=a.shape[0])
         recurrent = set_rows(state.recurrent, rows.write_slots, final)
         if rows.keep_slots is not None:  # (verify rows always have several tokens: never L = 1)
             recurrent = set_rows(recurrent, rows.keep_slots, kept)
