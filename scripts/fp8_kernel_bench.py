@@ -78,6 +78,30 @@ def random_fp8(key, n: int, k: int) -> BlockFp8:
     return BlockFp8(values, scale)
 
 
+def channel_fp8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w [N, K] as float8 values with one scale per output channel [N]."""
+    scale = jnp.maximum(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=1), 1e-12) / 448.0
+    return (w.astype(jnp.float32) / scale[:, None]).astype(jnp.float8_e4m3fn), scale
+
+
+def w8a8_per_channel(x, w):
+    """x quantized per row (dynamic), times per-channel float8 weights: cuBLASLt's FP8 GEMM with the
+    row and column scales applied to its bf16 output."""
+    values, scale = w
+    xs = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1), 1e-12) / 448.0
+    xq = (x.astype(jnp.float32) / xs[:, None]).astype(jnp.float8_e4m3fn)
+    y = jax.lax.dot_general(xq, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+    return (y.astype(jnp.float32) * xs[:, None] * scale[None, :]).astype(x.dtype)
+
+
+def reduce_gemv(x, w: BlockFp8):
+    """One row times a block-FP8 weight as an elementwise product and a sum over K (no dot)."""
+    n, k = w.values.shape
+    blocks = w.values.reshape(n // 128, 128, k // 128, 128).astype(jnp.float32) * w.scale[:, None, :, None]
+    prod = blocks * x.astype(jnp.float32).reshape(1, 1, k // 128, 128)
+    return jnp.sum(prod, axis=(2, 3)).reshape(1, n).astype(x.dtype)
+
+
 def rel_error(y, ref) -> float:
     y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
     return float(np.max(np.abs(y - ref)) / max(1e-30, np.max(np.abs(ref))))
@@ -129,9 +153,13 @@ def main() -> None:
         fp8 = [random_fp8(jax.random.fold_in(key, i), N, K) for i in range(LAYERS)]
         bf16 = [w.dequantize(dtype) for w in fp8]
         per_tensor = [(w.values, jnp.max(w.scale)) for w in fp8]  # cuBLASLt's FP8 GEMM: one scale per tensor
+        per_channel = [channel_fp8(w) for w in bf16]
+        ref_per_channel = None
         for rows in map(int, args.rows.split(",")):
             x = (jax.random.normal(jax.random.fold_in(key, rows), (rows, K), jnp.float32)).astype(dtype)
             ref = jnp.einsum("tk,nk->tn", x.astype(jnp.float32), bf16[0].astype(jnp.float32))
+            ref_per_channel = jnp.einsum("tk,nk->tn", x.astype(jnp.float32),
+                                         per_channel[0][0].astype(jnp.float32) * per_channel[0][1][:, None])
             dot = lambda x, w: jnp.einsum("tk,nk->tn", x, w)  # noqa: E731
             report(rows, name, (N, K), "xla bf16", "-", per_layer_seconds(dot, x, bf16), N * K * 2,
                    rel_error(dot(x, bf16[0]), ref))
@@ -144,6 +172,11 @@ def main() -> None:
                 return (y * (xs * scale)).astype(x.dtype)
             report(rows, name, (N, K), "xla fp8 per-tensor", "-", per_layer_seconds(xla_fp8, x, per_tensor), N * K,
                    float("nan"))
+            report(rows, name, (N, K), "xla fp8 per-channel w8a8", "-", per_layer_seconds(w8a8_per_channel, x, per_channel),
+                   N * K, rel_error(w8a8_per_channel(x, per_channel[0]), ref_per_channel))
+            if rows == 1:  # the product as XLA's multiply-and-reduce, the float8 bytes read in the fusion
+                report(rows, name, (N, K), "xla fp8 reduce", "-", per_layer_seconds(reduce_gemv, x, fp8), N * K,
+                       rel_error(reduce_gemv(x, fp8[0]), ref))
             dequantized = lambda x, w: jnp.einsum("tk,nk->tn", x, w.dequantize(x.dtype))  # noqa: E731
             report(rows, name, (N, K), "xla dequantize + bf16", "-", per_layer_seconds(dequantized, x, fp8), N * K,
                    rel_error(dequantized(x, fp8[0]), ref))
@@ -164,7 +197,7 @@ def main() -> None:
                 for config in BF16_SWEEP.get(rows, []) if args.sweep else []:
                     op = lambda x, w, c=config: fp8_matmul.fp8_matmul(x, w, None, c, interpret=INTERPRET)  # noqa: E731
                     kernel_run(rows, name, (N, K), "bf16 gemv kernel", config, op, x, bf16, N * K * 2, ref)
-        del fp8, bf16, per_tensor
+        del fp8, bf16, per_tensor, per_channel
     if args.table:
         # The weight-only kinds, unless quantizing x too buys at least 10%.
         pick = lambda g: g[True] if True in g and (False not in g or g[True][0] < 0.9 * g[False][0]) else g[False]  # noqa: E731

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jtp.config.quantization import Quantization
 from jtp.errors import CheckpointError
 from jtp.loading.sources import FusedExperts, RepeatedHeads, Source, StackedExperts, StridedRows, Tensor
-from jtp.models.layers import BlockFp8, Int4Groups
+from jtp.models.layers import E4M3_MAX, BlockFp8, Int4Groups
 
 SCALE_SUFFIX = "weight_scale_inv"
 
@@ -102,8 +102,7 @@ def block_source(source: Source, block: tuple[int, int], name_of, label: str) ->
 
 # ----------------------------------------------------------------------------- quantizing at load
 
-FP8_BLOCK = (128, 128)  # `--quantization fp8`: Qwen's block size
-E4M3_MAX = 448.0
+FP8_BLOCK = (128, 128)  # Qwen's block size: `--quantization fp8`'s expert stacks
 # The linear weights of a decoder layer that FP8 checkpoints quantize (never the router, the shared
 # expert's gate, convolutions, norms, embeddings or the LM head).
 QUANTIZED_WEIGHTS = frozenset({
@@ -113,17 +112,23 @@ QUANTIZED_WEIGHTS = frozenset({
 })
 
 
-def quantize_params(params: dict, block: tuple[int, int] = FP8_BLOCK) -> dict:
-    """The decoder layers' linear weights as FP8 blocks (`--quantization fp8`, and random weights of an
-    FP8 config), each quantized on its devices in its own sharding; a weight whose shards do not split
-    into whole blocks (a tiny projection, a narrow split) stays as it is. The full-precision copies are
-    freed as they go."""
+def quantize_params(params: dict, block: tuple[int, int] | None = None) -> dict:
+    """The decoder layers' linear weights in FP8, each quantized on its devices in its own sharding,
+    the full-precision copies freed as they go. Random weights of an FP8 config: the config's
+    blocks. `--quantization fp8` (block None): a linear weight [N, K] gets one scale per output channel
+    of each device's K shard (blocks of 1 x K / shards), so its products with more than a few rows run
+    as W8A8 FP8 GEMMs (`layers.w8a8_matmul`); expert stacks get 128 x 128 blocks (the grouped kernel's
+    format). A weight whose shards do not split into whole blocks (a tiny projection, a narrow split)
+    stays as it is."""
     layers = []
     for layer in params["layers"]:
         new = dict(layer)
         for name, weight in layer.items():
-            if name in QUANTIZED_WEIGHTS and _splits_into_blocks(weight, block):
-                new[name] = _quantizer(weight.shape, weight.dtype, weight.sharding, block)(weight)
+            if name not in QUANTIZED_WEIGHTS or not isinstance(weight, jax.Array) or weight.ndim < 2:
+                continue  # already quantized (FP8, int4), or a vector
+            blocks = block or (FP8_BLOCK if weight.ndim > 2 else (1, weight.sharding.shard_shape(weight.shape)[-1]))
+            if _splits_into_blocks(weight, blocks):
+                new[name] = _quantizer(weight.shape, weight.dtype, weight.sharding, blocks)(weight)
                 weight.delete()
         layers.append(new)
     return {**params, "layers": layers}
@@ -163,9 +168,7 @@ def _int4_drawer(shape: tuple[int, ...], sharding, group_size: int, grouped: int
     return jax.jit(draw, out_shardings=Int4Groups(sharding, sharding, sharding))
 
 
-def _splits_into_blocks(weight, block: tuple[int, int]) -> bool:
-    if not isinstance(weight, jax.Array) or weight.ndim < 2:  # already quantized (FP8, int4), or a vector
-        return False
+def _splits_into_blocks(weight: jax.Array, block: tuple[int, int]) -> bool:
     shard = weight.sharding.shard_shape(weight.shape)
     return shard[-2] % block[0] == 0 and shard[-1] % block[1] == 0
 

@@ -31,7 +31,7 @@ from jtp.errors import CheckpointError, ConfigError
 from jtp.loading.dummy_weights import random_params
 from jtp.loading.int4 import Int4Reader, check_g_idx, check_split, int4_weights, weight_names
 from jtp.loading.param_tree import flatten, repeat_kv_heads, unflatten
-from jtp.loading.quantized import FP8_BLOCK, block_scales, quantize_params, random_int4_params
+from jtp.loading.quantized import block_scales, quantize_params, random_int4_params
 from jtp.loading.safetensors_header import FLOAT_DTYPES, TensorInfo, read_header
 from jtp.loading.sources import FirstPresent, RepeatedHeads, Source
 from jtp.models import family_of
@@ -212,14 +212,14 @@ def load_params(
     load_format: str = "auto", quantization: str | None = None, keep: Callable[[str], bool] | None = None,
 ) -> dict:
     """See `read_params`; then, with quantization "fp8" (or random weights of an FP8 checkpoint's
-    config), the linear weights quantized to FP8 blocks on the devices; random weights of an AWQ /
+    config), the linear weights quantized to FP8 on the devices (`quantize_params`); random weights of an AWQ /
     GPTQ config as random int4 groups. (An AWQ / GPTQ checkpoint's int4 weights are read as they are
     stored: jtp/loading/int4.py.)"""
     params = read_params(model_dir, cfg, mesh, dtype, expert_parallel, mtp, load_format, keep)
     if load_format == "dummy" and cfg.quantization is not None and cfg.quantization.method in INT4_METHODS:
         return random_int4_params(params, cfg.quantization.group_size)
     if quantization == "fp8" or (load_format == "dummy" and cfg.quantization is not None):
-        params = quantize_params(params, cfg.quantization.block if cfg.quantization else FP8_BLOCK)
+        params = quantize_params(params, cfg.quantization.block if cfg.quantization else None)
     return params
 
 

@@ -24,7 +24,8 @@ from jtp.kernels import fp8_matmul
 
 class BlockFp8(NamedTuple):
     """A weight stored as float8_e4m3fn values [..., R, C] with one float32 scale per block of its
-    last two dims, [..., R / br, C / bc] (Qwen's FP8 checkpoints: weight = values x scale)."""
+    last two dims, [..., R / br, C / bc] (Qwen's FP8 checkpoints: weight = values x scale). Blocks of
+    one row (`per_channel`) are `--quantization fp8`'s linear weights."""
 
     values: jax.Array
     scale: jax.Array
@@ -41,10 +42,37 @@ class BlockFp8(NamedTuple):
 
 
 class Fp8KernelWeight(BlockFp8):
-    """A BlockFp8 of 128 x 128 blocks whose products with few rows (decode) run in the FP8 kernel
-    (jtp/kernels/fp8_matmul.py), which reads its float8 bytes once; more rows (prefill) dequantize
-    for cuBLAS. The runner makes these on a single GPU only: a pallas_call is opaque to XLA's
-    partitioner."""
+    """A BlockFp8 of 128 x 128 blocks, or per channel, whose products with few rows (decode) run in
+    the FP8 kernel (jtp/kernels/fp8_matmul.py), which reads its float8 bytes once; more rows
+    (prefill) dequantize for cuBLAS, or per channel run W8A8. The runner makes these on a single GPU
+    only: a pallas_call is opaque to XLA's partitioner."""
+
+
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+W8A8_MIN_ROWS = fp8_matmul.GEMV_MAX_ROWS + 1  # per-channel FP8: from here on x is quantized too
+
+
+def per_channel(weight) -> bool:
+    """A float8 linear weight [N, K] with one scale per output channel (of each K group): scale [N, G]."""
+    return isinstance(weight, (BlockFp8, FusedFp8KernelWeight)) and weight.values.ndim == 2 \
+        and weight.scale.shape[0] == weight.values.shape[0]
+
+
+def w8a8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [M, K] @ (values [N, K] float8 x scale [N, G]).T with x quantized to float8 too, per row and
+    K group (dynamic: the group's largest magnitude maps to 448): the product of two float8 operands
+    (cuBLASLt's FP8 GEMM on Hopper, at up to 1.9x bf16's rate: docs/bench/h200-speed10.md), the row
+    and channel scales applied to its output. -> [M, N] in x.dtype."""
+    (M, K), (N, G) = x.shape, scale.shape
+    xg = x.astype(jnp.float32).reshape(M, G, K // G)
+    x_scale = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), 1e-30) / E4M3_MAX  # [M, G]
+    xq = (xg / x_scale[..., None]).astype(jnp.float8_e4m3fn)
+    out = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
+    if G == 1:
+        y = jax.lax.dot_general(xq[:, 0], values, (((1,), (1,)), ((), ())), preferred_element_type=out)
+        return (y.astype(jnp.float32) * x_scale * scale[:, 0]).astype(x.dtype)
+    y = jnp.einsum("mgk,ngk->mgn", xq, values.reshape(N, G, K // G), preferred_element_type=out)
+    return jnp.sum(y.astype(jnp.float32) * x_scale[..., None] * scale.T[None], axis=1).astype(x.dtype)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scale"], meta_fields=["sizes"])
@@ -94,9 +122,9 @@ def fuse_projections(params: dict, fp8_kernel: bool) -> dict:
     freed as it goes. (Under tensor parallelism a concatenation of sharded weights would be resharded
     on every step, so the runner calls this on one device only.)"""
     def pick(w):
-        if fp8_kernel and type(w) is BlockFp8 and w.values.ndim == 2 \
-                and w.values.shape[0] // w.scale.shape[0] == fp8_matmul.BLOCK \
-                and w.values.shape[1] // w.scale.shape[1] == fp8_matmul.BLOCK and fp8_matmul.supported(1, *w.shape):
+        if fp8_kernel and type(w) is BlockFp8 and w.values.ndim == 2 and fp8_matmul.supported(1, *w.shape) and (
+                w.scale.shape == (w.shape[0], 1) or w.shape[0] // w.scale.shape[0] == w.shape[1] // w.scale.shape[1]
+                == fp8_matmul.BLOCK):
             return Fp8KernelWeight(*w)
         return w
 
@@ -160,9 +188,14 @@ def dense(weight, dtype) -> jax.Array:
 
 def linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
     rows = math.prod(x.shape[:-1])
-    if isinstance(weight, (Fp8KernelWeight, FusedFp8KernelWeight)) and fp8_matmul.supported(rows, *weight.shape):
-        y = fp8_matmul.fp8_matmul(x.reshape(rows, -1), weight.values, weight.scale,
+    if per_channel(weight) and rows >= W8A8_MIN_ROWS:
+        y = w8a8_matmul(x.reshape(rows, -1), weight.values, weight.scale).reshape(*x.shape[:-1], -1)
+    elif isinstance(weight, (Fp8KernelWeight, FusedFp8KernelWeight)) and fp8_matmul.supported(rows, *weight.shape):
+        channels = per_channel(weight)  # (then scale [N, 1]: on one device)
+        y = fp8_matmul.fp8_matmul(x.reshape(rows, -1), weight.values, None if channels else weight.scale,
                                   interpret=jax.default_backend() != "gpu").reshape(*x.shape[:-1], -1)
+        if channels:
+            y = (y.astype(jnp.float32) * weight.scale[:, 0]).astype(x.dtype)
     else:
         y = jnp.einsum("...i,oi->...o", x, dense(weight, x.dtype))
     return y if bias is None else y + bias
