@@ -31,7 +31,7 @@ from jtp.errors import CheckpointError, ShardingError  # noqa: E402
 from jtp.kernels import grouped_matmul  # noqa: E402
 from jtp.loading.weights import convert_to_orbax  # noqa: E402
 from jtp.kernels import fp8_matmul  # noqa: E402
-from jtp.models.layers import BlockFp8, Fp8KernelWeight, FusedFp8KernelWeight, w8a8_matmul  # noqa: E402
+from jtp.models.layers import BlockFp8, Fp8KernelWeight, FusedFp8KernelWeight, linear, w8a8_matmul  # noqa: E402
 
 qc = load_script("quantize_checkpoint")
 PROMPT = np.random.default_rng(3).integers(0, 128, 28).tolist()
@@ -199,9 +199,37 @@ def test_fp8_decode_kernel_configs_are_checked():
         fp8_matmul.fp8_matmul(x, values, None, fp8_matmul.Fp8MatmulConfig(32, 1, kind="tiles"), interpret=True)
 
 
+def test_per_channel_decode_kernel_scales_in_fp32_so_float16_does_not_overflow():
+    """A per-channel weight's kernel product (rows <= 4) is unscaled until the channel scale is
+    applied, ~448 / max|w| times the output: it must stay fp32 until then. x float16, outputs ~50:
+    linear equals the dequantized product (the unscaled product, ~1e6, would be inf in float16)."""
+    rng = np.random.default_rng(5)
+    w = rng.normal(size=(64, 1024)).astype(np.float32) * 0.02
+    scale = np.abs(w).max(1, keepdims=True) / 448
+    values = jnp.asarray(w / scale).astype(jnp.float8_e4m3fn)
+    weight = Fp8KernelWeight(values, jnp.asarray(scale))
+    x = jnp.asarray(rng.normal(size=(1, 1024)) * 30, jnp.float16)
+    ref = np.asarray(x, np.float32) @ (np.asarray(values.astype(jnp.float32)) * scale).T
+    ours = np.asarray(linear(x, weight), np.float32)
+    assert np.abs(ref).max() > 20 and np.isfinite(ours).all()
+    np.testing.assert_allclose(ours, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
+def decode_logprobs(model_dir, prompt, **args) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens of a lone request (decode steps of one row: the FP8 decode kernel's shape) and
+    their logprobs."""
+    args = dict(dtype="float32", num_blocks=32, block_size=4, max_num_seqs=2, max_num_batched_tokens=32,
+                warmup=False) | args
+    engine = Engine.from_args(EngineArgs(model=str(model_dir), **args))
+    done = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0))[0]
+    return done.token_ids, np.array(done.logprobs, np.float64)
+
+
 def test_fp8_kernels_give_the_dequantizing_paths_logprobs(tmp_path, monkeypatch):
     """The FP8 decode kernel (interpreted here) through the engine's steps, projections fused, equals
-    XLA's dequantize-then-GEMM; prefill chunks of more than 64 tokens dequantize the fused weights."""
+    XLA's dequantizing product on `--quantization fp8`'s per-channel weights: decode steps of one row
+    (the kernel, the channel scale applied to its fp32 output: float16 does not overflow) and prompt
+    steps (W8A8 on both paths)."""
     src = make_hf_checkpoint("qwen3", tmp_path / "src", hidden_size=128, num_key_value_heads=4,
                              intermediate_size=256)[1]
     long_prompt = np.random.default_rng(4).integers(0, 128, 90).tolist()
@@ -210,6 +238,11 @@ def test_fp8_kernels_give_the_dequantizing_paths_logprobs(tmp_path, monkeypatch)
         monkeypatch.setenv("JTP_FP8_KERNEL", kernel)
         results[kernel] = [jtp_logprobs(src, PROMPT, quantization="fp8"),
                            jtp_logprobs(src, long_prompt, quantization="fp8", max_num_batched_tokens=128)]
+        results[kernel + "-decode"] = [decode_logprobs(src, PROMPT, quantization="fp8", dtype=dtype)
+                                       for dtype in ("float32", "float16")]
+    for (xla_tokens, xla), (kernel_tokens, kernel), atol in zip(results["0-decode"], results["1-decode"], (1e-4, 2e-2)):
+        assert kernel_tokens == xla_tokens and np.isfinite(kernel).all()
+        np.testing.assert_allclose(kernel, xla, atol=atol)
     engine = results["1"][0][1]
     for layer in engine.runner.params["layers"]:
         assert {name for name, w in layer.items() if isinstance(w, FusedFp8KernelWeight)} == \

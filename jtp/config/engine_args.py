@@ -59,7 +59,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False  # MoE: whole experts per device instead of a slice of each
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     kv_cache_dtype: str = "auto"  # "fp8": K/V pages stored as float8 e4m3 (twice the tokens in the pool)
-    quantization: str | None = None  # "fp8": linear weights quantized to FP8 blocks at load (jtp/loading/quantized.py)
+    quantization: str | None = None  # "fp8": linear weights quantized to FP8 at load (jtp/loading/quantized.py)
     speculative_config: str | dict | None = None  # JSON, as vLLM spells it: '{"method": "ngram", "num_speculative_tokens": 4}'
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in and out, no text or stop strings
     # Sampling defaults for fields a request leaves unset: "auto" (the checkpoint's generation_config.json),
@@ -263,8 +263,9 @@ class EngineArgs:
                        help="auto: K/V pages in the model's dtype; fp8 (fp8_e4m3): float8 e4m3 pages with scale 1, "
                             "as vLLM without calibrated scales: twice the tokens in the pool, values past +-448 clipped")
         p.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=d.quantization,
-                       help="fp8: quantize the linear weights of a full-precision checkpoint to FP8 (e4m3, one scale "
-                            "per 128 x 128 block, as Qwen's FP8 releases) at load; FP8 checkpoints need no flag")
+                       help="fp8: quantize the linear weights of a full-precision checkpoint to FP8 at load (e4m3, one "
+                            "scale per output channel; products of 5 or more rows W8A8, x quantized per token; "
+                            "expert stacks in 128 x 128 blocks); FP8 checkpoints need no flag")
         p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
                        help='most images one prompt may hold, as vLLM spells it: \'{"image": 4}\' (default: no limit; '
                             'models with a vision tower only)')

@@ -112,7 +112,7 @@ class Engine(EngineSnapshots):
         self.speculative = config.speculative_config
         self.pool, self.states = allocate_pools(self.runner, config)
         # The prefix cache's keys start from the model's identity: a key names one model's KV.
-        self.cache_identity = f"{cfg!r}|{self.runner.dtype}|{config.quantization}|kv={config.kv_cache_dtype}|block_size={config.block_size}|tp={self.runner.tp}"
+        self.cache_identity = f"{cfg!r}|{self.runner.dtype}|{config.quantization}{'-channel-w8a8' if config.quantization == 'fp8' else ''}|kv={config.kv_cache_dtype}|block_size={config.block_size}|tp={self.runner.tp}"
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             bucket_row_lens=self.runner.uses_row_len_bound, limit_long_rows=self.runner.limit_long_rows,

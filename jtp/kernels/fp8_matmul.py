@@ -74,7 +74,8 @@ def choose_config(rows: int, out: int, inner: int) -> Fp8MatmulConfig:
     shapes (docs/bench/h200-speed3.md): up to 4 rows the CUDA-core GEMV, 32 columns and 4 K splits a
     program; more rows the MMA, 64 columns a program and K split until there are about two programs
     per SM. The w8a8 kind (x quantized too) was faster only at 16 rows, by 18%, and would make a
-    request's numbers depend on its batch's size: not chosen.
+    request's numbers depend on its batch's size: not chosen for these 128-block weights. (Per-channel
+    weights, `--quantization fp8`, do run W8A8 from 5 rows on, in XLA: jtp/models/layers.py.)
     Benchmarks override it: JTP_FP8_DECODE="bn,splits[,unroll,warps,stages,kind]" for every shape, or
     JTP_FP8_DECODE_TABLE=FILE for the shapes it lists (scripts/fp8_kernel_bench.py --table writes it)."""
     forced = os.environ.get("JTP_FP8_DECODE", "").strip()
@@ -151,9 +152,10 @@ _KERNELS = {"mma": _mma_kernel, "w8a8": functools.partial(_mma_kernel, quantize_
 
 
 def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array | None, config: Fp8MatmulConfig | None = None, *,
-               interpret: bool = False) -> jax.Array:
-    """x [T, K] (T <= 64), values float8 [N, K], scale f32 [N / 128, K / 128] -> [T, N] in x.dtype.
-    `scale` None: `values` is a plain weight (bf16), multiplied as it is (the GEMV kinds measured
+               out_dtype=None, interpret: bool = False) -> jax.Array:
+    """x [T, K] (T <= 64), values float8 [N, K], scale f32 [N / 128, K / 128] -> [T, N] in out_dtype
+    (default x.dtype). `scale` None: `values` multiplied as they are (float8 values whose per-channel
+    scale the caller applies, in a wide enough out_dtype; or a plain bf16 weight: the GEMV kinds measured
     against XLA's dot)."""
     T, K = x.shape
     N = values.shape[0]
@@ -167,7 +169,8 @@ def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array | None, config:
         raise ValueError(f"fp8_matmul: the {kind} kernel takes at most {GEMV_MAX_ROWS} rows, not {T}")
     rows = 1 << (T - 1).bit_length() if gemv else max(16, 1 << (T - 1).bit_length())
     x = jnp.pad(x, ((0, rows - T), (0, 0)))
-    out_dtype = x.dtype if splits == 1 else jnp.float32
+    final_dtype = out_dtype or x.dtype
+    out_dtype = final_dtype if splits == 1 else jnp.float32
     operands = [x, values] + ([] if scale is None else [scale.astype(jnp.float32)])
     in_specs = [pl.BlockSpec((rows, K), lambda n, s: (0, 0)), pl.BlockSpec((bn, K), lambda n, s: (n, 0))]
     if scale is not None:
@@ -184,4 +187,4 @@ def fp8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array | None, config:
         interpret=interpret,
         name=f"jtp_fp8_{kind}_n{bn}_s{splits}_u{unroll}",
     )(*operands)
-    return (out[0] if splits == 1 else out.sum(axis=0))[:T].astype(x.dtype)
+    return (out[0] if splits == 1 else out.sum(axis=0))[:T].astype(final_dtype)

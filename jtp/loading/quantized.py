@@ -103,6 +103,7 @@ def block_source(source: Source, block: tuple[int, int], name_of, label: str) ->
 # ----------------------------------------------------------------------------- quantizing at load
 
 FP8_BLOCK = (128, 128)  # Qwen's block size: `--quantization fp8`'s expert stacks
+MIN_CHANNELS = 128  # `--quantization fp8` leaves narrower linear weights as they are
 # The linear weights of a decoder layer that FP8 checkpoints quantize (never the router, the shared
 # expert's gate, convolutions, norms, embeddings or the LM head).
 QUANTIZED_WEIGHTS = frozenset({
@@ -118,8 +119,9 @@ def quantize_params(params: dict, block: tuple[int, int] | None = None) -> dict:
     blocks. `--quantization fp8` (block None): a linear weight [N, K] gets one scale per output channel
     of each device's K shard (blocks of 1 x K / shards), so its products with more than a few rows run
     as W8A8 FP8 GEMMs (`layers.w8a8_matmul`); expert stacks get 128 x 128 blocks (the grouped kernel's
-    format). A weight whose shards do not split into whole blocks (a tiny projection, a narrow split)
-    stays as it is."""
+    format). A weight whose shards do not split into whole blocks (a narrow split), or a linear weight
+    of fewer than MIN_CHANNELS outputs (DeltaNet's a and b, which feed its gates and which Qwen's FP8
+    releases keep in bf16), stays as it is."""
     layers = []
     for layer in params["layers"]:
         new = dict(layer)
@@ -127,7 +129,7 @@ def quantize_params(params: dict, block: tuple[int, int] | None = None) -> dict:
             if name not in QUANTIZED_WEIGHTS or not isinstance(weight, jax.Array) or weight.ndim < 2:
                 continue  # already quantized (FP8, int4), or a vector
             blocks = block or (FP8_BLOCK if weight.ndim > 2 else (1, weight.sharding.shard_shape(weight.shape)[-1]))
-            if _splits_into_blocks(weight, blocks):
+            if _splits_into_blocks(weight, blocks) and (block or weight.ndim > 2 or weight.shape[0] >= MIN_CHANNELS):
                 new[name] = _quantizer(weight.shape, weight.dtype, weight.sharding, blocks)(weight)
                 weight.delete()
         layers.append(new)
