@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cpu_env import cuda_lowering
+from test_qwen3_5 import delta_rule_inputs
 
 from jtp.kernels import delta_rule_chunks as chunk_kernel
 from jtp.models.attention import PagedAttention
@@ -37,15 +38,7 @@ def rel(a, b) -> float:
 
 def inputs(seed=0):
     """Random q, k, v, g, beta and a nonzero initial state; k = g = beta = 0 past each row's end."""
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    q, k = unit(jax.random.normal(ks[0], (B, L, H, DK))), unit(jax.random.normal(ks[1], (B, L, H, DK)))
-    v = jax.random.normal(ks[2], (B, L, H, DV))
-    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, L, H)))
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, L, H)))
-    e = jnp.asarray(np.arange(L)[None, :] >= LENS[:, None])[..., None]
-    return q, jnp.where(e[..., None], 0.0, k), v, jnp.where(e, 0.0, g), jnp.where(e, 0.0, beta), \
-        jax.random.normal(ks[5], (B, H, DK, DV))
+    return delta_rule_inputs(B, L, H, DK, DV, jnp.asarray(np.arange(L)[None, :] >= LENS[:, None]), seed)
 
 
 @functools.cache
