@@ -1,6 +1,6 @@
 """GPU check of jtp's ragged paged-attention kernel: correctness, then timing.
 
-    PYTHONPATH=. python3 scripts/attention_check.py --json out.json [--quick]
+    PYTHONPATH=. python3 scripts/attention_check.py --json out.json [--quick] [--kv-dtype fp8]
 
 1. Correctness on fresh random inputs at Qwen3-8B attention shapes (32 q / 8 KV heads, head_dim
    128, bf16, page 16): decode batches 1, 8, 64 with ~1k context, one 2048-token prefill chunk,
@@ -10,7 +10,8 @@
    calls on different pages so small cases are not measured from L2): kernel vs reference vs
    JAX's bundled Pallas `paged_attention` (fed q pre-scaled by 1/sqrt(D), which it needs, and its
    own [kv_heads, pages, page, D] layout) for decode; kernel vs reference for prefill/mixed.
-   Bytes moved = K/V bytes the rows must read; TB/s = those bytes / time.
+   Bytes moved = K/V bytes the rows must read; TB/s = those bytes / time. `--kv-dtype fp8`: the
+   pages in float8 e4m3 (`--kv-cache-dtype fp8`), half the bytes; no bundled kernel to compare.
 3. A few kernel configurations (tile rows, keys per iteration, splits, warps) per shape. Decode
    cases carry query_bound of length 1 (like the runner), so "kernel" is the dedicated decode kernel
    (its config ignores the tile rows); "kernel general" times the general tiled kernel on the same step.
@@ -42,6 +43,7 @@ from jtp.models.attention import AttentionMetadata, LayerKV, paged_attention_ref
 HQ, HKV, D, BS = 32, 8, 128, 16
 DTYPE = jnp.bfloat16
 SCALE = D**-0.5
+PAGE_DTYPE = DTYPE  # --kv-dtype fp8: float8_e4m3fn
 INTERPRET = False  # --interpret: Pallas interpreter (CPU smoke test of this script)
 
 
@@ -78,7 +80,7 @@ def make_plan(rng, rows, num_blocks, max_blocks=None, first_block=0):
         jnp.asarray(ctx), jnp.asarray(starts), jnp.asarray(lens), jnp.full(B, -1, jnp.int32), jnp.full(B, -1, jnp.int32),
         jnp.arange(row_bound, dtype=jnp.int32),  # query_bound, as the runner
     )
-    kv_bytes = int(sum(c for _, c in rows)) * HKV * D * 2 * 2
+    kv_bytes = int(sum(c for _, c in rows)) * HKV * D * 2 * jnp.dtype(PAGE_DTYPE).itemsize
     return meta, total, kv_bytes
 
 
@@ -151,20 +153,24 @@ def main():
     ap.add_argument("--cases", default="0,1,2,3,4", help="indices of the cases to run")
     ap.add_argument("--decode-sweep", action="store_true",
                     help="decode cases: a grid of (pages per iteration, splits, warps, stages) per batch size")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="the pages' dtype")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     args = ap.parse_args()
-    global INTERPRET
+    global INTERPRET, PAGE_DTYPE
     INTERPRET = args.interpret
+    PAGE_DTYPE = jnp.float8_e4m3fn if args.kv_dtype == "fp8" else DTYPE
     t_start = time.time()
     seed = int(np.random.SeedSequence().entropy % (1 << 31))
     rng = np.random.default_rng(seed)
     print(f"jax {jax.__version__} devices {jax.devices()} seed {seed}", flush=True)
     shape = (args.num_blocks, BS, HKV, D)
-    k = jax.random.normal(jax.random.key(seed), shape, DTYPE)
-    v = jax.random.normal(jax.random.key(seed + 1), shape, DTYPE)
+    k = jax.random.normal(jax.random.key(seed), shape, DTYPE).astype(PAGE_DTYPE)
+    v = jax.random.normal(jax.random.key(seed + 1), shape, DTYPE).astype(PAGE_DTYPE)
     cache = LayerKV(k, v)
     pages_hm = (jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3)))  # bundled kernel's layout
-    results = {"seed": seed, "jax": jax.__version__, "device": str(jax.devices()[0]), "cases": []}
+    results = {"seed": seed, "jax": jax.__version__, "device": str(jax.devices()[0]), "kv_dtype": args.kv_dtype,
+               "cases": []}
+    bundled = PAGE_DTYPE == DTYPE  # JAX's bundled kernel reads pages in q's dtype only
 
     def ctxs(n):
         return [int(c) for c in rng.integers(900, 1100, n)]
@@ -186,7 +192,7 @@ def main():
     decode_grid = {  # batch -> (pages per iteration, splits, warps, stages) variants, tile rows unused
         1: [(1, p, s, 4, st) for p in (1, 2, 4) for s in (8, 16, 32, 64) for st in (2, 3)],
         8: [(1, p, s, 4, st) for p in (2, 4) for s in (2, 4, 8, 16) for st in (2, 3)],
-        64: [(1, p, s, w, st) for p in (2, 4, 8) for s in (1, 2) for w in (4, 8) for st in (2, 3, 4)],
+        64: [(1, p, s, w, st) for p in (2, 4, 8, 16) for s in (1, 2) for w in (4, 8) for st in (2, 3, 4)],
     }
     cases = [cases[int(i)] for i in args.cases.split(",")]
     for name, rows_fn, is_decode in cases:
@@ -199,13 +205,14 @@ def main():
         q = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), (T, HQ, D), DTYPE)
         entry = {"case": name, "T": T, "B": int(meta.block_tables.shape[0]), "tokens": n_real, "kv_bytes": kv_bytes,
                  "default_config": list(
-                     choose_decode_config(T, meta.block_tables.shape[0], HKV, HQ // HKV, BS, meta.block_tables.shape[1])
-                     if is_decode else choose_config(T, HKV, HQ // HKV, BS))}
+                     choose_decode_config(T, meta.block_tables.shape[0], HKV, HQ // HKV, BS, meta.block_tables.shape[1],
+                                          D, jnp.dtype(PAGE_DTYPE).itemsize)
+                     if is_decode else choose_config(T, HKV, HQ // HKV, BS, None, D, jnp.dtype(PAGE_DTYPE).itemsize))}
         try:
             ref = jax.jit(reference_fn)(q, cache, meta)
             out = jax.jit(kernel_fn())(q, cache, meta)
             entry["rel_err"], entry["finite"] = rel_err(out, ref, n_real)
-            if is_decode:
+            if is_decode and bundled:
                 b_out = jax.jit(bundled_fn(), static_argnums=3)(q, pages_hm, meta, len(rows))
                 entry["bundled_rel_err"], _ = rel_err(b_out, ref[: len(rows)], len(rows))
             del ref, out
@@ -215,7 +222,7 @@ def main():
             results["cases"].append(entry)
             continue
         print(f"{name}: T={T} rel_err kernel {entry['rel_err']:.2e} finite {entry['finite']}"
-              + (f" bundled {entry['bundled_rel_err']:.2e}" if is_decode else ""), flush=True)
+              + (f" bundled {entry['bundled_rel_err']:.2e}" if is_decode and bundled else ""), flush=True)
 
         # Timing: `copies` independent plans over different pages per timed program.
         copies = args.copies if is_decode else 2
@@ -226,7 +233,7 @@ def main():
             timings["reference"] = time_many(reference_fn, [(qq, cache, m) for qq, m in zip(qs, plans)], max(3, args.reps // 4))
         except Exception as e:  # noqa: BLE001
             timings["reference_error"] = str(e)[:500]
-        if is_decode:
+        if is_decode and bundled:
             try:
                 bf = bundled_fn()
                 timings["bundled"] = time_many(lambda q, p, m: bf(q, p, m, len(rows)),

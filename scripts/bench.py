@@ -248,7 +248,7 @@ def measure_ceilings(device, dtype, copy_bytes: int, matmul_n: int, repeats: int
 # ----------------------------------------------------------------------------- model figures
 
 
-def model_figures(runner, dtype_bytes: int) -> dict:
+def model_figures(runner) -> dict:
     """Parameter counts and the bytes a decode step must read (per whole model, all devices).
 
     Works for every family: matmul parameters are counted from the parameter tree (gated q_proj,
@@ -256,6 +256,7 @@ def model_figures(runner, dtype_bytes: int) -> dict:
     hybrid's per-sequence recurrent state, which each decode step reads and writes.
     """
     import jax
+    import jax.numpy as jnp
 
     from jtp.models.attention import LayerKV
 
@@ -301,7 +302,7 @@ def model_figures(runner, dtype_bytes: int) -> dict:
         num_experts_per_tok=cfg.num_experts_per_tok,
         matmul_params_per_token=int(matmul_params),
         lm_head_params=int(V * H),
-        kv_bytes_per_token=int(attention_layers * 2 * cfg.num_kv_heads * D * dtype_bytes),
+        kv_bytes_per_token=int(attention_layers * 2 * cfg.num_kv_heads * D * jnp.dtype(runner.kv_dtype).itemsize),
         # Read and written once per decode step by every running sequence (0 for Qwen3).
         state_bytes_per_seq_step=int(2 * state_bytes // runner.max_num_seqs),
     )
@@ -888,7 +889,7 @@ def main(argv=None) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         expert_parallel=args.enable_expert_parallel,
     )
-    res["model"] = model_figures(runner, jnp.dtype(runner.dtype).itemsize)
+    res["model"] = model_figures(runner)
     res["memory"] = dict(bytes_in_use_after_load=stats.get("bytes_in_use"), bytes_limit=stats.get("bytes_limit"))
     log(f"loaded in {load_s:.1f}s: {res['model']['params'] / 1e9:.3f} B params, KV pool {num_blocks} blocks")
     save()

@@ -165,6 +165,7 @@ def main(argv=None) -> int:
                     help="let the device finish each timed step before the next: the host phases without any "
                          "wait inside the driver for the step still running")
     ap.add_argument("--quantization", default=None, help="as jtp serve's (fp8: quantized at load)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="as jtp serve's (fp8: float8 e4m3 pages)")
     ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                     help="dummy: random weights drawn on the devices from config.json alone")
     args = ap.parse_args(argv)
@@ -179,15 +180,21 @@ def main(argv=None) -> int:
     from jtp.engine.engine import Engine
 
     chunk = args.chunk or (args.context if args.prefill else max(512, 2 * args.batch))
-    longest = args.context + 3 * args.steps * args.num_scheduler_steps + 64
+    # Decode profiles: every request keeps decoding until the timed steps end. Prompts of the batch
+    # are prefilled `chunk` tokens a step, the first ones decoding meanwhile, so each needs the
+    # prefill's steps on top of the warm-up and timed ones (or early finishers leave a smaller batch).
+    prefill_steps = -(-args.batch * args.context // chunk)
+    decode_tokens = prefill_steps + 3 * args.steps * args.num_scheduler_steps + 32
+    longest = args.context + decode_tokens + 64
     engine = Engine.from_args(EngineArgs(
         model=str(args.model), tensor_parallel_size=args.tp, dtype=args.dtype, max_num_seqs=args.batch,
         max_num_batched_tokens=chunk, num_blocks=args.batch * (-(-longest // 16) + 1),
         max_model_len=longest, skip_tokenizer_init=True, enable_prefix_caching=False,
-        load_format=args.load_format, quantization=args.quantization, num_scheduler_steps=args.num_scheduler_steps))
+        load_format=args.load_format, quantization=args.quantization, num_scheduler_steps=args.num_scheduler_steps,
+        kv_cache_dtype=args.kv_cache_dtype))
     rng = np.random.default_rng(0)
     # --prefill: one token each, so no decode row shares a prompt step's budget
-    max_tokens = 1 if args.prefill else 3 * args.steps * args.num_scheduler_steps + 32
+    max_tokens = 1 if args.prefill else decode_tokens
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     def submit_all():

@@ -31,8 +31,10 @@ def _rng(case: int) -> tuple[np.random.Generator, str]:
     return np.random.default_rng(seq), f"entropy={_ENTROPY} case={case}"
 
 
-def make_batch(rng, rows, T, B, hkv, group, D, dtype, block_size=16, num_blocks=48, max_blocks=8, bound=None):
+def make_batch(rng, rows, T, B, hkv, group, D, dtype, block_size=16, num_blocks=48, max_blocks=8, bound=None,
+               page_dtype=None):
     """rows: list of (query tokens, context after this step); the rest of B are padding rows.
+    page_dtype: the pages' dtype when not q's (float8 e4m3: `--kv-cache-dtype fp8`).
 
     Pages are scattered over the pool; K/V of this step are written through write_kv like the
     model does; tokens past the rows (T - sum) are padding (slot -1). bound: the static bound L on
@@ -62,7 +64,8 @@ def make_batch(rng, rows, T, B, hkv, group, D, dtype, block_size=16, num_blocks=
     hq = hkv * group
     q = jnp.asarray(rng.standard_normal((T, hq, D)), dtype)
     shape = (num_blocks, block_size, hkv, D)
-    cache = LayerKV(jnp.asarray(rng.standard_normal(shape), dtype), jnp.asarray(rng.standard_normal(shape), dtype))
+    page_dtype = page_dtype or dtype
+    cache = LayerKV(*(jnp.asarray(rng.standard_normal(shape), dtype).astype(page_dtype) for _ in range(2)))
     k_new = jnp.asarray(rng.standard_normal((T, hkv, D)), dtype)
     v_new = jnp.asarray(rng.standard_normal((T, hkv, D)), dtype)
     meta = AttentionMetadata(
@@ -242,6 +245,39 @@ def test_decode_kernel_matches_reference(monkeypatch, case):
     # The same step without the bound (general tiled kernel) agrees too.
     gen = jit(lambda q, c, m: KERNEL(q, c, m._replace(query_bound=None), scale))(q, cache, meta)
     _check(gen, ref, n_real, dtype, f"{tag} general kernel")
+
+
+@pytest.mark.parametrize("B, bound, config", [(1, 1, None), (8, 1, (1, 2, 2, 4, 2)), (64, 1, None), (6, None, None)])
+def test_kernels_read_float8_pages(monkeypatch, B, bound, config):
+    """`--kv-cache-dtype fp8`: both kernels (decode: bound 1; general: mixed rows) read float8 e4m3
+    pages under a bfloat16 q (their dots in float16) and agree with the reference, which converts the
+    pages to bfloat16; e4m3 converts exactly to either, so only the dots' roundings differ."""
+    rng, tag = _rng(900 + B)
+    if bound == 1:
+        T = 1 if B == 1 else max(16, 1 << (B - 1).bit_length())
+        rows, B_pad = [(1, int(c)) for c in rng.integers(1, 61 if B > 8 else 121, B)], max(8, T if B > 8 else 8)
+    else:
+        T, B_pad = 64, 8
+        rows = _random_rows(rng, B_pad, T, max_ctx=120)
+    q, cache, meta, n_real = make_batch(rng, rows, T, B_pad, 2, 4, 128, jnp.bfloat16, num_blocks=len(rows) * 8 + 8,
+                                        bound=bound, page_dtype=jnp.float8_e4m3fn)
+    assert cache.k.dtype == jnp.float8_e4m3fn
+    if config is not None:
+        monkeypatch.setenv("JTP_ATTN_DECODE_KEYS", str(config[1] * 16))
+        monkeypatch.setenv("JTP_ATTN_DECODE_SPLITS", str(config[2]))
+    scale = 128**-0.5
+    ref = paged_attention_reference(q, cache, meta, scale)
+    f = (jit_optimized if B > 8 else jax.jit)(lambda q, c, m: KERNEL(q, c, m, scale))
+    names = [str(e.params.get("name")) for e in f.trace(q, cache, meta).jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert any(("jtp_paged_decode" if bound == 1 else "jtp_ragged_paged") in n for n in names), names
+    out = f(q, cache, meta)
+    assert out.dtype == jnp.bfloat16
+    _check(out, ref, n_real, jnp.bfloat16, f"{tag} rows={rows}")
+    exact = _dense_attention(q, cache._replace(k=cache.k.astype(jnp.float32), v=cache.v.astype(jnp.float32)),
+                             meta, scale, n_real)
+    kernel_err = np.abs(np.asarray(out, np.float64)[:n_real] - exact[:n_real]).max()
+    ref_err = np.abs(np.asarray(ref, np.float64)[:n_real] - exact[:n_real]).max()
+    assert kernel_err <= 1.5 * ref_err + 1e-3, (kernel_err, ref_err, tag)  # float16 dots: no worse than bf16's
 
 
 def _ops_around_kernel(jaxpr) -> tuple[list[str], int]:
@@ -534,9 +570,42 @@ def test_rope_and_write_kernel_matches_numpy(case):
     np.testing.assert_allclose(f32(q), f32(ref_q), **same, err_msg=tag)
 
 
+@pytest.mark.parametrize("T", [1, 6])
+def test_rope_and_write_kernel_into_float8_pages(T):
+    """`--kv-cache-dtype fp8`: the kernel (interpreted) writes k and v as the reference does, values
+    past e4m3's largest finite one saturated at +-448 (none become NaN), v bit-identical, k within
+    one float8 rounding (the bf16 rotation rounds once in the kernel, per op in the reference);
+    the rotated q matches as in bf16 pages' case, and no other slot of the pool changes."""
+    from jtp.models.attention import rope_and_write_kernel, rope_and_write_reference
+
+    rng, tag = _rng(750 + T)
+    c = _rope_case(rng, T, 8, 2, 64, jnp.bfloat16, True)
+    c["v"] = c["v"] * 300  # a third of the values beyond 448
+    c["cache"] = LayerKV(*(p.astype(jnp.float8_e4m3fn) for p in c["cache"]))
+    args = (c["q"], c["k"], c["v"], c["cache"], c["slots"], c["cos"], c["sin"], c["q_norm"], c["k_norm"])
+    q, cache = jax.jit(lambda *a: rope_and_write_kernel(*a, 1e-6))(*args)
+    ref_q, ref_cache = jax.jit(lambda *a: rope_and_write_reference(*a, 1e-6))(*args)
+
+    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32)).reshape(-1, 2, 64)  # noqa: E731
+    slots = np.asarray(c["slots"])
+    written = slots[slots >= 0]
+    assert cache.k.dtype == cache.v.dtype == jnp.float8_e4m3fn
+    v_got = f32(cache.v)
+    np.testing.assert_array_equal(v_got, f32(ref_cache.v), err_msg=tag)
+    want_v = np.clip(np.asarray(c["v"], np.float32)[slots >= 0], -448, 448)
+    np.testing.assert_allclose(v_got[written], want_v, rtol=2 ** -3, err_msg=tag)  # e4m3: 3 mantissa bits
+    assert np.abs(v_got[written]).max() == 448 and np.isfinite(v_got).all()
+    np.testing.assert_allclose(f32(cache.k), f32(ref_cache.k), rtol=2 ** -3, atol=2 ** -9, err_msg=tag)
+    untouched = np.setdiff1d(np.arange(c["cache"].k.shape[0] * c["cache"].k.shape[1]), written)
+    for got, before in ((cache.k, c["cache"].k), (cache.v, c["cache"].v)):
+        np.testing.assert_array_equal(f32(got)[untouched[:-4]], f32(before)[untouched[:-4]], err_msg=tag)
+    np.testing.assert_allclose(np.asarray(q, np.float32), np.asarray(ref_q, np.float32), rtol=1e-2, atol=3e-2)
+
+
 def test_rope_and_write_dispatch():
     """PagedAttention("kernel") fuses where the kernel applies: few tokens, rotation over the whole
-    head, pages in q's dtype; else (a long prefill, Qwen3.5's partial rotation, float8 pages) the reference."""
+    head, pages in q's dtype or float8 e4m3; else (a long prefill, Qwen3.5's partial rotation, pages
+    of another dtype) the reference."""
     from jtp.kernels.rope_kv_write import MAX_TOKENS
 
     S = jax.ShapeDtypeStruct
@@ -552,18 +621,20 @@ def test_rope_and_write_dispatch():
             q, k, v, c, m, cos, sin, qn, kn))(x(32), x(8), x(8), cache, meta, cs, cs, w, w))
 
     assert "jtp_rope_kv_write_norm" in traced(1) and "jtp_rope_kv_write" in traced(MAX_TOKENS)
-    for text in (traced(MAX_TOKENS + 1), traced(1, rotary=64), traced(1, page_dtype=jnp.float8_e4m3fn),
+    assert "jtp_rope_kv_write" in traced(1, page_dtype=jnp.float8_e4m3fn)
+    for text in (traced(MAX_TOKENS + 1), traced(1, rotary=64), traced(1, page_dtype=jnp.float32),
                  traced(1, impl=PagedAttention("reference"))):
         assert "jtp_rope_kv_write" not in text
 
 
-@pytest.mark.parametrize("dtype, norm", [(jnp.bfloat16, True), (jnp.float32, False)])
-def test_rope_and_write_lowers_to_triton_for_cuda(dtype, norm):
+@pytest.mark.parametrize("dtype, norm, page_dtype", [(jnp.bfloat16, True, None), (jnp.float32, False, None),
+                                                     (jnp.bfloat16, True, jnp.float8_e4m3fn)])
+def test_rope_and_write_lowers_to_triton_for_cuda(dtype, norm, page_dtype):
     from jtp.kernels.rope_kv_write import rope_and_write
 
     S = jax.ShapeDtypeStruct
     x = lambda h: S((4, h, 128), dtype)  # noqa: E731
-    pages = S((65, 16, 8, 128), dtype)
+    pages = S((65, 16, 8, 128), page_dtype or dtype)
     w = S((128,), dtype) if norm else None
     text = cuda_lowering(lambda q, k, v, kp, vp, s, c, si, qn, kn: rope_and_write(q, k, v, kp, vp, s, c, si, qn, kn),
                          x(32), x(8), x(8), pages, pages, S((4,), jnp.int32), S((4, 128), dtype), S((4, 128), dtype),

@@ -54,7 +54,9 @@ def _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, block_size, limit
     pipelining it: B=64 decode ran at 1.9 TB/s against 2.9 this way, docs/bench/h200-speed8.md).
     Keys past `limit` (the last visible position, per query row or shared) are masked. Returns the
     unnormalised accumulator [M, D], the running max (log2 units) and the running denominator.
+    Float8 pages with a 16-bit q are multiplied in float16 (`_operand_dtype`).
     """
+    q = q.astype(_operand_dtype(q.dtype, k_ref.dtype))
     m_rows, head_dim = q.shape
     n_keys = ppi * block_size
     key_iota = lax.broadcasted_iota(jnp.int32, (n_keys,), 0)
@@ -84,6 +86,16 @@ def _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, block_size, limit
         jnp.zeros((m_rows,), jnp.float32),
     )
     return lax.fori_loop(it0, it1, body, init)
+
+def _operand_dtype(q_dtype, page_dtype):
+    """The dtype both dots take their operands in. Float8 e4m3 pages under a 16-bit q: float16, to
+    which e4m3 converts exactly and in one instruction per pair on sm_89+ (its conversion to bfloat16
+    is several, and made float8 pages no faster to read than bfloat16 ones); a bfloat16 q rounds to
+    float16 exactly within float16's range, and the softmax weights gain precision. Else q's dtype."""
+    if jnp.dtype(page_dtype) == jnp.dtype(jnp.float8_e4m3fn) and jnp.dtype(q_dtype).itemsize == 2:
+        return jnp.float16
+    return q_dtype
+
 
 # ----------------------------------------------------------------------------- config
 
@@ -339,13 +351,14 @@ def choose_decode_config(T: int, B: int, num_kv_heads: int, group: int, block_si
                          head_dim: int = 128, itemsize: int = 2):
     """(unused, pages per iteration, splits, warps, stages) of the decode kernel; env vars override.
 
-    Splits: at most min(T, B) tokens are real; aim at ~512 programs (H200: 132 SMs) and at most 16
+    Keys per iteration: 64, or 128 from float8 pages (the same bytes per load; an iteration's fixed
+    cost is the same for either dtype). Splits: at most min(T, B) tokens are real; aim at ~512 programs (H200: 132 SMs) and at most 16
     splits (32 made a lone token's call slower: the merge grows; 16 beat 8 by 6% at Qwen3-0.6B B=1,
     docs/bench/h200-speed6.md). Only splits that get keys write
     partials, so an over-estimate costs little. Split programs pipeline 3 stages, unsplit ones (large
     batches) 2 (docs/bench/h200-speed4.md).
     """
-    keys = int(os.environ.get("JTP_ATTN_DECODE_KEYS", "64"))
+    keys = int(os.environ.get("JTP_ATTN_DECODE_KEYS", "128" if itemsize == 1 else "64"))
     ppi = max(1, _pow2_floor(max(keys // block_size, 1)))
     ppi = math.gcd(ppi, max(1, max_blocks))  # tile the (unpadded) block table exactly
     env_splits = os.environ.get("JTP_ATTN_DECODE_SPLITS")

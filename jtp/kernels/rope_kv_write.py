@@ -1,7 +1,8 @@
 """The step between an attention layer's q/k/v projection and its attention, as one Pallas (Triton
 backend) GPU kernel: per-head RMSNorm of q and k (Qwen3's q_norm / k_norm), RoPE on both, and the
-write of k and v into the paged cache. Left to XLA these are 5-6 small kernels per layer (two norm
-reductions, the rotations, two cache updates), each a few microseconds of launch-bound work in a
+write of k and v into the paged cache (in q's dtype, or float8 e4m3 for `--kv-cache-dtype fp8`).
+Left to XLA these are 5-6 small kernels per layer (two norm reductions, the rotations, two cache
+updates; two clips more with float8 pages), each a few microseconds of launch-bound work in a
 decode step (docs/bench/h200-speed6.md).
 
     q_t,h  = rope(norm(q_t,h; q_norm), cos_t, sin_t)            -> q out [T, Hq, D]
@@ -32,8 +33,19 @@ MAX_TOKENS = 128  # more tokens (prefill) keep XLA's fusions: one program per to
 
 
 def supported(num_tokens: int, head_dim: int, rotary_dim: int, q_dtype, cache_dtype) -> bool:
+    """Few tokens, rotation over a power-of-two head, pages in q's dtype or float8 e4m3 (FP8 KV cache)."""
     pow2 = head_dim >= 32 and head_dim & (head_dim - 1) == 0
-    return num_tokens <= MAX_TOKENS and pow2 and rotary_dim == head_dim and jnp.dtype(q_dtype) == jnp.dtype(cache_dtype)
+    page_dtype_ok = jnp.dtype(cache_dtype) in (jnp.dtype(q_dtype), jnp.dtype(jnp.float8_e4m3fn))
+    return num_tokens <= MAX_TOKENS and pow2 and rotary_dim == head_dim and page_dtype_ok
+
+
+def _to_page(x, page_dtype):
+    """x (in q's dtype) as the pages store it: float8 pages saturate at their largest finite value
+    (e4m3 has no inf), as `jtp.models.attention.write_kv` does."""
+    if jnp.dtype(page_dtype) == jnp.dtype(jnp.float8_e4m3fn):
+        bound = float(jnp.finfo(page_dtype).max)
+        x = jnp.clip(x, -bound, bound)
+    return x.astype(page_dtype)
 
 
 def _normed(x1, x2, w_ref, eps, dtype):
@@ -77,9 +89,9 @@ def _kernel(slot_ref, cos_ref, sin_ref, qn_ref, kn_ref, qkv_ref, k_in, v_in, q_o
         slot = slot_ref[t]
         slot = jnp.where(slot < 0, num_slots - 1, slot)  # padding: the scratch page
         o1, o2 = rotated(hq + h, kn_ref)
-        k_out[slot, h, pl.ds(0, half)] = o1.astype(k_out.dtype)
-        k_out[slot, h, pl.ds(half, half)] = o2.astype(k_out.dtype)
-        v_out[slot, h, :] = qkv_ref[t, pl.ds((hq + hkv + h) * head_dim, head_dim)].astype(v_out.dtype)
+        k_out[slot, h, pl.ds(0, half)] = _to_page(o1, k_out.dtype)
+        k_out[slot, h, pl.ds(half, half)] = _to_page(o2, k_out.dtype)
+        v_out[slot, h, :] = _to_page(qkv_ref[t, pl.ds((hq + hkv + h) * head_dim, head_dim)].astype(dtype), v_out.dtype)
 
 
 def rope_and_write(q, k, v, k_pages, v_pages, slots, cos, sin, q_norm=None, k_norm=None, *, eps: float = 1e-6,

@@ -206,7 +206,7 @@ class PagedAttention:
     def rope_and_write(self, q, k, v, cache: LayerKV, meta: AttentionMetadata, cos, sin, q_norm=None, k_norm=None,
                        eps: float = 1e-6):
         """`rope_and_write_reference`; impl "kernel": one fused kernel where it applies
-        (jtp/kernels/rope_kv_write.py: few tokens, rotation over the whole head, cache in q's dtype)."""
+        (jtp/kernels/rope_kv_write.py: few tokens, rotation over the whole head, cache in q's dtype or float8)."""
         tp = self.tp
         if (
             self.impl == "kernel"
