@@ -88,10 +88,11 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int, keep_lens=None
     decay = jnp.exp(jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
     kb = k_ * beta_[..., None]
     A = einsum("nhid,nhjd->nhij", kb, k_) * jnp.where(strict, decay, 0.0)
-    # (I + A) [U | W] = [beta v | beta k e^gamma]: forward substitution in one solve.
-    rhs = jnp.concatenate([v_ * beta_[..., None], kb * jnp.exp(gamma)[..., None]], axis=-1)
-    UW = einsum("nhij,nhjd->nhid", unit_lower_inverse(A, precision), rhs)
-    U, W = UW[..., : v.shape[-1]], UW[..., v.shape[-1] :]
+    # (I + A) [U | W] = [beta v | beta k e^gamma], as two products with the one inverse (a
+    # concatenated right-hand side would be a copy of both).
+    inverse = unit_lower_inverse(A, precision)
+    U = einsum("nhij,nhjd->nhid", inverse, v_ * beta_[..., None])
+    W = einsum("nhij,nhjd->nhid", inverse, kb * jnp.exp(gamma)[..., None])
     last = gamma[..., -1]  # [live, H]
     k_out = k_ * jnp.exp(last[..., None] - gamma)[..., None]  # what each key adds to the chunk's end state
 
