@@ -120,22 +120,13 @@ def causal_conv(x: jax.Array, weight: jax.Array, state: jax.Array, rows: RowLayo
     K = weight.shape[1]
     xs = jnp.where(rows.valid[..., None], x[rows.gather], 0)  # [B, L, C]
     prev = _slot_state(state, rows).swapaxes(1, 2).astype(xs.dtype)  # [B, K-1, C]
+    full = jnp.concatenate([prev, xs], axis=1)  # [B, K-1+L, C]; full[:, s] is token s-(K-1)
     L = xs.shape[1]
-
-    # Tap j reads full[:, j : j + L] of full = [prev | xs] (full[:, s] is token s-(K-1)). Each tap's
-    # window is its own small concatenation, which XLA fuses into the sum: a materialised `full`
-    # (read by every tap and by the state's gather) cost a copy of the layer's inputs per conv.
-    def window(j):
-        return xs if j == K - 1 else jnp.concatenate([prev[:, j:], xs], axis=1)[:, :L]
-
     w = weight.astype(jnp.float32)
-    out = sum(window(j).astype(jnp.float32) * w[:, j] for j in range(K))
+    out = sum(full[:, j : j + L].astype(jnp.float32) * w[:, j] for j in range(K))
     # The new state is the K-1 inputs before each row's end: full[len .. len+K-2].
     def tail(lens):  # the K-1 inputs before each row's token `lens`, as a state [B, C, K-1]
-        at = lens[:, None] + jnp.arange(K - 1)  # positions in full, [B, K-1]
-        from_state = jnp.take_along_axis(prev, jnp.minimum(at, K - 2)[:, :, None], axis=1)
-        from_inputs = jnp.take_along_axis(xs, jnp.maximum(at - (K - 1), 0)[:, :, None], axis=1)
-        cols = jnp.where((at < K - 1)[:, :, None], from_state, from_inputs)
+        cols = jnp.take_along_axis(full, (lens[:, None] + jnp.arange(K - 1))[:, :, None], axis=1)
         return cols.swapaxes(1, 2).astype(state.dtype)
 
     state = set_rows(state, rows.write_slots, tail(rows.valid.sum(axis=1)))
