@@ -89,8 +89,8 @@ def _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, block_size, limit
 
 def _operand_dtype(q_dtype, page_dtype):
     """The dtype both dots take their operands in. Float8 e4m3 pages under a 16-bit q: float16, to
-    which e4m3 converts exactly and in one instruction per pair on sm_89+ (its conversion to bfloat16
-    is several, and made float8 pages no faster to read than bfloat16 ones); a bfloat16 q rounds to
+    which e4m3 converts exactly in one instruction per pair on sm_89+ (converted to bfloat16, float8
+    pages read no faster than bfloat16 ones: docs/bench/h200-speed11.md); a bfloat16 q rounds to
     float16 exactly within float16's range, and the softmax weights gain precision. Else q's dtype."""
     if jnp.dtype(page_dtype) == jnp.dtype(jnp.float8_e4m3fn) and jnp.dtype(q_dtype).itemsize == 2:
         return jnp.float16
