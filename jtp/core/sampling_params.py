@@ -15,7 +15,7 @@ from typing import Any, NoReturn, Sequence
 
 import numpy as np
 
-from jtp.core.step_input import GREEDY_EPS, SamplingBatch, SamplingFlags, bucket_sizes  # noqa: F401 - numpy-only step inputs
+from jtp.core.step_input import GREEDY_EPS, SamplingBatch, bucket_sizes
 
 MAX_LOGPROBS = 20
 # Stop strings live in a per-request automaton on the step thread: bound its size.
