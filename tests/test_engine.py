@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import pytest
 from hf_models import make_hf_checkpoint
@@ -291,6 +292,28 @@ def test_backpressure_pool_fits_three(qwen3):
         assert c.finish_reason == "length" and len(c.token_ids) == m
         assert c.token_ids == qwen3.solo(p, greedy(m)).token_ids, f"{rid} differs from its solo result"
     assert eng.pool.num_free_blocks == 15
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2])
+def test_finished_events_time_each_phase(qwen3, max_num_seqs):
+    """The finished event's RequestTiming (the server's jtp:request_*_time_seconds): with one row,
+    the second request queues while the first runs (its queue time covers the first's whole
+    inference); with two rows neither waits a step. Phases add up: inference = prefill + decode,
+    and queue + inference fits in the wall time of the run."""
+    eng = make_engine(qwen3.path, max_num_seqs=max_num_seqs)
+    start = time.monotonic()
+    first, second = (eng.submit(list(range(3 + i, 11 + i)), greedy(6)) for i in range(2))
+    timings = [list(eng.stream(rid))[-1].timing for rid in (first, second)]
+    wall = time.monotonic() - start
+    for t in timings:
+        assert None not in t and min(t) >= 0, t
+        assert t.inference == pytest.approx(t.prefill + t.decode, abs=1e-9)
+        assert t.queued + t.inference <= wall
+    a, b = timings
+    if max_num_seqs == 1:
+        assert b.queued >= a.inference > 0, timings  # admitted only once the first had finished
+    else:
+        assert b.queued < a.prefill + a.decode / 2, timings  # admitted in the first one's step
 
 
 def test_submit_errors(engine):

@@ -578,6 +578,13 @@ def test_64_concurrent_streams_equal_their_solo_results_and_metrics_add_up(serve
     assert grew("jtp:request_success_total") == 64
     for histogram in ("jtp:time_to_first_token_seconds", "jtp:e2e_request_latency_seconds"):
         assert grew(histogram + "_count") == 64
+    phase = {p: f"jtp:request_{p}_time_seconds_sum" for p in ("queue", "prefill", "decode", "inference")}
+    for name in phase.values():
+        assert grew(name.replace("_sum", "_count")) == 64
+    # The engine's phases lie inside the server's spans: submitted before arrival, first token seen after.
+    assert grew(phase["queue"]) + grew(phase["prefill"]) <= grew("jtp:time_to_first_token_seconds_sum")
+    assert grew(phase["queue"]) + grew(phase["inference"]) <= grew("jtp:e2e_request_latency_seconds_sum")
+    assert grew(phase["inference"]) == pytest.approx(grew(phase["prefill"]) + grew(phase["decode"]), rel=1e-6)
     assert after["jtp:num_requests_running"] == after["jtp:num_requests_waiting"] == 0
     assert served.pool_returns_to_full()
 
@@ -591,7 +598,9 @@ def test_models_health_ready_metrics(served):
     for name in ("jtp:time_to_first_token_seconds_bucket", "jtp:time_per_output_token_seconds_count",
                  "jtp:e2e_request_latency_seconds_sum", "jtp:num_requests_running", "jtp:num_requests_waiting",
                  "jtp:kv_cache_usage_perc", "jtp:prompt_tokens_total", "jtp:generation_tokens_total",
-                 "jtp:request_success_total"):
+                 "jtp:request_success_total", "jtp:request_queue_time_seconds_bucket",
+                 "jtp:request_prefill_time_seconds_count", "jtp:request_decode_time_seconds_sum",
+                 "jtp:request_inference_time_seconds_count"):
         assert name in text
 
 

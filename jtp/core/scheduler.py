@@ -66,6 +66,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival: float = dataclasses.field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # admitted: its first row scheduled (time.monotonic, as arrival)
     first_token_time: float | None = None
     # Prefix cache
     cached_tokens: int = 0  # prompt tokens whose KV (and state) came from the cache
@@ -253,6 +254,7 @@ class Scheduler:
             if not self._admit(r):
                 break  # FCFS: the head waits for blocks (or a state slot), nobody overtakes it
             self.waiting.popleft()
+            r.scheduled_time = time.monotonic()
             self.running.append(r)
             self._admitted.append(r)
             rows.append(ScheduledRow(r, r.num_computed, self._chunk_within_long_rows(rows, self._chunk(r, budget))))

@@ -14,7 +14,8 @@ import asyncio
 import collections
 import dataclasses
 import threading
-from typing import Callable
+import time
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -51,6 +52,27 @@ class TokenEvent:
     # stop_token_ids; None for an end-of-sequence token (or any other end).
     stop_reason: str | int | None = None
     prompt_logprobs: PromptLogprobs | None = None  # on a request's first event, when it asked for them
+    timing: RequestTiming | None = None  # on the finished event
+
+
+class RequestTiming(NamedTuple):
+    """A finished request's phases in seconds, as vLLM's request_*_time_seconds: `queued` from
+    submission until the scheduler first gave it a row, `prefill` from then until its first token,
+    `decode` from its first token to the end, `inference` from its first row to the end. None for a
+    phase the request never reached (an abort while waiting, a failure before its first token)."""
+
+    queued: float
+    prefill: float | None
+    decode: float | None
+    inference: float | None
+
+    @classmethod
+    def of(cls, req: Request, now: float) -> RequestTiming:
+        scheduled, first = req.scheduled_time, req.first_token_time
+        return cls((scheduled if scheduled is not None else now) - req.arrival,
+                   None if scheduled is None or first is None else first - scheduled,
+                   None if first is None else now - first,
+                   None if scheduled is None else now - scheduled)
 
 
 @dataclasses.dataclass
@@ -265,6 +287,7 @@ class OutputProcessor:
         req.finish_reason = reason
         event = event or TokenEvent(req.id, [], "", error=out.error, retryable=out.retryable)
         event.cached_tokens = req.cached_tokens
+        event.timing = RequestTiming.of(req, time.monotonic())
         event.text += out.take_text(True)
         event.finished, event.finish_reason = True, reason
         event.stop_reason = out.stop_reason if reason == "stop" else None

@@ -102,6 +102,8 @@ class Generation:
         t.cached_tokens = max(t.cached_tokens, event.cached_tokens or 0)
         if event.finished:
             self._record_finish(t, event.finish_reason, now)
+            if event.timing is not None:
+                self.metrics.request_phases(event.timing)
 
     def _record_finish(self, t: _Tracked, reason: str, now: float) -> None:
         t.finish_reason = reason

@@ -195,6 +195,17 @@ class ServerMetrics:
             "Mean time between output tokens after the first, one observation per request.", TPOT_BUCKETS)
         self.e2e_latency = histogram(
             "jtp:e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
+        # A request's phases on the engine's clock (vLLM's request_*_time_seconds): where TTFT goes.
+        self.phases = {
+            "queued": histogram("jtp:request_queue_time_seconds",
+                                "Time from submission until the scheduler first gave the request a row.", E2E_BUCKETS),
+            "prefill": histogram("jtp:request_prefill_time_seconds",
+                                 "Time from the request's first row to its first token.", TTFT_BUCKETS),
+            "decode": histogram("jtp:request_decode_time_seconds",
+                                "Time from the request's first token to its last.", E2E_BUCKETS),
+            "inference": histogram("jtp:request_inference_time_seconds",
+                                   "Time from the request's first row to its last token.", E2E_BUCKETS),
+        }
         self.prompt_tokens = counter("jtp:prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("jtp:generation_tokens", "Tokens generated.")
         self._success = Counter("jtp:request_success", "Requests finished, by finish reason.",
@@ -211,6 +222,12 @@ class ServerMetrics:
         self.e2e_latency.observe(seconds)
         if first_token_seconds is not None and num_tokens > 1:
             self.time_per_output_token.observe((seconds - first_token_seconds) / (num_tokens - 1))
+
+    def request_phases(self, timing) -> None:
+        """A finished request's `RequestTiming`: each phase it reached, observed once."""
+        for phase, seconds in timing._asdict().items():
+            if seconds is not None:
+                self.phases[phase].observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
