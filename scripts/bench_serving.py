@@ -29,6 +29,9 @@ Reported like vLLM's benchmark_serving: request / output / total token throughpu
 run, and mean, median and percentiles (`--percentiles`, default 99) of each latency. Also TTFT by
 turn index (what a prefix cache changes: turn N resends turns 1..N-1), and the prompt tokens the
 server says it served from its prefix cache (`usage.prompt_tokens_details.cached_tokens`; absent = 0).
+Where the server's /metrics has vLLM's request phase histograms (`jtp:` or `vllm:`
+`request_{queue,prefill,decode,inference}_time_seconds`), the mean of each over the timed run: where
+a TTFT goes on the server's own clock (waiting for a row, then the prefill).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -202,7 +206,36 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, headers: dict, r
 # ----------------------------------------------------------------------------- the run
 
 
-async def run_benchmark(args: argparse.Namespace, workload: Workload) -> tuple[list[RequestResult], float]:
+PHASES = ("queue", "prefill", "decode", "inference")
+_PHASE_LINE = re.compile(r"^(?:jtp|vllm):request_(" + "|".join(PHASES) + r")_time_seconds_(sum|count)(?:\{[^}]*\})? (\S+)$",
+                         re.M)
+
+
+def server_phases(base_url: str) -> dict[str, tuple[float, float]]:
+    """{phase: (seconds summed, requests)} of the server's request phase histograms, every label set
+    added up; {} where the server has no /metrics or no such histograms."""
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return {}
+    totals: dict[str, list[float]] = {}
+    for phase, field, value in _PHASE_LINE.findall(text):
+        totals.setdefault(phase, [0.0, 0.0])[field == "count"] += float(value)
+    return {phase: (total, count) for phase, (total, count) in totals.items()}
+
+
+def phase_means_ms(before: dict, after: dict) -> dict[str, float]:
+    """Each phase's mean (ms) over the requests that finished between two `server_phases` reads."""
+    means = {}
+    for phase, (total, count) in after.items():
+        total0, count0 = before.get(phase, (0.0, 0.0))
+        if count > count0:
+            means[phase] = 1000.0 * (total - total0) / (count - count0)
+    return means
+
+
+async def run_benchmark(args: argparse.Namespace, workload: Workload) -> tuple[list[RequestResult], float, dict]:
+    """The requests' results, the run's seconds, and the server's mean request phases (ms) over it."""
     url = args.base_url.rstrip("/") + args.endpoint
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
@@ -230,6 +263,7 @@ async def run_benchmark(args: argparse.Namespace, workload: Workload) -> tuple[l
                     history.append({"role": "assistant", "content": result.text})
 
         gaps = arrival_gaps(args.num_prompts, args.request_rate, args.arrival, workload.rng)
+        phases_before = await asyncio.to_thread(server_phases, args.base_url)  # the test request's are not the run's
         run_start = time.perf_counter()
         tasks = []
         for gap in gaps:
@@ -237,7 +271,7 @@ async def run_benchmark(args: argparse.Namespace, workload: Workload) -> tuple[l
             tasks.append(asyncio.create_task(conversation()))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - run_start
-    return results, duration
+    return results, duration, phase_means_ms(phases_before, await asyncio.to_thread(server_phases, args.base_url))
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -325,6 +359,9 @@ def format_table(summary: dict, percentiles: list[float]) -> str:
         lines.append(row(f"Mean {short} (ms):", summary[f"mean_{key}_ms"]))
         lines.append(row(f"Median {short} (ms):", summary[f"median_{key}_ms"]))
         lines += [row(f"P{p:g} {short} (ms):", summary[f"p{p:g}_{key}_ms"]) for p in percentiles]
+    if summary.get("server_phases_ms"):
+        lines.append(" Server's Request Phases (mean ms) ".center(width, "-"))
+        lines += [row(f"{phase.capitalize()}:", ms) for phase, ms in summary["server_phases_ms"].items()]
     fraction = summary["cached_prompt_fraction"]
     lines += [" Prefix Cache (server's usage) ".center(width, "-"),
               row("Cached prompt tokens:", summary["cached_prompt_tokens"]),
@@ -428,8 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload(args.endpoint, model, args.input_len, args.output_len, args.prompt_kind,
                         args.vocab_size, args.ignore_eos, random.Random(args.seed), args.follow_up_len, args.words,
                         args.random_range_ratio, args.structured_fraction)
-    results, duration = asyncio.run(run_benchmark(args, workload))
+    results, duration, phases = asyncio.run(run_benchmark(args, workload))
     summary = summarize(results, duration, args.percentiles)
+    summary["server_phases_ms"] = phases
     print(format_table(summary, args.percentiles))
     for r in results:
         if r.error:

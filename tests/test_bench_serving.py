@@ -296,6 +296,26 @@ def test_completions_against_jtp_serve(jtp_server, tmp_path):
     assert 0 < s["median_ttft_ms"] < s["median_e2el_ms"] and s["output_throughput"] > 0
 
 
+def test_server_phases_of_the_run_against_jtp_serve(jtp_server, tmp_path):
+    """The server's request phases over the timed run only (not the test request): one observation
+    per request, and on the server's clock inside the client's: queue + prefill within the TTFT the
+    client timed, queue + inference within its end-to-end time."""
+    result = run_bench(tmp_path, "--base-url", jtp_server, "--num-prompts", "6", "--input-len", "24",
+                       "--output-len", "6", "--max-concurrency", "3")
+    s, phases = result["summary"], result["summary"]["server_phases_ms"]
+    assert set(phases) == {"queue", "prefill", "decode", "inference"}
+    assert all(ms >= 0 for ms in phases.values())
+    assert phases["queue"] + phases["prefill"] <= s["mean_ttft_ms"]
+    assert phases["queue"] + phases["inference"] <= s["mean_e2el_ms"]
+    assert phases["inference"] == pytest.approx(phases["prefill"] + phases["decode"], rel=1e-6)
+
+
+def test_phase_means_count_only_the_requests_between_two_reads():
+    before = {"queue": (1.0, 2.0), "prefill": (0.5, 2.0)}
+    after = {"queue": (4.0, 5.0), "prefill": (0.5, 2.0), "decode": (0.3, 3.0)}
+    assert bench.phase_means_ms(before, after) == pytest.approx({"queue": 1000.0, "decode": 100.0})
+
+
 def test_multi_turn_chat_against_jtp_serve(jtp_server, tmp_path):
     result = run_bench(tmp_path, "--base-url", jtp_server, "--endpoint", "/v1/chat/completions",
                        "--num-prompts", "2", "--multi-turn", "2", "--input-len", "12", "--output-len", "6",
