@@ -181,9 +181,10 @@ def main(argv=None) -> int:
 
     chunk = args.chunk or (args.context if args.prefill else max(512, 2 * args.batch))
     # Decode profiles: every request keeps decoding until the timed steps end. Prompts of the batch
-    # are prefilled `chunk` tokens a step, the first ones decoding meanwhile, so each needs the
-    # prefill's steps on top of the warm-up and timed ones (or early finishers leave a smaller batch).
-    prefill_steps = -(-args.batch * args.context // chunk)
+    # are prefilled from what a step's `chunk` tokens leave after the rows already decoding (at most
+    # the batch), so each request needs the prefill's steps on top of the warm-up and timed ones (or
+    # early finishers leave a smaller batch).
+    prefill_steps = -(-args.batch * args.context // max(1, chunk - args.batch))
     decode_tokens = prefill_steps + 3 * args.steps * args.num_scheduler_steps + 32
     longest = args.context + decode_tokens + 64
     engine = Engine.from_args(EngineArgs(

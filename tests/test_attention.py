@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from cpu_env import cuda_lowering, jit_optimized
 
-from jtp.kernels.ragged_paged_attention import ragged_paged_attention
+from jtp.kernels.ragged_paged_attention import _operand_dtype, choose_decode_config, ragged_paged_attention
 from jtp.models.attention import (
     AttentionMetadata,
     LayerKV,
@@ -273,6 +273,13 @@ def test_kernels_read_float8_pages(monkeypatch, B, bound, config):
     out = f(q, cache, meta)
     assert out.dtype == jnp.bfloat16
     _check(out, ref, n_real, jnp.bfloat16, f"{tag} rows={rows}")
+    # float16 operands, and 128 keys an iteration (8 pages of 16) where q is 16-bit; float32 q keeps both.
+    assert _operand_dtype(jnp.bfloat16, jnp.float8_e4m3fn) == jnp.float16
+    assert _operand_dtype(jnp.float32, jnp.float8_e4m3fn) == jnp.float32 == _operand_dtype(jnp.float32, jnp.float32)
+    if config is None:
+        page_keys = {(1, 2): 8, (1, 4): 4, (2, 2): 4}
+        for (page_size, q_size), ppi in page_keys.items():
+            assert choose_decode_config(64, 64, 8, 4, 16, 64, 128, page_size, q_size)[1] == ppi
     exact = _dense_attention(q, cache._replace(k=cache.k.astype(jnp.float32), v=cache.v.astype(jnp.float32)),
                              meta, scale, n_real)
     kernel_err = np.abs(np.asarray(out, np.float64)[:n_real] - exact[:n_real]).max()

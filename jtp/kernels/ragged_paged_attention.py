@@ -348,18 +348,19 @@ def _decode_rows(group: int) -> int:
 
 
 def choose_decode_config(T: int, B: int, num_kv_heads: int, group: int, block_size: int, max_blocks: int,
-                         head_dim: int = 128, itemsize: int = 2):
+                         head_dim: int = 128, itemsize: int = 2, q_itemsize: int = 2):
     """(unused, pages per iteration, splits, warps, stages) of the decode kernel; env vars override.
 
-    Keys per iteration: 64; 128 from float8 pages, the same bytes a load (Qwen3-8B B=64 decode with
-    float8 pages: 8,106 against 7,258 tok/s at 64 keys, docs/bench/h200-speed11.md). Splits: at most
-    min(T, B) tokens are real; aim at ~512 programs (H200: 132 SMs) and at most 16
+    Keys per iteration: 64; 128 from float8 pages under a 16-bit q, the same bytes a load (Qwen3-8B
+    B=64 decode with float8 pages: 8,106 against 7,258 tok/s at 64 keys, docs/bench/h200-speed11.md;
+    a float32 q's converted tiles would be four times the loaded ones). Splits: at most min(T, B)
+    tokens are real; aim at ~512 programs (H200: 132 SMs) and at most 16
     splits (32 made a lone token's call slower: the merge grows; 16 beat 8 by 6% at Qwen3-0.6B B=1,
     docs/bench/h200-speed6.md). Only splits that get keys write
     partials, so an over-estimate costs little. Split programs pipeline 3 stages, unsplit ones (large
     batches) 2 (docs/bench/h200-speed4.md).
     """
-    keys = int(os.environ.get("JTP_ATTN_DECODE_KEYS", "128" if itemsize == 1 else "64"))
+    keys = int(os.environ.get("JTP_ATTN_DECODE_KEYS", "128" if itemsize == 1 and q_itemsize == 2 else "64"))
     ppi = max(1, _pow2_floor(max(keys // block_size, 1)))
     ppi = math.gcd(ppi, max(1, max_blocks))  # tile the (unpadded) block table exactly
     env_splits = os.environ.get("JTP_ATTN_DECODE_SPLITS")
@@ -474,7 +475,7 @@ def paged_decode_attention(
     group = hq // hkv
     B, max_blocks = block_tables.shape
     _, ppi, num_splits, warps, stages = config or choose_decode_config(
-        T, B, hkv, group, block_size, max_blocks, d, k_pages.dtype.itemsize)
+        T, B, hkv, group, block_size, max_blocks, d, k_pages.dtype.itemsize, q.dtype.itemsize)
     ppi = math.gcd(int(ppi), max_blocks)  # pl.ds over the block table must stay in bounds
     num_splits = _pow2_floor(num_splits)  # the merge's [S, G, D] block: Triton shapes are powers of 2
     m_rows = _decode_rows(group)
