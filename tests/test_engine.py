@@ -308,12 +308,12 @@ def test_finished_events_time_each_phase(qwen3, max_num_seqs):
     for t in timings:
         assert None not in t and min(t) >= 0, t
         assert t.inference == pytest.approx(t.prefill + t.decode, abs=1e-9)
-        assert t.queued + t.inference <= wall
+        assert t.queue + t.inference <= wall
     a, b = timings
     if max_num_seqs == 1:
-        assert b.queued >= a.inference > 0, timings  # admitted only once the first had finished
+        assert b.queue >= a.inference > 0, timings  # admitted only once the first had finished
     else:
-        assert b.queued < a.prefill + a.decode / 2, timings  # admitted in the first one's step
+        assert b.queue < a.prefill + a.decode / 2, timings  # admitted in the first one's step
 
 
 def test_submit_errors(engine):

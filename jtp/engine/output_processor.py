@@ -56,13 +56,13 @@ class TokenEvent:
 
 
 class RequestTiming(NamedTuple):
-    """A finished request's phases in seconds, as vLLM's request_*_time_seconds: `queued` from
+    """A finished request's phases in seconds, as vLLM's request_*_time_seconds: `queue` from
     submission until the scheduler first gave it a row, `prefill` from then until its first token,
     `decode` from its first token to the end, `inference` from its first row to the end. None for a
     phase the request never reached (an abort while waiting, a failure before its first token): each
     phase's histogram counts the requests that reached it."""
 
-    queued: float
+    queue: float
     prefill: float | None
     decode: float | None
     inference: float | None

@@ -87,6 +87,7 @@ def _attend_pages(q, k_ref, v_ref, bt_ref, row, it0, it1, ppi, block_size, limit
     )
     return lax.fori_loop(it0, it1, body, init)
 
+
 def _operand_dtype(q_dtype, page_dtype):
     """The dtype both dots take their operands in. Float8 e4m3 pages under a 16-bit q: float16, to
     which e4m3 converts exactly in one instruction per pair on sm_89+ (converted to bfloat16, float8

@@ -197,7 +197,7 @@ class ServerMetrics:
             "jtp:e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
         # A request's phases on the engine's clock (vLLM's request_*_time_seconds): where TTFT goes.
         self.phases = {
-            "queued": histogram("jtp:request_queue_time_seconds",
+            "queue": histogram("jtp:request_queue_time_seconds",
                                 "Time from submission until the scheduler first gave the request a row.", E2E_BUCKETS),
             "prefill": histogram("jtp:request_prefill_time_seconds",
                                  "Time from the request's first row to its first token.", TTFT_BUCKETS),
