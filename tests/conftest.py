@@ -36,9 +36,12 @@ if "JTP_TEST_COMPILATION_CACHE" not in os.environ:
 os.environ["JTP_COMPILATION_CACHE"] = os.environ["JTP_TEST_COMPILATION_CACHE"]
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JTP_TEST_COMPILATION_CACHE"]
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-# The size bound the CLI sets (jtp.entrypoints.cli_support.CACHE_MAX_BYTES): with it JAX locks each
-# entry and keeps its access time; one directory written both with and without it races.
-os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(32 * 2**30)
+# No size bound, here and in every CLI subprocess (jtp.entrypoints.cli_support.enable_compilation_cache
+# leaves this one standing): under a bound each write takes one lock shared by every process and scans
+# the whole directory to evict, and this directory grows to thousands of entries (the scans were a third
+# of test_moe's time). Unbounded, JAX takes no lock: a read that meets an entry still being written fails
+# its zlib check and compiles instead.
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = "-1"
 
 import pytest  # noqa: E402
 

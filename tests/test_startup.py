@@ -188,11 +188,14 @@ def _workload(serve: Serve, demo_dir, penalties: bool) -> list[dict]:
 @pytest.fixture(scope="module")
 def warmed(demo_dir, tmp_path_factory):
     """`jtp serve` with the small buckets, warmed up from a fresh cache: (it, the warm-up line's numbers)."""
-    serve = Serve(*small_flags(demo_dir), "--compile-cache-dir", str(tmp_path_factory.mktemp("xla")))
+    cache = tmp_path_factory.mktemp("xla")
+    serve = Serve(*small_flags(demo_dir), "--compile-cache-dir", str(cache))
     try:
         serve.ready()
         match = WARMUP_LINE.search(serve.text())
         assert match, serve.text()
+        # The suite's JAX_COMPILATION_CACHE_MAX_SIZE=-1 stands over the CLI's bound: no lock (see conftest.py).
+        assert any(cache.iterdir()) and not (cache / ".lockfile").exists()
         yield serve, tuple(map(int, match.groups()))
         status, seconds = serve.stop()
         assert status == 0 and seconds < 10, serve.text()[-2000:]
@@ -222,7 +225,9 @@ def test_two_jtp_warmups_share_a_fresh_cache_and_a_server_then_loads_every_progr
     cache = tmp_path / "xla"
     command = [sys.executable, "-m", "jtp.entrypoints.cli", "warmup", *small_flags(demo_dir), "--compile-cache-dir",
                str(cache)]
-    procs = [subprocess.Popen(command, env=cpu_env(1), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    env = cpu_env(1)
+    del env["JAX_COMPILATION_CACHE_MAX_SIZE"]  # the CLI's own bound, as shipped (the suite runs without one)
+    procs = [subprocess.Popen(command, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
              for _ in range(2)]  # at once: both write and read the same entries
     logs = [p.communicate(timeout=600)[1] for p in procs]
     for p, log in zip(procs, logs):

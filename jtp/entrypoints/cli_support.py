@@ -168,7 +168,10 @@ def enable_compilation_cache() -> None:
 
     A size bound makes JAX take a file lock around every read and write of an entry, so processes
     sharing the directory (a server and `jtp warmup`, a group's leader and followers) never read an
-    entry another one is still writing. Without the bound JAX skips the lock.
+    entry another one is still writing. Without the bound JAX skips the lock (an entry read while
+    being written fails its zlib/zstd check: a warning and a compile). Each write under the bound
+    scans the whole directory for eviction, so a bound given in JAX_COMPILATION_CACHE_MAX_SIZE
+    (-1: none) stands, for a directory of many thousand entries (the test suite's).
     """
     import jax
 
@@ -176,7 +179,8 @@ def enable_compilation_cache() -> None:
     if path:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
+        if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
+            jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
 
 
 def exit_now(status: int) -> None:
