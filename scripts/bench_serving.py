@@ -31,7 +31,9 @@ turn index (what a prefix cache changes: turn N resends turns 1..N-1), and the p
 server says it served from its prefix cache (`usage.prompt_tokens_details.cached_tokens`; absent = 0).
 Where the server's /metrics has vLLM's request phase histograms (`jtp:` or `vllm:`
 `request_{queue,prefill,decode,inference}_time_seconds`), the mean of each over the timed run: where
-a TTFT goes on the server's own clock (waiting for a row, then the prefill).
+a TTFT goes on the server's own clock (waiting for a row, then the prefill). Against `jtp serve`, the
+step programs the server compiled during the timed run (`jtp:compilations_total`): a run that met new
+step shapes timed their compiles too, and says so.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import numpy as np
@@ -209,19 +212,29 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, headers: dict, r
 PHASES = ("queue", "prefill", "decode", "inference")
 _PHASE_LINE = re.compile(r"^(?:jtp|vllm):request_(" + "|".join(PHASES) + r")_time_seconds_(sum|count)(?:\{[^}]*\})? (\S+)$",
                          re.M)
+_COMPILATIONS_LINE = re.compile(r"^jtp:compilations_total(?:\{[^}]*\})? (\S+)$", re.M)
 
 
-def server_phases(base_url: str) -> dict[str, tuple[float, float]]:
-    """{phase: (seconds summed, requests)} of the server's request phase histograms, every label set
-    added up; {} where the server has no /metrics or no such histograms."""
+class ServerCounters(NamedTuple):
+    """What the timed run reads from the server's /metrics before and after it."""
+
+    phases: dict[str, tuple[float, float]]  # {phase: (seconds summed, requests)}, every label set added up
+    compilations: float | None  # step programs compiled so far (jtp only)
+
+
+def server_counters(base_url: str) -> ServerCounters:
+    """The server's request phase histograms and compile count; empty / None where its /metrics has
+    none (or it has no /metrics)."""
     try:
         text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10.0).text
     except httpx.HTTPError:
-        return {}
+        return ServerCounters({}, None)
     totals: dict[str, list[float]] = {}
     for phase, field, value in _PHASE_LINE.findall(text):
         totals.setdefault(phase, [0.0, 0.0])[field == "count"] += float(value)
-    return {phase: (total, count) for phase, (total, count) in totals.items()}
+    compiled = _COMPILATIONS_LINE.findall(text)
+    return ServerCounters({phase: (total, count) for phase, (total, count) in totals.items()},
+                          sum(map(float, compiled)) if compiled else None)
 
 
 def phase_means_ms(before: dict, after: dict) -> dict[str, float]:
@@ -234,8 +247,10 @@ def phase_means_ms(before: dict, after: dict) -> dict[str, float]:
     return means
 
 
-async def run_benchmark(args: argparse.Namespace, workload: Workload) -> tuple[list[RequestResult], float, dict]:
-    """The requests' results, the run's seconds, and the server's mean request phases (ms) over it."""
+async def run_benchmark(args: argparse.Namespace, workload: Workload) -> tuple[list[RequestResult], float, dict,
+                                                                               int | None]:
+    """The requests' results, the run's seconds, the server's mean request phases (ms) over it and the
+    step programs it compiled meanwhile (None: not a jtp server)."""
     url = args.base_url.rstrip("/") + args.endpoint
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
@@ -263,7 +278,7 @@ async def run_benchmark(args: argparse.Namespace, workload: Workload) -> tuple[l
                     history.append({"role": "assistant", "content": result.text})
 
         gaps = arrival_gaps(args.num_prompts, args.request_rate, args.arrival, workload.rng)
-        phases_before = await asyncio.to_thread(server_phases, args.base_url)  # the test request's are not the run's
+        before = await asyncio.to_thread(server_counters, args.base_url)  # the test request's are not the run's
         run_start = time.perf_counter()
         tasks = []
         for gap in gaps:
@@ -271,7 +286,9 @@ async def run_benchmark(args: argparse.Namespace, workload: Workload) -> tuple[l
             tasks.append(asyncio.create_task(conversation()))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - run_start
-    return results, duration, phase_means_ms(phases_before, await asyncio.to_thread(server_phases, args.base_url))
+    after = await asyncio.to_thread(server_counters, args.base_url)
+    compiled = None if None in (before.compilations, after.compilations) else int(after.compilations - before.compilations)
+    return results, duration, phase_means_ms(before.phases, after.phases), compiled
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -362,6 +379,8 @@ def format_table(summary: dict, percentiles: list[float]) -> str:
     if summary.get("server_phases_ms"):
         lines.append(" Server's Request Phases (mean ms) ".center(width, "-"))
         lines += [row(f"{phase.capitalize()}:", ms) for phase, ms in summary["server_phases_ms"].items()]
+    if summary.get("server_compilations") is not None:
+        lines.append(row("Step programs compiled during the run:", summary["server_compilations"]))
     fraction = summary["cached_prompt_fraction"]
     lines += [" Prefix Cache (server's usage) ".center(width, "-"),
               row("Cached prompt tokens:", summary["cached_prompt_tokens"]),
@@ -465,10 +484,13 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload(args.endpoint, model, args.input_len, args.output_len, args.prompt_kind,
                         args.vocab_size, args.ignore_eos, random.Random(args.seed), args.follow_up_len, args.words,
                         args.random_range_ratio, args.structured_fraction)
-    results, duration, phases = asyncio.run(run_benchmark(args, workload))
+    results, duration, phases, compiled = asyncio.run(run_benchmark(args, workload))
     summary = summarize(results, duration, args.percentiles)
-    summary["server_phases_ms"] = phases
+    summary["server_phases_ms"], summary["server_compilations"] = phases, compiled
     print(format_table(summary, args.percentiles))
+    if compiled:
+        print(f"warning: the server compiled {compiled} step program(s) during the timed run, so its figures "
+              "include compile time: not a steady state (warm the server's step shapes first)", file=sys.stderr)
     for r in results:
         if r.error:
             print(f"failed: {r.error}", file=sys.stderr)

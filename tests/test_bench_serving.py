@@ -310,6 +310,23 @@ def test_server_phases_of_the_run_against_jtp_serve(jtp_server, tmp_path):
     assert phases["inference"] == pytest.approx(phases["prefill"] + phases["decode"], rel=1e-6)
 
 
+def test_compiles_during_the_run_are_counted_like_the_servers_own_counter(jtp_server, tmp_path, capsys):
+    """A prompt length this server has not run yet: its step shapes compile inside the timed run (no
+    test request before it), and the bench reports as many as /metrics counted around it, with a warning."""
+    def compilations() -> float:
+        text = httpx.get(jtp_server + "/metrics").text
+        return float(re.search(r"^jtp:compilations_total\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+    before = compilations()
+    result = run_bench(tmp_path, "--base-url", jtp_server, "--num-prompts", "2", "--input-len", "300",
+                       "--output-len", "2", "--skip-test-request")
+    counted = compilations() - before
+    out = capsys.readouterr()
+    assert counted > 0 and result["summary"]["server_compilations"] == counted
+    assert f"compiled {int(counted)} step program(s) during the timed run" in out.err
+    assert f"{'Step programs compiled during the run:':<40}{int(counted):>10}" in out.out
+
+
 def test_phase_means_count_only_the_requests_between_two_reads():
     before = {"queue": (1.0, 2.0), "prefill": (0.5, 2.0)}
     after = {"queue": (4.0, 5.0), "prefill": (0.5, 2.0), "decode": (0.3, 3.0)}
