@@ -238,7 +238,7 @@ def server_counters(base_url: str) -> ServerCounters:
 
 
 def phase_means_ms(before: dict, after: dict) -> dict[str, float]:
-    """Each phase's mean (ms) over the requests that finished between two `server_phases` reads."""
+    """Each phase's mean (ms) over the requests that finished between two `server_counters` reads."""
     means = {}
     for phase, (total, count) in after.items():
         total0, count0 = before.get(phase, (0.0, 0.0))
@@ -287,7 +287,9 @@ async def run_benchmark(args: argparse.Namespace, workload: Workload) -> tuple[l
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - run_start
     after = await asyncio.to_thread(server_counters, args.base_url)
-    compiled = None if None in (before.compilations, after.compilations) else int(after.compilations - before.compilations)
+    compiled = None  # not a jtp server, or a restarted one (its counter began again)
+    if None not in (before.compilations, after.compilations) and after.compilations >= before.compilations:
+        compiled = int(after.compilations - before.compilations)
     return results, duration, phase_means_ms(before.phases, after.phases), compiled
 
 
@@ -380,6 +382,7 @@ def format_table(summary: dict, percentiles: list[float]) -> str:
         lines.append(" Server's Request Phases (mean ms) ".center(width, "-"))
         lines += [row(f"{phase.capitalize()}:", ms) for phase, ms in summary["server_phases_ms"].items()]
     if summary.get("server_compilations") is not None:
+        lines.append(" Server's Compilations ".center(width, "-"))
         lines.append(row("Step programs compiled during the run:", summary["server_compilations"]))
     fraction = summary["cached_prompt_fraction"]
     lines += [" Prefix Cache (server's usage) ".center(width, "-"),

@@ -236,10 +236,12 @@ def test_unexpected_errors_exit_1_with_a_hint(capsys):
 # ----------------------------------------------------------------------------- quiet exits
 
 
-def test_ctrl_c_exits_130_quietly(demo_dir):
+# The quiet-exit tests compile into a cache of their own: the suite's shared one has no lock, and a
+# read racing another process's write makes JAX warn ("Error reading persistent compilation cache entry").
+def test_ctrl_c_exits_130_quietly(demo_dir, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "jtp.entrypoints.cli", "generate", "--model", str(demo_dir), "--max-tokens", "2000", "Hello"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=jtp_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=jtp_env(JTP_COMPILATION_CACHE=str(tmp_path)),
     )
     for line in proc.stderr:  # interrupt once the engine is up: the first step is compiling now
         if line.startswith(b"jtp: KV pool"):
@@ -263,10 +265,10 @@ def test_ctrl_c_swallowed_inside_a_callback_still_exits_130():
         assert run_command(command, argparse.Namespace()) == 130
 
 
-def test_closed_pipe_exits_quietly(demo_dir):
+def test_closed_pipe_exits_quietly(demo_dir, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "jtp.entrypoints.cli", "generate", "--model", str(demo_dir), "--max-tokens", "8", "Hello"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=jtp_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=jtp_env(JTP_COMPILATION_CACHE=str(tmp_path)),
     )
     proc.stdout.close()  # like `| head -c0`: the first write finds no reader
     err = proc.stderr.read().decode()
