@@ -39,9 +39,9 @@ def supported(num_tokens: int, head_dim: int, rotary_dim: int, q_dtype, cache_dt
     return num_tokens <= MAX_TOKENS and pow2 and rotary_dim == head_dim and page_dtype_ok
 
 
-def _to_page(x, page_dtype):
-    """x (in q's dtype) as the pages store it: float8 pages saturate at their largest finite value
-    (e4m3 has no inf), as `jtp.models.attention.write_kv` does."""
+def to_page(x, page_dtype):
+    """x as paged K/V stores it: float8 pages saturate at their largest finite value (e4m3 has no
+    inf, as vLLM's fp8 pages); this kernel's writes and `jtp.models.attention.write_kv`'s both."""
     if jnp.dtype(page_dtype) == jnp.dtype(jnp.float8_e4m3fn):
         bound = float(jnp.finfo(page_dtype).max)
         x = jnp.clip(x, -bound, bound)
@@ -89,9 +89,9 @@ def _kernel(slot_ref, cos_ref, sin_ref, qn_ref, kn_ref, qkv_ref, k_in, v_in, q_o
         slot = slot_ref[t]
         slot = jnp.where(slot < 0, num_slots - 1, slot)  # padding: the scratch page
         o1, o2 = rotated(hq + h, kn_ref)
-        k_out[slot, h, pl.ds(0, half)] = _to_page(o1, k_out.dtype)
-        k_out[slot, h, pl.ds(half, half)] = _to_page(o2, k_out.dtype)
-        v_out[slot, h, :] = _to_page(qkv_ref[t, pl.ds((hq + hkv + h) * head_dim, head_dim)].astype(dtype), v_out.dtype)
+        k_out[slot, h, pl.ds(0, half)] = to_page(o1, k_out.dtype)
+        k_out[slot, h, pl.ds(half, half)] = to_page(o2, k_out.dtype)
+        v_out[slot, h, :] = to_page(qkv_ref[t, pl.ds((hq + hkv + h) * head_dim, head_dim)].astype(dtype), v_out.dtype)
 
 
 def rope_and_write(q, k, v, k_pages, v_pages, slots, cos, sin, q_norm=None, k_norm=None, *, eps: float = 1e-6,

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jtp.config.model_config import ModelConfig
 from jtp.kernels import ragged_paged_attention, rope_kv_write, supported
-from jtp.models.layers import E4M3_MAX, apply_rope, rms_norm
+from jtp.models.layers import apply_rope, rms_norm
 from jtp.parallel.rules import partition_spec, sharded_zeros
 from jtp.parallel.sharding import kv_head_replicas, tp_size
 
@@ -97,9 +97,7 @@ def write_kv(cache: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 
     def scatter(pages, new):
         flat = pages.reshape(num_slots, *pages.shape[2:])
-        if pages.dtype == jnp.float8_e4m3fn:  # e4m3 has no inf: saturate, as vLLM's fp8 pages do
-            new = jnp.clip(new, -E4M3_MAX, E4M3_MAX)
-        return set_rows(flat, slots, new).reshape(pages.shape)
+        return set_rows(flat, slots, rope_kv_write.to_page(new, pages.dtype)).reshape(pages.shape)
 
     return LayerKV(scatter(cache.k, k), scatter(cache.v, v))
 
