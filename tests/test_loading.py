@@ -211,3 +211,13 @@ def test_orbax_saved_with_replicated_kv_heads_restores_at_any_tp(qwen3_dir, tmp_
     runner = ModelRunner.from_args(EngineArgs(model=qwen3_dir, tensor_parallel_size=4, num_blocks=8, block_size=4))
     save_orbax(runner.params, runner.cfg, 4, out / "orbax")
     assert_same_outputs(outputs_of(out, tp=1), outputs_of(qwen3_dir, tp=1))
+
+
+def test_orbax_of_a_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """`jtp convert` of a Qwen3.5 checkpoint with its vision tower keeps the language model (not the
+    tower): the converted directory serves text, as the safetensors do."""
+    from hf_hybrid import SHALLOW, build_model, save_multimodal
+
+    path = save_multimodal(build_model("qwen3_5", **SHALLOW), tmp_path / "hf")
+    out = convert_to_orbax(path, tmp_path / "orbax_model")
+    assert_same_outputs(outputs_of(out), outputs_of(path))

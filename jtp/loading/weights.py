@@ -246,7 +246,7 @@ def read_params(
         )
     if load_format == "dummy":
         return random_params(cfg, mesh, dtype, expert_parallel, mtp, keep=keep)
-    if not any(model_dir.glob("*.safetensors")) and (model_dir / ORBAX_SUBDIR).is_dir():
+    if is_orbax_dir(model_dir):
         if mtp:
             raise CheckpointError("the MTP head is not kept in Orbax checkpoints (`jtp convert`); serve the safetensors")
         return restore_orbax(model_dir / ORBAX_SUBDIR, cfg, mesh, dtype, expert_parallel, keep)
@@ -292,6 +292,12 @@ def read_params(
 
 
 # ----------------------------------------------------------------------------- orbax
+
+
+def is_orbax_dir(model_dir: str | Path) -> bool:
+    """A `jtp convert` output: the Orbax tree of the language model, no safetensors."""
+    model_dir = Path(model_dir)
+    return not any(model_dir.glob("*.safetensors")) and (model_dir / ORBAX_SUBDIR).is_dir()
 
 
 def _canonical(flat: dict[str, jax.Array], cfg: ModelConfig, tp: int) -> dict[str, jax.Array]:

@@ -27,7 +27,7 @@ import numpy as np
 from jtp.config.vision_config import VISION_MODEL_TYPES, VisionConfig
 from jtp.core.multimodal import ImagePrompt
 from jtp.errors import QueueFullError, RequestError
-from jtp.loading.weights import SafetensorsCheckpoint
+from jtp.loading.weights import SafetensorsCheckpoint, is_orbax_dir
 from jtp.loading.vision_weights import load_vision_params
 from jtp.models import vision
 from jtp.parallel.sharding import replicated
@@ -50,6 +50,9 @@ def vision_config_of(model_dir: str, model_type: str, load_format: str, num_proc
     if not isinstance(raw.get("vision_config"), dict):
         return None
     cfg = VisionConfig.from_hf(raw, str(Path(model_dir) / "config.json"))
+    if load_format != "dummy" and is_orbax_dir(model_dir):
+        log.warning("an Orbax checkpoint (`jtp convert`) holds the language model alone: this checkpoint serves text only")
+        return None
     if load_format != "dummy" and not any(name.startswith(cfg.checkpoint_prefix)
                                           for name in SafetensorsCheckpoint(model_dir).names):
         return None
