@@ -81,6 +81,21 @@ def test_int4_configs_not_served_are_refused_in_one_line(config, reason):
     assert reason in str(e.value) and "quantization_config" in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_quantization_fp8_of_an_int4_checkpoint_is_refused(tmp_path, method):
+    """--quantization fp8 quantizes full-precision weights: on an int4 checkpoint it would quantize
+    nothing and serve int4 silently. Refused in one line, as vLLM refuses a method the checkpoint's
+    own quantization_config contradicts."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+        "intermediate_size": 96, "vocab_size": 128,
+        "quantization_config": {"quant_method": method, "bits": 4, "group_size": 32}}))
+    with pytest.raises(ConfigError) as e:
+        Engine.from_args(EngineArgs(model=str(tmp_path), quantization="fp8", warmup=False))
+    assert f"--quantization fp8: the checkpoint is already quantized ({method}" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def refused(directory, *match, tp: int = 1):
     with pytest.raises(CheckpointError) as e:
         Engine.from_args(EngineArgs(model=str(directory), num_blocks=16, warmup=False, tensor_parallel_size=tp))

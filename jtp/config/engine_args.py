@@ -195,11 +195,18 @@ class EngineArgs:
         """The checks that need the model's config.json (read only, nothing loaded)."""
         from jtp.config.model_config import ModelConfig
 
-        limit = ModelConfig.from_dir(self.model_dir()).max_position_embeddings
+        model = ModelConfig.from_dir(self.model_dir())
+        limit = model.max_position_embeddings
         if self.max_model_len is not None and self.max_model_len > limit:
             raise ConfigError(
                 f"--max-model-len {self.max_model_len}: exceeds the model's max_position_embeddings ({limit})"
             )
+        # --quantization fp8 quantizes full-precision weights: on weights quantized otherwise it would
+        # do nothing, silently (vLLM refuses the contradiction too).
+        stored = model.quantization.method if model.quantization else None
+        if self.quantization is not None and stored not in (None, self.quantization):
+            raise ConfigError(f"--quantization {self.quantization}: the checkpoint is already quantized ({stored}, "
+                              "its config.json's quantization_config); serve it without --quantization")
 
     # ------------------------------------------------------------------ command line
 
