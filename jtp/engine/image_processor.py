@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import io
 import math
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
 from jtp.config.vision_config import ImageProcessorConfig
 from jtp.errors import RequestError
+
+if TYPE_CHECKING:
+    import PIL.Image
 
 MAX_ASPECT_RATIO = 200  # HF's bound: a longer strip is refused
 
@@ -62,7 +65,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def to_rgb(image) -> "PIL.Image.Image":  # noqa: F821
+def to_rgb(image) -> PIL.Image.Image:
     """Encoded bytes, a PIL image or a uint8 array [H, W, C] -> an RGB PIL image; transparency
     (an alpha band or a palette's transparent colour) is composited onto white, as HF does."""
     from PIL import Image, UnidentifiedImageError
