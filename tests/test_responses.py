@@ -73,6 +73,17 @@ def test_previous_response_id_continues_the_conversation(served):
     assert second.output_text == reference and second.previous_response_id == first.id
     r = httpx.post(url + "/v1/responses", json={"input": "hi", "previous_response_id": "resp_unknown"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    # OpenAI's rule: a previous response's instructions are not carried over to the next one
+    briefed = client.responses.create(model="demo", instructions=INSTRUCTIONS, input="Name a fruit.",
+                                      max_output_tokens=12, temperature=0.0)
+    follow_up = client.responses.create(model="demo", previous_response_id=briefed.id, input="And a vegetable?",
+                                        max_output_tokens=12, temperature=0.0)
+    conversation = [{"role": "user", "content": "Name a fruit."},
+                    {"role": "assistant", "content": briefed.output_text},
+                    {"role": "user", "content": "And a vegetable?"}]
+    prompt = httpx.post(url + "/tokenize", json={"messages": conversation}, timeout=30).json()["count"]
+    assert follow_up.usage.input_tokens == prompt
+    assert follow_up.output_text == chat_text(client, conversation, 12)[0]
     unstored = client.responses.create(model="demo", input="hi", max_output_tokens=2, store=False)
     r = httpx.post(url + "/v1/responses", json={"input": "hi", "previous_response_id": unstored.id}, timeout=30)
     assert r.status_code == 400

@@ -149,12 +149,10 @@ def _chat_part(part: Union[TextPart, ImagePart]) -> dict:
 
 
 def to_chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
-    """The chat request the Responses request means, after the stored conversation `history`."""
-    messages = list(history)
-    if req.instructions:  # instructions are not carried over from a previous response (OpenAI's rule)
-        messages = [m for m in messages if m["role"] != "system"]
-        messages.insert(0, {"role": "system", "content": req.instructions})
-    messages += input_messages(req)
+    """The chat request the Responses request means, after the stored conversation `history` (which
+    holds no instructions: a previous response's are not carried over, OpenAI's rule)."""
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    messages += history + input_messages(req)
     body: dict[str, Any] = {"messages": messages, "stream": req.stream}
     for name, value in (("model", req.model), ("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
                         ("top_p", req.top_p), ("parallel_tool_calls", req.parallel_tool_calls)):

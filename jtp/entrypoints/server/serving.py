@@ -236,7 +236,8 @@ class OpenAIServing:
         rreq = parse_responses_request(parse_json(raw, self.max_json_values))
         history = self.stored_responses.get(rreq.previous_response_id) if rreq.previous_response_id else []
         body = responses_chat_body(rreq, history)
-        return (rreq, *self._prepare_chat_body(body, "input"), body["messages"])
+        conversation = body["messages"][1:] if rreq.instructions else body["messages"]  # stored without them
+        return (rreq, *self._prepare_chat_body(body, "input"), conversation)
 
     def _prepare_messages(self, raw: bytes) -> tuple:
         return self._prepare_chat_body(to_chat_body(parse_messages_request(parse_json(raw, self.max_json_values))))
