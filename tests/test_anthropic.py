@@ -85,7 +85,13 @@ def test_a_forced_tool_comes_back_as_a_tool_use_block(served):
         (block,) = message.content
         assert block.type == "tool_use" and block.name == "get_weather" and block.id
         assert set(block.input) == {"city", "days"} and type(block.input["days"]) is int
-        assert message.stop_reason == "end_turn"  # a named tool: the chat path's "stop"
+        # Anthropic's reason whenever the model called a tool, forced or not (the chat path says "stop")
+        assert message.stop_reason == "tool_use"
+    with client.messages.stream(model="demo", messages=[{"role": "user", "content": "Weather in Bern?"}],
+                                tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"},
+                                max_tokens=80, extra_body={"temperature": 0.0}) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["tool_use"] and final.stop_reason == "tool_use"
 
 
 def test_bad_requests_are_anthropic_errors(served):

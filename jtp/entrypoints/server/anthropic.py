@@ -168,11 +168,12 @@ def to_chat_body(req: MessagesRequest) -> dict:
 # ----------------------------------------------------------------------------- responses
 
 
-def stop_reason(finish_reason: str | None, matched: str | int | None) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) from the chat choice's finish reason and the stop string it matched."""
+def stop_reason(finish_reason: str | None, matched: str | int | None, called: bool = False) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) from the chat choice's finish reason and the stop string it matched;
+    `called`: the message holds a tool_use block (a forced tool's call ends in the chat path's "stop")."""
     if finish_reason == "length":
         return "max_tokens", None
-    if finish_reason == "tool_calls":
+    if finish_reason == "tool_calls" or called:
         return "tool_use", None
     if isinstance(matched, str):
         return "stop_sequence", matched
@@ -218,7 +219,7 @@ class MessageBuilder:
         return events
 
     def stop(self, finish_reason: str | None, matched: str | int | None, output_tokens: int) -> list[tuple[str, dict]]:
-        reason, sequence = stop_reason(finish_reason, matched)
+        reason, sequence = stop_reason(finish_reason, matched, any(b["type"] == "tool_use" for b in self.blocks))
         self.stop_reason, self.stop_sequence, self.output_tokens = reason, sequence, output_tokens
         return self._close() + [
             ("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
