@@ -94,6 +94,17 @@ def test_a_forced_tool_comes_back_as_a_tool_use_block(served):
     assert [b.type for b in final.content] == ["tool_use"] and final.stop_reason == "tool_use"
 
 
+def test_a_final_assistant_message_is_continued(served, demo_dir):
+    """Anthropic's prefill: the response continues the last assistant message, as a completion of the
+    rendered conversation followed by that text does."""
+    client, chat, _ = served
+    prompt = Tokenizer.from_dir(demo_dir).render_chat(TURNS) + "The sea is"
+    reference = chat.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0.0).choices[0].text
+    message = client.messages.create(model="demo", messages=[*TURNS, {"role": "assistant", "content": "The sea is"}],
+                                     max_tokens=12, extra_body=GREEDY)
+    assert message.content[0].text == reference
+
+
 def test_bad_requests_are_anthropic_errors(served):
     client, _, url = served
     with pytest.raises(anthropic.AuthenticationError):

@@ -255,9 +255,11 @@ class Tokenizer:
         tools: Sequence[dict] | None = None,
         variables: dict[str, Any] | None = None,
         limits: TemplateLimits = TemplateLimits(),
+        continue_final_message: bool = False,
     ) -> str:
         """`apply_chat_template` with the template variables as a dict and explicit limits
-        (TemplateLimitError when the template runs too long or produces too much)."""
+        (TemplateLimitError when the template runs too long or produces too much);
+        `continue_final_message`: end at the final message's text, for the model to go on writing it."""
         name = "tool_use" if tools is not None and "tool_use" in self._chat_templates else "default"
         if name not in self._chat_templates:
             if self._chat_templates:
@@ -282,8 +284,22 @@ class Tokenizer:
         context = {k: v for k, v in special_tokens.items() if v is not None}
         context.update(variables or {})  # caller's variables win, as in transformers
         context.update(messages=[_normalize_message(m) for m in messages], tools=tools,
-                       add_generation_prompt=add_generation_prompt)
-        return render_bounded(self._compiled[name], context, limits)
+                       add_generation_prompt=add_generation_prompt and not continue_final_message)
+        rendered = render_bounded(self._compiled[name], context, limits)
+        return _cut_after_final_message(rendered, messages[-1]) if continue_final_message else rendered
+
+
+def _cut_after_final_message(rendered: str, message: dict) -> str:
+    """The rendered chat up to the end of its final message's text, as transformers'
+    continue_final_message cuts it: the template's end of turn after it goes."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = next((p["text"] for p in reversed(content) if isinstance(p, dict) and "text" in p), None)
+    if not isinstance(content, str) or not content.strip() or content.strip() not in rendered:
+        raise ValueError("the final message's text does not appear in the rendered chat, so it cannot be continued")
+    start, kept = rendered.rindex(content.strip()), content.lstrip()
+    # its trailing whitespace too, where the template kept it
+    return rendered[:start + (len(kept) if rendered.startswith(kept, start) else len(content.strip()))]
 
 
 def _normalize_message(message: dict) -> dict:

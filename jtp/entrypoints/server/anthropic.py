@@ -142,6 +142,9 @@ def to_chat_body(req: MessagesRequest) -> dict:
         elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
             messages.append({"role": "user", "content": text})
     body: dict[str, Any] = {"messages": messages, "max_tokens": req.max_tokens, "stream": req.stream}
+    last = messages[-1]
+    if last["role"] == "assistant" and last["content"] and "tool_calls" not in last:  # a prefill: continue it
+        body["continue_final_message"] = True
     if req.model is not None:
         body["model"] = req.model
     for name, value in (("stop", req.stop_sequences), ("temperature", req.temperature), ("top_p", req.top_p),

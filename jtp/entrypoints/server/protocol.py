@@ -68,6 +68,7 @@ _CHAT_FIELDS: dict[str, tuple] = {
     "top_logprobs": (int,),
     "max_completion_tokens": (int,),
     "chat_template_kwargs": (dict,),
+    "continue_final_message": (bool,),  # vLLM's: the reply goes on from the final (assistant) message's text
     "tools": (list,),
     "tool_choice": (str, dict),
     "parallel_tool_calls": (bool,),
@@ -107,6 +108,7 @@ class ChatRequest(GenerationRequest):
     # "none", "auto", "required" or a function's name; None when the request has no tools
     tool_choice: str | None = None
     parallel_tool_calls: bool = True
+    continue_final_message: bool = False
     # The image parts' URLs (data: URIs) in conversation order; in `messages` each is {"type": "image"}.
     images: list[str] = dataclasses.field(default_factory=list)
 
@@ -165,7 +167,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
             "json": forced_calls_schema(tools, tool_choice, fields.get("parallel_tool_calls", True))}
         common["structure_param"] = "tool_choice"
     images: list[str] = []
-    return ChatRequest(
+    req = ChatRequest(
         **common,
         num_logprobs=(top or 0) if fields.get("logprobs") else None,
         messages=_messages(fields.get("messages"), images),
@@ -174,7 +176,11 @@ def parse_chat_request(body: Any) -> ChatRequest:
         template_kwargs=fields.get("chat_template_kwargs") or {},
         tool_choice=tool_choice,
         parallel_tool_calls=fields.get("parallel_tool_calls", True),
+        continue_final_message=fields.get("continue_final_message", False),
     )
+    if req.continue_final_message and req.messages[-1]["role"] != "assistant":
+        raise APIError("continue_final_message needs an assistant message last", param="continue_final_message")
+    return req
 
 
 def sampling_params(req: GenerationRequest, max_tokens: int, choice: int, defaults: dict) -> SamplingParams:

@@ -419,7 +419,8 @@ class OpenAIServing:
             raise APIError("this model has no tokenizer, so no chat template", param="messages")
         try:
             return self.engine.tokenizer.render_chat(req.messages, add_generation_prompt, req.tools,
-                                                     req.template_kwargs, self.template_limits)
+                                                     req.template_kwargs, self.template_limits,
+                                                     req.continue_final_message)
         except TemplateOutputError as e:
             raise ContextLengthError(f"{e}: more than the model's context length ({self.engine.max_model_len} "
                                      f"tokens) can hold") from e
