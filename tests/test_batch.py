@@ -231,6 +231,22 @@ def test_bad_lines_become_error_rows(engine, tmp_path):
     assert (again.ok, again.errors, again.skipped) == (0, 0, 12)
 
 
+def test_prompt_logprobs_reach_the_row(engine, tok, tmp_path):
+    """A line that asks for prompt_logprobs gets them (they were computed, then dropped): per prompt
+    token, None for the first, else {token id: logprob} holding the prompt token and the top n, as
+    the engine scores the same prompt alone."""
+    line = {"id": "p", "prompt": "the sea is wide", "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    batch.run(engine, write_lines(tmp_path / "in.jsonl", [json.dumps(line)]), tmp_path / "out.jsonl")
+    (row,) = read_rows(tmp_path / "out.jsonl")
+    ids = tok.encode(line["prompt"])
+    (solo,) = engine.generate([ids], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2))
+    scores = solo.prompt_logprobs
+    assert len(row["prompt_logprobs"]) == len(ids) > 1 and row["prompt_logprobs"][0] is None
+    for k in range(1, len(ids)):
+        expected = {str(t): lp for t, lp in scores.top[k].items()} | {str(ids[k]): scores.logprobs[k]}
+        assert row["prompt_logprobs"][k] == pytest.approx(expected, abs=1e-5), k
+
+
 def test_half_row_with_complete_json_is_kept(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": "a", "text": ""}\n{"id": "b", "error": "x"}', encoding="utf-8")

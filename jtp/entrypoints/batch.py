@@ -21,7 +21,8 @@ reproduces its results).
 Output, one JSON object a line, flushed as each request finishes:
 
     {"id", "text", "token_ids", "finish_reason", "usage": {"prompt_tokens", "completion_tokens"}}
-    (+ "logprobs" and, for logprobs > 0, "top_logprobs" when the line asked for them)
+    (+ "logprobs" and, for logprobs > 0, "top_logprobs" when the line asked for them, and
+     "prompt_logprobs": per prompt token None (the first) or {token id: logprob}, the top n and its own)
     {"id", "error"}      the line could not be served; the message says why
 
 Rows come in completion order, not input order: match them up by id. A line with no usable id
@@ -390,7 +391,16 @@ def _result_row(engine: Engine, rid: str, row_id, prompt_tokens: int) -> dict:
         row["logprobs"] = done.logprobs
     if done.top_logprobs is not None:
         row["top_logprobs"] = [{str(t): lp for t, lp in top.items()} for top in done.top_logprobs]
+    if done.prompt_logprobs is not None:
+        row["prompt_logprobs"] = _prompt_logprobs(done.prompt_logprobs)
     return row
+
+
+def _prompt_logprobs(scores) -> list[dict | None]:
+    """Per prompt token, as vLLM's offline output: None for the first (nothing predicts it), else
+    {token id: logprob} of the top tokens there and the prompt token itself."""
+    return [None] + [{**{str(t): lp for t, lp in (scores.top[k] or {}).items()}, str(token): scores.logprobs[k]}
+                     for k, token in enumerate(scores.token_ids) if k > 0]
 
 
 # ----------------------------------------------------------------------------- command line
