@@ -180,6 +180,22 @@ def test_queue_limit_and_context_errors(demo_dir):
         eng.submit([1, 2, 3], greedy(2))
 
 
+@pytest.mark.parametrize("loop", [False, True])
+def test_generate_feeds_more_prompts_than_the_queue_holds(demo_dir, engine, loop):
+    """An offline batch larger than max_waiting_requests (a server's backpressure) is served whole,
+    each prompt as it runs alone, instead of failing with QueueFullError on the prompt past it."""
+    prompts = [[5 + i, 6, 7 + i % 3] for i in range(10)]
+    eng = Engine.from_args(EngineArgs(model=demo_dir, **{**SMALL, "max_num_seqs": 2}, max_waiting_requests=3))
+    try:
+        if loop:
+            eng.start()
+        results = eng.generate(prompts, greedy(3))
+        assert [c.token_ids for c in results] == [engine.generate([p], greedy(3))[0].token_ids for p in prompts]
+        assert not eng.has_unfinished() and len(eng.outputs) == 0
+    finally:
+        eng.close()
+
+
 def test_close_frees_device_memory_and_a_second_engine_starts(demo_dir):
     def live_bytes():
         return sum(a.nbytes for a in jax.live_arrays())

@@ -472,7 +472,8 @@ class Engine(EngineSnapshots):
         self.outputs.release(request_id)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
-        """Offline batch: submit everything at once, run until all finish, results in input order."""
+        """Offline batch: submit everything (fed as the waiting queue has room), run until all finish,
+        results in input order."""
         return generate_all(self, prompts, params)
 
     def warmup(self, progress: bool = False, interrupted: Callable[[], bool] = lambda: False) -> int:

@@ -23,6 +23,7 @@ from jtp.core.scheduler import Request, Status
 from jtp.core.step_input import scored_prompt_positions
 from jtp.engine.stop_strings import StopMatcher
 from jtp.engine.tokenizer import Tokenizer
+from jtp.errors import QueueFullError
 
 
 @dataclasses.dataclass
@@ -366,15 +367,23 @@ class OutputProcessor:
 
 def generate_all(engine, prompts, params=None) -> list[Completion]:
     """An offline batch on `engine` (an Engine, or anything with its submit / abort / release /
-    result): submit everything at once, run until all finish, results in input order."""
+    result): submit everything, run until all finish, results in input order. A batch larger than
+    the waiting queue (max_waiting_requests) is fed as its earlier requests finish."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)
-    ids = []
+    ids, results = [], []
     try:
         for p, sp in zip(prompts, params_list, strict=True):
-            ids.append(engine.submit(p, sp))
+            while True:
+                try:
+                    ids.append(engine.submit(p, sp))
+                    break
+                except QueueFullError:
+                    if len(results) == len(ids):  # none of ours is queued: others fill the queue
+                        raise
+                    results.append(engine.result(ids[len(results)]))  # room comes as ours finish
     except Exception:
-        for rid in ids:  # all or nothing: don't leave the valid ones running unowned
+        for rid in ids[len(results):]:  # all or nothing: don't leave the valid ones running unowned
             engine.abort(rid)
             engine.release(rid)
         raise
-    return [engine.result(rid) for rid in ids]
+    return results + [engine.result(rid) for rid in ids[len(results):]]
