@@ -247,6 +247,21 @@ def test_prompt_logprobs_reach_the_row(engine, tok, tmp_path):
         assert row["prompt_logprobs"][k] == pytest.approx(expected, abs=1e-5), k
 
 
+def test_more_pending_lines_than_the_waiting_queue_holds(ckpt, engine, tok, tmp_path):
+    """Pending lines (4 x max_num_seqs) past max_waiting_requests (--max-num-seqs 300 against the
+    default 1024) must wait for room, not become "retry later" error rows that a rerun keeps."""
+    small = Engine.from_args(EngineArgs(model=ckpt, num_blocks=64, max_num_seqs=2, max_waiting_requests=3))
+    lines = [json.dumps({"id": i, "prompt": f"the sea {i}", "max_tokens": 2, "temperature": 0}) for i in range(10)]
+    try:
+        stats = batch.run(small, write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl")
+    finally:
+        small.close()
+    assert (stats.ok, stats.errors) == (10, 0)
+    for row in read_rows(tmp_path / "out.jsonl"):
+        (solo,) = engine.generate([tok.encode(f"the sea {row['id']}")], SamplingParams(max_tokens=2, temperature=0))
+        assert row["token_ids"] == solo.token_ids
+
+
 def test_half_row_with_complete_json_is_kept(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": "a", "text": ""}\n{"id": "b", "error": "x"}', encoding="utf-8")

@@ -31,8 +31,8 @@ gets the id "line:<n>" (1-based line number, as in every message). Ids must be u
 naming both lines, so every output row's id stands for one input line.
 
 All requests go through the continuous-batching engine together, at most
-`max_pending` (default 4 x max_num_seqs) submitted at a time so host memory stays bounded
-however long the input is.
+`max_pending` (default 4 x max_num_seqs, within max_waiting_requests) submitted at a time so
+host memory stays bounded however long the input is.
 
 Resuming: rerunning with the same --output appends only what is missing. An input line is
 done when the output already holds a row for it, result or error (errors are not retried:
@@ -316,6 +316,8 @@ def run(
         raise ConfigError("the model has no tokenizer.json: batch generation needs one to encode prompts")
     input_path, output_path = Path(input_path), Path(output_path)
     max_pending = max_pending or PENDING_PER_SEQ * engine.config.max_num_seqs * engine.config.args.data_parallel_size
+    if engine.config.max_waiting_requests is not None:  # a submit past it is refused ("retry later")
+        max_pending = min(max_pending, engine.config.max_waiting_requests)
     vocab_size = engine.cfg.vocab_size
     defaults = {**engine.sampling_defaults, "max_tokens": default_max_tokens}
 
