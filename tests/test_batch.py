@@ -326,6 +326,20 @@ def test_non_utf8_line_names_its_column(engine, tmp_path):
     assert err == {"line:2": "line 2: not valid UTF-8 (byte 0xe9 at column 12)"}
 
 
+def test_a_byte_order_mark_opens_the_input(engine, tmp_path):
+    """UTF-8 with a BOM (what Windows PowerShell's utf8 writes): the first line is a request like the rest."""
+    lines = [json.dumps({"id": i, "prompt": f"the sea {i}", "max_tokens": 3, "temperature": 0}) for i in "ab"]
+    plain = write_lines(tmp_path / "plain.jsonl", lines)
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    rows = {}
+    for inp in (plain, marked):
+        batch.run(engine, inp, tmp_path / f"{inp.stem}-out.jsonl")
+        rows[inp.stem] = {r["id"]: r for r in read_rows(tmp_path / f"{inp.stem}-out.jsonl")}
+    assert rows["marked"] == rows["plain"] and set(rows["plain"]) == {"a", "b"}
+    assert all("error" not in r for r in rows["plain"].values())
+
+
 def test_unset_fields_take_the_generation_config(engine, tok, ckpt, tmp_path):
     line = {"id": "g", "prompt": "The rain in Spain", "max_tokens": 8, "seed": 5}  # no temperature, top-k, top-p
     inp = write_lines(tmp_path / "in.jsonl", [json.dumps(line)])

@@ -175,7 +175,7 @@ class JsonError(str):
 def _parse_json(raw: bytes):
     raw = raw.rstrip(b"\r\n")  # the line's end is not part of a string it cuts short
     try:
-        return json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8-sig"))  # a byte-order mark (Windows editors write one) is not JSON
     except UnicodeDecodeError as e:
         return JsonError(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
     except json.JSONDecodeError as e:  # "Expecting value", "Unterminated string starting at", ...
