@@ -528,6 +528,24 @@ def test_stop_strings_batched_prompts_and_ignore_eos(served):
     assert r.usage.prompt_tokens == sum(len(x.prompt_token_ids) for x in refs)
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_whole_and_streamed(served):
+    """vLLM's include_stop_str_in_output: the text is the one cut before the stop string, plus it."""
+    for path, ask in (("/v1/completions", {"prompt": PROMPTS[2]}), ("/v1/chat/completions", {"messages": CHAT})):
+        body = {"model": served.model, **ask, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+        text = (lambda c: c["text"]) if "prompt" in ask else (lambda c: c["message"]["content"])
+        full = text(served.post(path, body).json()["choices"][0])
+        stop = full[len(full) // 2:][:3]
+        assert stop.strip(), full
+        body["stop"] = [stop]
+        plain, kept = (served.post(path, {**body, "include_stop_str_in_output": flag}).json()["choices"][0]
+                       for flag in (False, True))
+        assert text(plain) == full[:full.index(stop)]
+        assert text(kept) == text(plain) + stop and kept["finish_reason"] == "stop" and kept["stop_reason"] == stop
+        events = parse_sse(served.stream_raw(path, {**body, "include_stop_str_in_output": True}))
+        pieces = [c.get("text") or c.get("delta", {}).get("content") or "" for e in events for c in e["choices"]]
+        assert "".join(pieces) == text(kept), path
+
+
 # ----------------------------------------------------------------------------- dense: load and metrics
 
 

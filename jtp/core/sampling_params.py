@@ -62,6 +62,7 @@ class SamplingParams:
     # OpenAI's: token id (an int, or its string as JSON keys are) -> bias in [-100, 100], added to the logit.
     logit_bias: dict | None = None
     min_tokens: int = 0  # vLLM's: no stop token or stop string ends the output before it has this many tokens
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string stays at the end of the text
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -240,6 +241,7 @@ _FIELD_TYPES: dict[str, tuple] = {
     "structured_outputs": (dict, type(None)),
     "logit_bias": (dict, type(None)),
     "min_tokens": (int,),
+    "include_stop_str_in_output": (bool,),
 }
 assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(SamplingParams)}
 

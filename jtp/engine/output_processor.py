@@ -129,6 +129,8 @@ class RequestStream:
         # The stop string that ended it: the longest one the text goes on with at the cut.
         self.stop_reason = max((s for s in self.request.params.stop if self.text.startswith(s, cut)), key=len,
                                default=None)
+        if self.request.params.include_stop_str_in_output and self.stop_reason is not None:
+            cut += len(self.stop_reason)  # vLLM's: the text ends with the stop string, not before it
         self.text = self.text[:cut]
         self.stopped_by_string = True
         return True
