@@ -322,6 +322,8 @@ def test_prompt_ends_in_think():
     ({"prompt": "x", "min_tokens": "2"}, "min_tokens"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # vLLM's: only with stream
+    ({"prompt": "x", "stream": False, "stream_options": {}}, "stream_options"),
 ])
 def test_completion_request_errors_name_the_field(body, param):
     with pytest.raises(APIError) as e:
@@ -340,6 +342,7 @@ def test_completion_request_errors_name_the_field(body, param):
     ({"messages": CHAT, "response_format": {"type": "yaml"}}, "response_format"),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": CHAT, "max_tokens": -3}, "max_tokens"),
+    ({"messages": CHAT, "stream_options": {"include_usage": False}}, "stream_options"),
 ])
 def test_chat_request_errors_name_the_field(body, param):
     with pytest.raises(APIError) as e:
@@ -351,7 +354,7 @@ def test_requests_ignore_unknown_fields_and_nulls_and_join_text_parts():
     req = parse_chat_request({
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "user": "someone", "metadata": {"x": 1}, "temperature": None, "max_completion_tokens": 5, "max_tokens": 9,
-        "stream_options": {"include_usage": True}, "logprobs": True,
+        "stream": True, "stream_options": {"include_usage": True}, "logprobs": True,
     })
     assert req.messages[0]["content"] == "a\nb"
     assert req.max_tokens == 5 and "temperature" not in req.sampling

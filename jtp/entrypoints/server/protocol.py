@@ -233,6 +233,8 @@ def _n(fields: dict[str, Any]) -> int:
 
 
 def _common(fields: dict[str, Any], n: int, max_tokens: int | None) -> dict[str, Any]:
+    if "stream_options" in fields and not fields.get("stream"):
+        raise APIError("stream_options can only be given when stream is true (as in vLLM)", param="stream_options")
     options = fields.get("stream_options") or {}
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
