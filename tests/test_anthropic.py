@@ -125,6 +125,10 @@ def test_bad_requests_are_anthropic_errors(served):
         assert error["type"] == "error" and error["error"]["type"] in ("invalid_request_error", "not_found_error")
         assert needle in error["error"]["message"], (body, error)
     assert client.messages.create(model="demo", messages=TURNS, max_tokens=2).stop_reason == "max_tokens"
+    # An earlier assistant turn of a thinking block alone has no text: served, not refused as null content.
+    turns = [*TURNS, {"role": "assistant", "content": [{"type": "thinking", "thinking": "Hm.", "signature": "s"}]},
+             {"role": "user", "content": "Go on."}]
+    assert client.messages.create(model="demo", messages=turns, max_tokens=2).stop_reason == "max_tokens"
 
 
 # ----------------------------------------------------------------------------- tool use, scripted

@@ -343,6 +343,11 @@ def test_completion_request_errors_name_the_field(body, param):
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": CHAT, "max_tokens": -3}, "max_tokens"),
     ({"messages": CHAT, "stream_options": {"include_usage": False}}, "stream_options"),
+    # OpenAI's rule: content may be null (or left out) only in an assistant message with tool_calls
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": "x"}, {"role": "user"}]}, "messages[1].content"),
+    ({"messages": [*CHAT, {"role": "assistant", "content": None}]}, "messages[1].content"),
+    ({"messages": [*CHAT, {"role": "tool", "tool_call_id": "c", "content": None}]}, "messages[1].content"),
 ])
 def test_chat_request_errors_name_the_field(body, param):
     with pytest.raises(APIError) as e:
@@ -643,6 +648,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(dense, monk
     assert_openai_error(dense.post("/v1/completions", {"model": "other", "prompt": "x"}), 404, "model_not_found")
     assert_openai_error(dense.post("/v1/chat/completions", {"model": model, "messages": [
         {"role": "system", "content": "a"}, {"role": "system", "content": "b"}]}), 400)  # the template refuses
+    error = assert_openai_error(dense.post("/v1/chat/completions", {"model": model, "messages": [
+        {"role": "user", "content": None}]}), 400)  # refused before the template sees it
+    assert error["param"] == "messages[0].content" and "required" in error["message"]
     long_prompt = [5] * 100
     assert_openai_error(dense.post("/v1/completions", {"model": model, "prompt": long_prompt, "max_tokens": 64}),
                         400, "context_length_exceeded")

@@ -128,7 +128,8 @@ def to_chat_body(req: MessagesRequest) -> dict:
         if m.role == "assistant":
             calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
                      for b in blocks if isinstance(b, ToolUseBlock)]
-            messages.append({"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})})
+            messages.append({"role": "assistant", "content": text or (None if calls else ""),
+                             **({"tool_calls": calls} if calls else {})})
             continue
         for b in blocks:  # results first: they answer the assistant's calls just before
             if isinstance(b, ToolResultBlock):

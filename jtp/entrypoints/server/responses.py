@@ -272,7 +272,8 @@ class ResponseBuilder:
         text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
         calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
                  for i in self.items if i["type"] == "function_call"]
-        return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
+        return {"role": "assistant", "content": text or (None if calls else ""),
+                **({"tool_calls": calls} if calls else {})}
 
     def _text(self, kind: str, text: str) -> list[tuple[str, dict]]:
         events = []
