@@ -61,6 +61,20 @@ def test_a_response_is_the_chat_completion_whole_and_streamed(served):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+def test_a_response_cut_at_max_output_tokens_marks_its_message_incomplete(served):
+    """OpenAI's: the item the limit cut off is "incomplete", like the response (whole and streamed)."""
+    client, _ = served
+    assert chat_text(client, [{"role": "user", "content": "Tell me about cats."}], 4)[1] == "length"
+    ask = dict(model="demo", input="Tell me about cats.", max_output_tokens=4, temperature=0.0)
+    response = client.responses.create(**ask)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert [(item.type, item.status) for item in response.output] == [("message", "incomplete")]
+    events = list(client.responses.create(**ask, stream=True))
+    (done,) = [e for e in events if e.type == "response.output_item.done"]
+    assert done.item.status == "incomplete" and events[-1].type == "response.incomplete"
+    assert [item.status for item in events[-1].response.output] == ["incomplete"]
+
+
 def test_previous_response_id_continues_the_conversation(served):
     client, url = served
     first = client.responses.create(model="demo", input=[{"role": "user", "content": "Name a fruit."}],

@@ -242,8 +242,8 @@ class ResponseBuilder:
         return events
 
     def finish(self, finish_reason: str | None, usage: dict) -> list[tuple[str, dict]]:
-        events = self._close()
         self.status = "incomplete" if finish_reason == "length" else "completed"
+        events = self._close(self.status)  # the item the limit cut off is incomplete too (OpenAI's)
         self.incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
         self.usage = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                       "total_tokens": usage["total_tokens"],
@@ -297,12 +297,12 @@ class ResponseBuilder:
                                   delta=text, **({"logprobs": []} if kind == "message" else {})))
         return events
 
-    def _close(self) -> list[tuple[str, dict]]:
+    def _close(self, status: str = "completed") -> list[tuple[str, dict]]:
         if self._open is None:
             return []
         kind, self._open = self._open, None
         index, item = len(self.items) - 1, self.items[-1]
-        item["status"] = "completed"
+        item["status"] = status
         events = []
         if kind == "function_call":
             events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
