@@ -143,7 +143,7 @@ def test_bad_responses_requests_are_400s_naming_the_field(served):
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
-         "response_format"),
+         "text.format"),
         ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
          "tool_choice"),
     ]:

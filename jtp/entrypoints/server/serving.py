@@ -237,7 +237,12 @@ class OpenAIServing:
         history = self.stored_responses.get(rreq.previous_response_id) if rreq.previous_response_id else []
         body = responses_chat_body(rreq, history)
         conversation = body["messages"][1:] if rreq.instructions else body["messages"]  # stored without them
-        return (rreq, *self._prepare_chat_body(body, "input"), conversation)
+        try:
+            return (rreq, *self._prepare_chat_body(body, "input"), conversation)
+        except APIError as e:
+            if e.param == "response_format":  # the chat field text.format became: name the one the client sent
+                e.param = "text.format"
+            raise
 
     def _prepare_messages(self, raw: bytes) -> tuple:
         return self._prepare_chat_body(to_chat_body(parse_messages_request(parse_json(raw, self.max_json_values))))
