@@ -393,9 +393,10 @@ def _message(message: Any, i: int, images: list[str]) -> dict:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise APIError(f"{where} must be an object with a string role", param="messages")
     content = message.get("content")
-    if content is None and not (message["role"] == "assistant" and message.get("tool_calls")):
-        # OpenAI's rule (the chat template would fail on it with an obscure error)
-        raise APIError(f"{where}.content is required: only an assistant message with tool_calls may leave it null",
+    if content is None and message["role"] != "assistant":
+        # the chat template would fail on it with an obscure error; an assistant turn without text is
+        # empty (vLLM takes it so, and OpenAI's own tool-call turns have null content)
+        raise APIError(f"{where}.content is required: only an assistant message may leave it null",
                        param=f"{where}.content")
     if isinstance(content, list):
         parts = [_content_part(part, f"{where}.content[{j}]", images) for j, part in enumerate(content)]
