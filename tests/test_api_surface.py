@@ -60,6 +60,19 @@ def test_tokenize_and_detokenize_agree_with_the_tokenizer(served):
     assert bare["count"] < chat["count"]
 
 
+def test_token_ids_turn_back_into_the_rendered_chat_with_its_special_tokens(served):
+    """vLLM decodes token ids as they are (special tokens kept): /detokenize of a chat's /tokenize,
+    and a completions echo of it, give back the rendered template, not the text between its markers."""
+    tokenizer, url = served
+    messages = [{"role": "user", "content": "Grüße"}]
+    rendered = tokenizer.apply_chat_template(messages)
+    assert rendered.startswith("<|im_start|>user")
+    ids = post(url, "/tokenize", {"messages": messages}).json()["tokens"]
+    assert post(url, "/detokenize", {"tokens": ids}).json() == {"prompt": rendered}
+    echoed = post(url, "/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 1}).json()
+    assert echoed["choices"][0]["text"] == rendered + "ok"
+
+
 def test_bad_tokenize_requests_are_400s_and_the_key_is_checked(served):
     tokenizer, url = served
     assert post(url, "/tokenize", {"prompt": "hi"}, key=None).status_code == 401

@@ -36,8 +36,8 @@ class TokenNames:
         self.bytes = functools.lru_cache(maxsize=1 << 16)(self._bytes)
 
     def decode(self, token_ids: list[int]) -> str:
-        """The text of a token id prompt (echo)."""
-        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+        """The text of a token id prompt (echo): its special tokens kept, as its logprobs' tokens show them."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False) if self.tokenizer is not None else ""
 
     def _text(self, token_id: int) -> str:
         if self.tokenizer is None:

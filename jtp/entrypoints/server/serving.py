@@ -278,7 +278,7 @@ class OpenAIServing:
         vocab = tok.vocab_size
         if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab for i in ids):
             raise APIError(f"tokens must be an array of token ids in [0, {vocab})", param="tokens")
-        return {"prompt": tok.decode(ids)}
+        return {"prompt": tok.decode(ids, skip_special_tokens=False)}  # as vLLM: the ids as they are
 
     def _utility_body(self, raw: bytes) -> dict:
         """The JSON object of a /tokenize or /detokenize request, its model checked."""
