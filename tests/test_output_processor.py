@@ -71,3 +71,28 @@ def test_length_ends_at_max_tokens():
     outputs.add(req)
     assert outputs.append_token(req, 4, None, 0)[1] is None
     assert outputs.append_token(req, 4, None, 0)[1] == "length"
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_streamed_text(demo_dir):
+    """vLLM's skip_special_tokens (default true), from the API's field to the streamed text: the
+    text adds up to the tokenizers library's decode of the same ids, special tokens kept or not."""
+    import tokenizers
+
+    from jtp.engine.tokenizer import Tokenizer
+    from jtp.entrypoints.server.protocol import parse_completion_request, sampling_params
+
+    raw = tokenizers.Tokenizer.from_file(str(demo_dir / "tokenizer.json"))
+    ids = raw.encode("<|im_start|>héllo😀<|im_end|>\n<|im_start|>x").ids
+    assert ids.count(raw.token_to_id("<|im_start|>")) == 2
+    for skip in (True, False):
+        req = parse_completion_request({"prompt": "x", "skip_special_tokens": skip})
+        params = sampling_params(req, max_tokens=len(ids), choice=0, defaults={})
+        outputs = OutputProcessor(Tokenizer.from_dir(demo_dir), threading.Condition(), pump=lambda: False,
+                                  abort=lambda rid: False)
+        request = Request("r", [1], params, 0, frozenset())
+        stream = outputs.add(request)
+        text = [outputs.append_token(request, t, None, 0)[0].text for t in ids[:-1]]
+        event, reason = outputs.append_token(request, ids[-1], None, 0)
+        request.status = Status.FINISHED
+        outputs.finish(stream, reason, event)
+        assert "".join(text) + event.text == raw.decode(ids, skip_special_tokens=skip), skip

@@ -63,6 +63,7 @@ class SamplingParams:
     logit_bias: dict | None = None
     min_tokens: int = 0  # vLLM's: no stop token or stop string ends the output before it has this many tokens
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string stays at the end of the text
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens (<|im_end|>, ...) in the output text
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -242,6 +243,7 @@ _FIELD_TYPES: dict[str, tuple] = {
     "logit_bias": (dict, type(None)),
     "min_tokens": (int,),
     "include_stop_str_in_output": (bool,),
+    "skip_special_tokens": (bool,),
 }
 assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(SamplingParams)}
 

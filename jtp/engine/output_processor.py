@@ -96,7 +96,7 @@ class RequestStream:
 
     def __init__(self, request: Request, tokenizer: Tokenizer | None):
         self.request = request
-        self.detok = tokenizer.incremental_decoder() if tokenizer else None
+        self.detok = tokenizer.incremental_decoder(request.params.skip_special_tokens) if tokenizer else None
         self.text = ""
         self.emitted = 0  # chars of text already streamed
         self._events: collections.deque[TokenEvent] = collections.deque()

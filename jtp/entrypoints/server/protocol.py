@@ -34,6 +34,7 @@ _SAMPLING_FIELDS: dict[str, tuple] = {
     "logit_bias": (dict,),  # token id -> bias; its keys and values are checked with the others (SamplingParams)
     "min_tokens": (int,),
     "include_stop_str_in_output": (bool,),  # vLLM's: the matched stop string ends the text
+    "skip_special_tokens": (bool,),
 }
 _COMMON_FIELDS: dict[str, tuple] = {
     **_SAMPLING_FIELDS,
