@@ -94,9 +94,13 @@ def test_calls_parse_the_same_however_the_stream_is_cut(make, output, content, c
     ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n', "", [("get_time", {"zone": "UTC"})]),
     # cut off inside a block: text
     ('<tool_call>\n{"name": "get_time", "argu', '<tool_call>\n{"name": "get_time", "argu', []),
-    # a good call, then a broken one: the call, and the broken block as text
+    # a good call, then a broken one: the call, and the broken block as text (with the line break before it)
     ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>oops</tool_call>',
-     "<tool_call>oops</tool_call>", [("get_time", {})]),
+     "\n<tool_call>oops</tool_call>", [("get_time", {})]),
+    # text, then a broken block: the text as the model wrote it, whitespace before the block included
+    ('Sure.\n\n<tool_call>\n{"name": "get_time", "arguments": {"zone": }\n</tool_call>',
+     'Sure.\n\n<tool_call>\n{"name": "get_time", "arguments": {"zone": }\n</tool_call>', []),
+    ('Sure. <tool_call>\n{"name": "get_time", "argu', 'Sure. <tool_call>\n{"name": "get_time", "argu', []),
 ])
 def test_a_malformed_hermes_call_comes_back_as_text(output, content, calls):
     for pieces in cuts(output):

@@ -12,7 +12,7 @@ thinking comes first and calls after) and returns the text that is content and t
 complete. A tag cut across deltas (`<tool_` + `call>`) is held back until it is decided, so a
 streamed and a whole output give the same content and calls. Whitespace just before a call and
 between calls is layout, not content. A block that does not parse (bad JSON, no name) comes back
-as text, never as an error; a block the output ends inside is parsed as far as it goes (a call
+as text (the whitespace before it too), never as an error; a block the output ends inside is parsed as far as it goes (a call
 whose closing tag the stop token replaced), else it is text too.
 """
 
@@ -51,6 +51,7 @@ class ToolCallParser:
         self.parallel = parallel
         self._held = ""  # received, not yet decided
         self._inside = False  # within a <tool_call> block
+        self._gap = ""  # the whitespace before the open block: text again if the block does not parse
         self.calls: list[ToolCall] = []
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
@@ -77,6 +78,7 @@ class ToolCallParser:
                 before = self._held[:start].rstrip()
                 if before:
                     text.append(before)
+                self._gap = self._held[len(before):start]
                 self._held, self._inside = self._held[start + len(CALL_START):], True
         return "".join(text), calls
 
@@ -96,7 +98,7 @@ class ToolCallParser:
     def _settle(self, body: str, closed: bool, text: list[str], calls: list[ToolCall]) -> None:
         call = self.parse_block(body)
         if call is None:
-            text.append(CALL_START + body + (CALL_END if closed else ""))
+            text.append(self._gap + CALL_START + body + (CALL_END if closed else ""))
         elif self.parallel or not self.calls:
             calls.append(call)
             self.calls.append(call)
