@@ -58,6 +58,10 @@ def test_tokenize_and_detokenize_agree_with_the_tokenizer(served):
     bare = post(url, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
     assert bare["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False))
     assert bare["count"] < chat["count"]
+    # vLLM's add_generation_prompt on the chat endpoint renders the same prompt
+    for body, want in (({}, chat), ({"add_generation_prompt": False}, bare)):
+        reply = post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **body}).json()
+        assert reply["usage"]["prompt_tokens"] == want["count"]
 
 
 def test_token_ids_turn_back_into_the_rendered_chat_with_its_special_tokens(served):

@@ -324,6 +324,9 @@ def test_prompt_ends_in_think():
     ({"prompt": "x", "echo": "yes"}, "echo"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # vLLM's: only with stream
     ({"prompt": "x", "stream": False, "stream_options": {}}, "stream_options"),
+    # vLLM's fields that would change the output and are not served: refused, not ignored
+    ({"prompt": "x", "bad_words": ["a"]}, "bad_words"),
+    ({"prompt": "x", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
 ])
 def test_completion_request_errors_name_the_field(body, param):
     with pytest.raises(APIError) as e:
@@ -347,6 +350,9 @@ def test_completion_request_errors_name_the_field(body, param):
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ({"messages": [{"role": "system", "content": "x"}, {"role": "user"}]}, "messages[1].content"),
     ({"messages": [*CHAT, {"role": "tool", "tool_call_id": "c", "content": None}]}, "messages[1].content"),
+    # vLLM's fields that would change the output and are not served: refused, not ignored
+    ({"messages": CHAT, "chat_template": "{{ messages[0].content }}"}, "chat_template"),
+    ({"messages": CHAT, "echo": True}, "echo"),
 ])
 def test_chat_request_errors_name_the_field(body, param):
     with pytest.raises(APIError) as e:
@@ -359,6 +365,7 @@ def test_requests_ignore_unknown_fields_and_nulls_and_join_text_parts():
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "user": "someone", "metadata": {"x": 1}, "temperature": None, "max_completion_tokens": 5, "max_tokens": 9,
         "stream": True, "stream_options": {"include_usage": True}, "logprobs": True,
+        "bad_words": [], "allowed_token_ids": None, "echo": False,  # vLLM's no-op values
     })
     assert req.messages[0]["content"] == "a\nb"
     assert req.max_tokens == 5 and "temperature" not in req.sampling

@@ -70,6 +70,7 @@ _CHAT_FIELDS: dict[str, tuple] = {
     "top_logprobs": (int,),
     "max_completion_tokens": (int,),
     "chat_template_kwargs": (dict,),
+    "add_generation_prompt": (bool,),  # vLLM's: false renders the chat without opening the assistant's turn
     "continue_final_message": (bool,),  # vLLM's: the reply goes on from the final (assistant) message's text
     "tools": (list,),
     "tool_choice": (str, dict),
@@ -77,6 +78,12 @@ _CHAT_FIELDS: dict[str, tuple] = {
     "functions": (list,),
     "function_call": (str, dict),
 }
+
+# vLLM's request fields that this server does not implement, each with its value that changes nothing
+# (or null, or an empty list): any other value would change the output, so it is refused, not ignored.
+_UNSERVED: dict[str, Any] = {"allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None,
+                             "use_beam_search": False, "return_tokens_as_token_ids": False}
+_UNSERVED_CHAT: dict[str, Any] = {**_UNSERVED, "chat_template": None, "echo": False}
 
 
 @dataclasses.dataclass
@@ -110,6 +117,7 @@ class ChatRequest(GenerationRequest):
     # "none", "auto", "required" or a function's name; None when the request has no tools
     tool_choice: str | None = None
     parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True
     continue_final_message: bool = False
     # The image parts' URLs (data: URIs) in conversation order; in `messages` each is {"type": "image"}.
     images: list[str] = dataclasses.field(default_factory=list)
@@ -117,6 +125,7 @@ class ChatRequest(GenerationRequest):
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     fields = _checked(body, _COMPLETION_FIELDS)
+    _refuse_unserved(body, _UNSERVED)
     if fields.get("suffix"):
         raise APIError("suffix is not supported", param="suffix")
     for name in ("tools", "tool_choice"):
@@ -144,6 +153,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
 
 def parse_chat_request(body: Any) -> ChatRequest:
     fields = _checked(body, _CHAT_FIELDS)
+    _refuse_unserved(body, _UNSERVED_CHAT)
     top = fields.get("top_logprobs")
     _check_range("top_logprobs", top, 0, MAX_LOGPROBS)
     if top is not None and not fields.get("logprobs"):
@@ -178,6 +188,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         template_kwargs=fields.get("chat_template_kwargs") or {},
         tool_choice=tool_choice,
         parallel_tool_calls=fields.get("parallel_tool_calls", True),
+        add_generation_prompt=fields.get("add_generation_prompt", True),
         continue_final_message=fields.get("continue_final_message", False),
     )
     if req.continue_final_message and req.messages[-1]["role"] != "assistant":
@@ -206,6 +217,13 @@ def _checked(body: Any, known: dict[str, tuple]) -> dict[str, Any]:
         if not _is_type(value, known[name]):
             raise APIError(f"{name} must be {_type_names(known[name])}, got {value!r}", param=name)
     return fields
+
+
+def _refuse_unserved(body: dict, unserved: dict[str, Any]) -> None:
+    for name, default in unserved.items():
+        value = body.get(name)
+        if value is not None and value != default and value != []:
+            raise APIError(f"{name} is not supported by this server (only {json.dumps(default)} or null)", param=name)
 
 
 def _is_type(value: Any, kinds: tuple) -> bool:

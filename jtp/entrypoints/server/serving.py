@@ -251,12 +251,10 @@ class OpenAIServing:
         body = self._utility_body(raw)
         tok = self._tokenizer("prompt")
         if body.get("messages") is not None:
-            req = parse_chat_request({k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if k in body})
-            generation_prompt = body.get("add_generation_prompt", True)
-            if not isinstance(generation_prompt, bool):
-                raise APIError(f"add_generation_prompt must be a boolean, got {generation_prompt!r}",
-                               param="add_generation_prompt")
-            text, special = self._render_chat(req, generation_prompt), body.get("add_special_tokens", False)
+            req = parse_chat_request({k: body[k] for k in ("messages", "tools", "chat_template_kwargs",
+                                                           "add_generation_prompt", "continue_final_message")
+                                      if k in body})
+            text, special = self._render_chat(req), body.get("add_special_tokens", False)
             check_image_count(len(req.images), self.vision, f"model {self.model_name!r}", "messages")
         elif isinstance(body.get("prompt"), str):
             text, special = body["prompt"], body.get("add_special_tokens", True)
@@ -419,11 +417,11 @@ class OpenAIServing:
             _refuse_surrogates(prompt)
             raise
 
-    def _render_chat(self, req: ChatRequest, add_generation_prompt: bool = True) -> str:
+    def _render_chat(self, req: ChatRequest) -> str:
         if self.engine.tokenizer is None:
             raise APIError("this model has no tokenizer, so no chat template", param="messages")
         try:
-            return self.engine.tokenizer.render_chat(req.messages, add_generation_prompt, req.tools,
+            return self.engine.tokenizer.render_chat(req.messages, req.add_generation_prompt, req.tools,
                                                      req.template_kwargs, self.template_limits,
                                                      req.continue_final_message)
         except TemplateOutputError as e:
