@@ -112,6 +112,29 @@ def test_masks_filled_late_give_the_lockstep_tokens(engine):
     assert is_person(json.loads(engine.tokenizer.decode(runs[1][0])))
 
 
+def test_think_first_leaves_the_think_block_free_then_applies_the_structure(engine):
+    """think_first "open" (the prompt ends inside <think>): free text, </think> (biased to come soon),
+    then the structure, of every kind; "optional": a think block or none, then the structure."""
+    tok = engine.tokenizer
+    start, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    cases = [({"json": PERSON}, lambda t: is_person(json.loads(t))),
+             ({"regex": "[0-9]{3}"}, lambda t: re.fullmatch("[0-9]{3}", t)),
+             ({"choice": ["red", "green"]}, lambda t: t in ("red", "green")),
+             ({"grammar": 'root ::= "(" [a-z] [a-z] ")"'}, lambda t: re.fullmatch(r"\([a-z]{2}\)", t))]
+    params = [SamplingParams(max_tokens=160, temperature=1.0, seed=3, structured_outputs=spec, think_first="open",
+                             logit_bias={end: 10}) for spec, _ in cases]
+    for (spec, valid), (text, reason) in zip(cases, generate(engine, params, "<think>\nA person")):
+        thought, answer = text.split("</think>")
+        assert thought.strip() and valid(answer.lstrip("\n")) and reason == "stop", (spec, text)
+    optional = [SamplingParams(max_tokens=160, temperature=1.0, seed=1, structured_outputs={"json": PERSON},
+                               think_first="optional", logit_bias={start: bias, end: 10}) for bias in (-100, 100)]
+    (plain, _), (thinking, _) = generate(engine, optional)
+    assert is_person(json.loads(plain))
+    assert thinking.startswith("<think>") and is_person(json.loads(thinking.split("</think>")[1])), thinking
+    with pytest.raises(ValueError, match="think_first"):
+        SamplingParams(think_first="always").validate()
+
+
 def test_bad_structures_are_request_errors_and_the_engine_keeps_serving(engine):
     for spec in ({"json": {"type": "nonsense"}}, {"regex": "[a-"}, {"grammar": "start: undefined_rule"},
                  {"json": "{not json"}, {"json": 3}, {"choice": []}, {"regex": "a", "choice": ["a"]}):
@@ -222,3 +245,34 @@ def test_bad_structures_are_400s_naming_their_field(served):
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param, (body, r.text)
     assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def served_thinking(served, engine):
+    """The same engine behind a server with the Qwen3 reasoning parser."""
+    with serving(build_app(engine, "demo", reasoning_parser="qwen3")) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_with_a_reasoning_parser_the_schema_applies_after_the_thinking(served, served_thinking, engine):
+    """As vLLM's: the model thinks freely (the opening <think> forced by logit_bias, </think> biased to
+    come soon), then the content follows the schema, whole and streamed alike; with enable_thinking
+    false (the prompt closes the think block) or without the parser, the schema applies from the first
+    token, so the forced <think> cannot come."""
+    tok = engine.tokenizer
+    bias = {str(tok.token_to_id("<think>")): 100, str(tok.token_to_id("</think>")): 10}
+    ask = dict(model="demo", messages=[{"role": "user", "content": "Describe a person."}], temperature=1.0, seed=0,
+               max_tokens=160, logit_bias=bias,
+               response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    message = served_thinking.chat.completions.create(**ask).choices[0].message
+    assert message.reasoning_content and is_person(json.loads(message.content)), message
+    reasoning = content = ""
+    for chunk in served_thinking.chat.completions.create(**ask, stream=True):
+        reasoning += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+        content += chunk.choices[0].delta.content or ""
+    assert (reasoning, content) == (message.reasoning_content, message.content)
+
+    off = served_thinking.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.reasoning_content is None and is_person(json.loads(off.choices[0].message.content))
+    plain = served[0].chat.completions.create(**ask).choices[0].message
+    assert is_person(json.loads(plain.content)), plain

@@ -59,6 +59,10 @@ class SamplingParams:
     # vLLM's structured outputs: exactly one of {"json": schema, "json_object": true, "regex": str,
     # "choice": [str, ...], "grammar": Lark or GBNF text}; the output then follows it (a token mask).
     structured_outputs: dict | None = None
+    # Where structured_outputs starts for a thinking model (vLLM's with a reasoning parser): None, at the first
+    # token; "optional", after the think block the output may open with (`<think>...</think>`, free text);
+    # "open", after the think block the prompt left open (the output first closes it with `</think>`).
+    think_first: str | None = None
     # OpenAI's: token id (an int, or its string as JSON keys are) -> bias in [-100, 100], added to the logit.
     logit_bias: dict | None = None
     min_tokens: int = 0  # vLLM's: no stop token or stop string ends the output before it has this many tokens
@@ -127,6 +131,7 @@ class SamplingParams:
             raise SamplingParamError("stop_token_ids", f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most "
                                      f"{MAX_STOP_TOKEN_IDS} are allowed")
         check_structured_outputs(self.structured_outputs)
+        check("think_first", self.think_first in THINK_FIRST, f"one of {THINK_FIRST}")
         for t in self.stop_token_ids:
             if not _is_type(t, (int,)) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 allowed = "ints >= 0" if vocab_size is None else f"ints in [0, {vocab_size})"
@@ -151,6 +156,7 @@ class SamplingParams:
 
 
 STRUCTURE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+THINK_FIRST = (None, "optional", "open")
 
 
 def check_structured_outputs(spec: dict | None) -> None:
@@ -240,6 +246,7 @@ _FIELD_TYPES: dict[str, tuple] = {
     "prompt_logprobs": (int, type(None)),
     "speculate": (bool,),
     "structured_outputs": (dict, type(None)),
+    "think_first": (str, type(None)),
     "logit_bias": (dict, type(None)),
     "min_tokens": (int,),
     "include_stop_str_in_output": (bool,),

@@ -80,14 +80,15 @@ class GrammarCompiler:
                 self._executor = llguidance.LLExecutor()
             return self._tokenizer
 
-    def matcher(self, spec: dict) -> llguidance.LLMatcher:
-        """A fresh matcher of `spec` (one of `SamplingParams.structured_outputs`), or StructuredOutputError."""
-        return llguidance.LLMatcher(self.tokenizer, self.grammar(spec), log_level=0)
+    def matcher(self, spec: dict, think_first: str | None = None) -> llguidance.LLMatcher:
+        """A fresh matcher of `spec` (one of `SamplingParams.structured_outputs`) after the think block
+        `think_first` says (`SamplingParams.think_first`), or StructuredOutputError."""
+        return llguidance.LLMatcher(self.tokenizer, self.grammar(spec, think_first), log_level=0)
 
-    def grammar(self, spec: dict) -> str:
-        """The validated llguidance grammar of `spec` (cached)."""
+    def grammar(self, spec: dict, think_first: str | None = None) -> str:
+        """The validated llguidance grammar of `spec`, after the think block `think_first` says (cached)."""
         tokenizer = self.tokenizer
-        key = json.dumps(spec, sort_keys=True)
+        key = json.dumps([spec, think_first], sort_keys=True)
         with self._lock:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
@@ -95,6 +96,8 @@ class GrammarCompiler:
         kind, value = next(iter(spec.items()))
         try:
             grammar = _grammar(kind, value)
+            if think_first is not None:
+                grammar = _after_think(grammar, think_first)
         except ValueError as e:
             raise StructuredOutputError(f"invalid structured output {kind}: {e}") from None
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
@@ -124,7 +127,7 @@ def request_matcher(grammars: GrammarCompiler | None, params, unsupported: str |
     if unsupported:
         raise RequestError(f"structured outputs are not supported here: {unsupported}")
     try:
-        return grammars.matcher(params.structured_outputs)
+        return grammars.matcher(params.structured_outputs, params.think_first)
     except StructuredOutputError as e:
         raise RequestError(str(e)) from None
 
@@ -215,3 +218,20 @@ def _grammar(kind: str, value: Any) -> str:
     if kind == "grammar":
         return llguidance.grammar_from("grammar", value)
     raise ValueError(f"unknown kind {kind!r}")
+
+
+# A thinking model's think block before the structure: free text between the `<think>` and `</think>`
+# tokens (named as special tokens: a text regex or literal cannot take a special token), then the
+# newlines the model writes after it; "open": the prompt opened the block, the output closes it.
+_THINK_BLOCK = {"optional": "(<think> THOUGHT </think> /\\n*/)?", "open": "THOUGHT </think> /\\n*/"}
+_THOUGHT = "THOUGHT: /(.|\\n)*/\n"
+
+
+def _after_think(grammar: str, think_first: str) -> str:
+    """`grammar` (llguidance's JSON of its grammars, or Lark text) after a think block, as one grammar."""
+    if think_first not in _THINK_BLOCK:
+        raise ValueError(f"unknown think_first {think_first!r}")
+    top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+    (answer,) = top["grammars"]
+    wrapper = {"name": "start", "lark_grammar": f"start: {_THINK_BLOCK[think_first]} @answer\n{_THOUGHT}"}
+    return json.dumps({**top, "grammars": [wrapper, {**answer, "name": "answer"}]})

@@ -91,6 +91,15 @@ class Qwen3ReasoningParser:
         return text
 
 
+def think_first(prompt: str) -> str | None:
+    """Where a structured output starts after this rendered prompt (`SamplingParams.think_first`):
+    "open" when the prompt ends inside a think block, None when it ends with a closed one (thinking
+    off: Qwen3's template with enable_thinking false), else "optional" (the model may think first)."""
+    if Qwen3ReasoningParser.prompt_ends_in_think(prompt):
+        return "open"
+    return None if prompt.rstrip().endswith(THINK_END) else "optional"
+
+
 def make_reasoning_parser(name: str | None, prompt: str) -> Qwen3ReasoningParser | None:
     if name is None:
         return None

@@ -38,7 +38,7 @@ from jtp.entrypoints.server.protocol import (
     parse_completion_request,
     sampling_params,
 )
-from jtp.entrypoints.server.reasoning import make_reasoning_parser
+from jtp.entrypoints.server.reasoning import THINK_END, THINK_START, make_reasoning_parser, think_first
 from jtp.entrypoints.server.responses import ResponseBuilder, ResponseStore, parse_responses_request
 from jtp.entrypoints.server.responses import error_event as responses_error
 from jtp.entrypoints.server.responses import to_chat_body as responses_chat_body
@@ -87,6 +87,8 @@ class OpenAIServing:
         self.stored_responses = ResponseStore()  # /v1/responses' conversations, for previous_response_id
         self.names = TokenNames(engine.tokenizer)
         tok = engine.tokenizer
+        # A grammar can leave a think block free only when <think> and </think> are tokens it can name.
+        self.think_tokens = tok is not None and None not in (tok.token_to_id(THINK_START), tok.token_to_id(THINK_END))
         self.max_prompt_chars = engine.max_model_len * NORMALIZATION_SLACK * (tok.max_token_chars if tok else 1)
         self.template_limits = TemplateLimits(template_timeout, self.max_prompt_chars)
         # Room for a batch of token-id prompts of a full context each, plus commas in prose.
@@ -217,12 +219,15 @@ class OpenAIServing:
         req = parse_chat_request(body)
         self._check_model(req.model)
         self._check_tool_choice(req.tool_choice)
-        self._check_structure(req)
         self._check_choices(req.n)
         self._check_chars(sum(_text_chars(m.get("content")) for m in req.messages), "the messages' content")
         check_image_count(len(req.images), self.vision, f"model {self.model_name!r}", image_param)
         images = load_images(req.images, self.vision.processor, self.allowed_media_domains, image_param) if req.images else []
         text = self._render_chat(req)
+        if self.reasoning_parser is not None and self.think_tokens and "structured_outputs" in req.sampling:
+            # as vLLM's: the model thinks freely, then the structure applies (unless the prompt closed the block)
+            req.sampling["think_first"] = think_first(text)
+        self._check_structure(req)
         ids = self._prompt_ids(text)
         prompts = []
         if self.vision is not None:  # a text that spells the placeholder token is refused here too
@@ -375,7 +380,7 @@ class OpenAIServing:
             raise APIError("structured outputs need the model's tokenizer, which this server has not loaded",
                            param=req.structure_param)
         try:
-            grammars.grammar(spec)
+            grammars.grammar(spec, req.sampling.get("think_first"))
         except StructuredOutputError as e:
             raise APIError(str(e), param=req.structure_param) from None
 
