@@ -645,6 +645,33 @@ def test_follower_kill_and_hang_fail_requests_retryably_then_the_group_recovers_
         server.close()
 
 
+def test_a_follower_that_dies_while_the_leader_drains_ends_it_without_a_restart():
+    """SIGTERM asked the server to end: a group failure during the drain must not bring it back."""
+    server = GroupServer("--no-warmup")
+    try:
+        follower = server.follower()
+        body = {"model": "jtp-demo", "prompt": "Once upon a time", "max_tokens": 480, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        outcome: dict = {}
+
+        def long_request():
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+                outcome["lines"] = [line for line in r.iter_lines() if line]
+
+        caller = threading.Thread(target=long_request)
+        caller.start()
+        time.sleep(2.0)  # generating by now
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # draining the stream
+        os.kill(follower, signal.SIGKILL)
+        caller.join(60)
+        assert json.loads(outcome["lines"][-2][len("data: "):])["error"]["code"] == "worker_group_failed"
+        assert server.proc.wait(60) == 0, server.text()
+        assert "restarting the worker group" not in server.text()
+    finally:
+        server.close()
+
+
 def test_a_killed_pipeline_stage_fails_requests_retryably_then_the_pipeline_recovers():
     """Two stages in two processes (-pp 2 -tp 2): kill -9 the first stage's process mid-generation."""
     server = GroupServer("--no-warmup", "-tp", "2", "-pp", "2")

@@ -201,7 +201,10 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
             _exit_during_warmup(engine)
         engine.close()
     if engine.failure is not None and keep_fd is not None:
-        _restart(keep_fd, engine.failure)
+        if server.drain:  # the group failed while draining: SIGTERM asked this process to end
+            note("the worker group failed while draining; exiting as SIGTERM asked, not restarting")
+        else:
+            _restart(keep_fd, engine.failure)
     return status
 
 
@@ -271,7 +274,7 @@ class _Server(uvicorn.Server):
                  draining: threading.Event | None = None):
         super().__init__(config)
         self.engine, self.drain_timeout = engine, drain_timeout
-        self.drain = False
+        self.drain = False  # SIGTERM came: drain, and a group failure then ends the process (no restart)
         self.draining = draining or threading.Event()
 
     def handle_exit(self, sig, frame) -> None:
