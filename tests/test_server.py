@@ -844,3 +844,26 @@ def test_jtp_serve_ctrl_c_ends_open_streams_and_exits():
         assert proc.wait(30) == 130, "".join(log)  # the CLI's quiet Ctrl-C status
     finally:
         proc.kill()
+
+
+def test_jtp_serve_ctrl_c_twice_exits_130_quietly():
+    """A second Ctrl-C forces the exit (no waiting for connections) with requests running and
+    queued; every request still ends, and the exit is still quiet."""
+    proc, url, log = start_serve(1)
+    try:
+        body = {"model": "jtp-demo", "prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            whole = [pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=60) for _ in range(12)]
+            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))
+                proc.send_signal(signal.SIGINT)
+                time.sleep(0.05)  # (two at once are one to Python's handler)
+                proc.send_signal(signal.SIGINT)
+                assert [line for line in lines if line][-1] == "data: [DONE]"
+            assert {f.result().status_code for f in whole} <= {200, 503}
+        assert proc.wait(30) == 130, "".join(log)
+        time.sleep(0.2)  # the log reader's last lines
+        assert "Traceback" not in "".join(log), "".join(log)
+    finally:
+        proc.kill()

@@ -291,10 +291,11 @@ class _Server(uvicorn.Server):
             await asyncio.to_thread(self.engine.drain, self.drain_timeout)
         for server in self.servers:
             server.close()  # no new connections while the open streams end
-        if not self.engine.ready.is_set():  # warming up: nothing is in flight (run_server exits at once)
-            return await super().shutdown(sockets)
-        await asyncio.to_thread(self.engine.stop)  # every unfinished request gets its "abort" event
+        if self.engine.ready.is_set():  # (warming up: nothing is in flight; run_server exits at once)
+            await asyncio.to_thread(self.engine.stop)  # every unfinished request gets its "abort" event
         await super().shutdown(sockets)
+        if self.force_exit:  # a second Ctrl-C made uvicorn skip the app's shutdown; its task would be
+            await self.lifespan.shutdown()  # cancelled at exit and log a traceback
 
 
 class _WarmUp(threading.Thread):
