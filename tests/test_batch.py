@@ -19,7 +19,7 @@ from jtp.demo import ensure_demo_checkpoint
 from jtp.engine.engine import Engine
 from jtp.engine.tokenizer import Tokenizer
 from jtp.entrypoints import batch
-from jtp.errors import ConfigError
+from jtp.errors import ConfigError, WorkerGroupError
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the sea is wide and deep it sings sailors off to sleep rain in Spain stays mainly on plain".split()
@@ -391,6 +391,32 @@ def test_interrupt_swallowed_by_a_callback_still_stops_the_run(engine, tmp_path,
     assert 0 < written < 40
     rest = batch.run(engine, inp, out)
     assert rest.skipped == written and sorted(r["id"] for r in read_rows(out)) == list(range(40))
+
+
+def test_a_failed_worker_group_stops_the_run_instead_of_writing_error_rows(engine, tmp_path, monkeypatch):
+    """A group that fails between steps refuses the next submit (WorkerGroupError): the engine failed,
+    not the line, so the run stops there and a rerun serves the rest (error rows are never retried)."""
+    lines = [json.dumps({"id": n, "prompt": f"the sea {n}", "max_tokens": 4}) for n in range(40)]
+    inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    real_submit, calls = engine.submit, []
+
+    def submit_until_the_group_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 12:
+            raise WorkerGroupError("the worker group failed (follower 1 (pid 4242) killed by SIGKILL); retry the request")
+        return real_submit(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", submit_until_the_group_fails)
+    with pytest.raises(WorkerGroupError):
+        batch.run(engine, inp, out, max_pending=4)
+    monkeypatch.undo()
+    engine.stop()  # drop what the failed run left in flight
+    written = read_rows(out)
+    assert len(written) < 40 and not [r for r in written if "error" in r]
+    rest = batch.run(engine, inp, out)
+    rows = read_rows(out)
+    assert rest.skipped == len(written) and sorted(r["id"] for r in rows) == list(range(40))
+    assert not [r for r in rows if "error" in r]
 
 
 def test_ctrl_c_exits_130_and_the_rerun_finishes(ckpt, tmp_path):

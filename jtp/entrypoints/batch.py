@@ -71,7 +71,7 @@ from jtp.entrypoints.cli_support import (
     run_follower,
     setup_logging,
 )
-from jtp.errors import ConfigError, RequestError
+from jtp.errors import ConfigError, RequestError, WorkerGroupError
 
 if TYPE_CHECKING:
     from jtp.core.sampling_params import SamplingParams
@@ -366,6 +366,8 @@ def run(
                 step()
             try:
                 rid = engine.submit(job.prompt_ids, job.params)
+            except WorkerGroupError:
+                raise  # the engine failed, not the line: no error row (never retried), the rerun serves it
             except RequestError as e:
                 finished({"id": row_id, "error": f"line {lineno}: {e}"})
                 continue
