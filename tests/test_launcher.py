@@ -385,6 +385,16 @@ def test_a_follower_whose_digest_never_comes_fails_the_group_after_the_step_time
     assert reasons == ["follower 1 (pid 4321) sent no digest of step 4 within the 0.5 s step timeout"]
 
 
+def test_a_leader_with_more_cpu_devices_than_its_followers_is_a_one_line_error():
+    """A local launch gives each follower the mesh's devices per process (1 here); a leader whose
+    XLA_FLAGS force more (2) cannot form a group JAX accepts: say so, not a reshape error."""
+    proc = subprocess.run([sys.executable, "-m", "jtp.entrypoints.cli", "generate", "--num-processes", "2", "-tp", "2",
+                           "--max-tokens", "2", "--max-model-len", "64", "Hello"],
+                          capture_output=True, text=True, env=group_env(2), timeout=180)
+    assert proc.returncode == 2, proc.stderr
+    assert "process 0 has 2, process 1 has 1 devices" in proc.stderr and "xla_force_host_platform_device_count=1" in proc.stderr
+
+
 def test_a_cluster_environment_supplies_the_coordinator_and_process_id(monkeypatch):
     from jtp.config.engine_args import EngineArgs
     from jtp.distributed.launcher import LaunchSpec, is_follower

@@ -260,6 +260,13 @@ def mesh_devices(num_processes: int, devices_per_process: int) -> list:
     """The mesh's devices: the first `devices_per_process` of each process, in process order."""
     import jax
 
+    counts = [sum(d.process_index == p for d in jax.devices()) for p in range(num_processes)]
+    if len(set(counts)) > 1:  # JAX moves host data to a group's devices assuming equal counts
+        raise ConfigError(
+            "every process needs the same number of devices, but " + ", ".join(
+                f"process {p} has {n}" for p, n in enumerate(counts)) + " devices; on a CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={devices_per_process} (the mesh's devices per process)"
+        )
     out = []
     for p in range(num_processes):
         mine = sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
