@@ -655,6 +655,21 @@ def test_follower_kill_and_hang_fail_requests_retryably_then_the_group_recovers_
         server.close()
 
 
+def test_a_follower_that_dies_while_a_restarted_group_starts_brings_the_next_restart():
+    """The restarted group's follower dies before the group is up: restart again (backing off) rather
+    than exit, closing the port its clients wait on."""
+    server = GroupServer("--no-warmup")
+    try:
+        first = server.follower()
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: [pid for pid in children(server.proc.pid) if pid != first], 60, "a new follower")
+        os.kill(server.follower(), signal.SIGKILL)  # it is still starting up (loading, joining)
+        server.wait_ready()
+        assert "restart 2" in server.text() and server.complete().choices[0].finish_reason == "length"
+    finally:
+        server.close()
+
+
 def test_a_follower_that_dies_while_the_leader_drains_ends_it_without_a_restart():
     """SIGTERM asked the server to end: a group failure during the drain must not bring it back."""
     server = GroupServer("--no-warmup")

@@ -40,7 +40,7 @@ from jtp.entrypoints.server.limits import ServerLimits
 from jtp.entrypoints.server.reasoning import REASONING_PARSERS
 from jtp.entrypoints.server.sse import KEEPALIVE_INTERVAL
 from jtp.entrypoints.server.tool_parsers import TOOL_PARSERS
-from jtp.errors import ConfigError
+from jtp.errors import ConfigError, JtpError, WorkerGroupError
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +169,13 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
     keep_fd = os.dup(sock.fileno()) if engine_args.is_multiprocess else None
     try:
         engine = open_engine(engine_args)
+    except Exception as e:
+        if keep_fd is not None and RESTARTS_ENV in os.environ and not _is_final(e):
+            # A restarted group failed to form (a follower died starting up): its clients wait in
+            # the backlog, so back off and restart again rather than close the port.
+            _restart(keep_fd, f"the worker group failed to start ({type(e).__name__}: {e})")
+        sock.close()
+        raise
     except BaseException:
         sock.close()
         raise
@@ -247,6 +254,11 @@ def _stop_on_failure(engine, server: uvicorn.Server) -> None:
 
 RESTARTS_ENV = "JTP_RESTARTS"  # "count,first restart time" of recent group restarts
 LISTEN_FD_ENV = "JTP_LISTEN_FD"
+
+
+def _is_final(e: Exception) -> bool:
+    """A start-up failure that another start would meet again: the configuration or the checkpoint."""
+    return isinstance(e, JtpError) and not isinstance(e, WorkerGroupError)
 
 
 def _restart(listen_fd: int, reason: str) -> None:
