@@ -383,7 +383,7 @@ def generate_all(engine, prompts, params=None) -> list[Completion]:
                     if len(results) == len(ids):  # none of ours is queued: others fill the queue
                         raise
                     results.append(engine.result(ids[len(results)]))  # room comes as ours finish
-    except Exception:
+    except BaseException:  # Ctrl-C in a wait for room too
         for rid in ids[len(results):]:  # all or nothing: don't leave the valid ones running unowned
             engine.abort(rid)
             engine.release(rid)

@@ -31,8 +31,8 @@ gets the id "line:<n>" (1-based line number, as in every message). Ids must be u
 naming both lines, so every output row's id stands for one input line.
 
 All requests go through the continuous-batching engine together, at most
-`max_pending` (default 4 x max_num_seqs, within max_waiting_requests) submitted at a time so
-host memory stays bounded however long the input is.
+`max_pending` (default 4 x max_num_seqs) submitted at a time so host memory stays bounded however
+long the input is; a line the engine's waiting queue has no room for yet waits for it.
 
 Resuming: rerunning with the same --output appends only what is missing. An input line is
 done when the output already holds a row for it, result or error (errors are not retried:
@@ -47,6 +47,7 @@ every finished row in the output for the rerun.
 from __future__ import annotations
 
 import argparse
+import codecs
 import dataclasses
 import json
 import logging
@@ -71,7 +72,7 @@ from jtp.entrypoints.cli_support import (
     run_follower,
     setup_logging,
 )
-from jtp.errors import ConfigError, RequestError, WorkerGroupError
+from jtp.errors import ConfigError, QueueFullError, RequestError, WorkerGroupError
 
 if TYPE_CHECKING:
     from jtp.core.sampling_params import SamplingParams
@@ -173,9 +174,10 @@ class JsonError(str):
 
 
 def _parse_json(raw: bytes):
-    raw = raw.rstrip(b"\r\n")  # the line's end is not part of a string it cuts short
+    # the line's end is not part of a string it cuts short, nor is a byte-order mark (Windows editors write one)
+    raw = raw.rstrip(b"\r\n").removeprefix(codecs.BOM_UTF8)
     try:
-        return json.loads(raw.decode("utf-8-sig"))  # a byte-order mark (Windows editors write one) is not JSON
+        return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         return JsonError(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
     except json.JSONDecodeError as e:  # "Expecting value", "Unterminated string starting at", ...
@@ -316,8 +318,6 @@ def run(
         raise ConfigError("the model has no tokenizer.json: batch generation needs one to encode prompts")
     input_path, output_path = Path(input_path), Path(output_path)
     max_pending = max_pending or PENDING_PER_SEQ * engine.config.max_num_seqs * engine.config.args.data_parallel_size
-    if engine.config.max_waiting_requests is not None:  # a submit past it is refused ("retry later")
-        max_pending = min(max_pending, engine.config.max_waiting_requests)
     vocab_size = engine.cfg.vocab_size
     defaults = {**engine.sampling_defaults, "max_tokens": default_max_tokens}
 
@@ -365,7 +365,8 @@ def run(
             while len(inflight) >= max_pending:
                 step()
             try:
-                rid = engine.submit(job.prompt_ids, job.params)
+                while (rid := _submit_or_none(engine, job)) is None:
+                    step()  # the waiting queue is full: it drains as the steps run
             except WorkerGroupError:
                 raise  # the engine failed, not the line: no error row (never retried), the rerun serves it
             except RequestError as e:
@@ -377,6 +378,16 @@ def run(
             step()
     stats.seconds = time.monotonic() - start
     return stats
+
+
+def _submit_or_none(engine: Engine, job) -> str | None:
+    """The request's id, or None while the engine's waiting queue (max_waiting_requests) is full."""
+    try:
+        return engine.submit(job.prompt_ids, job.params)
+    except QueueFullError:
+        if not engine.has_unfinished():  # nothing of ours will make room
+            raise
+        return None
 
 
 def _result_row(engine: Engine, rid: str, row_id, prompt_tokens: int) -> dict:
