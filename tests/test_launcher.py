@@ -893,3 +893,21 @@ def test_manual_launch_refuses_a_follower_with_another_config_or_checkpoint(mism
     finally:
         leader.kill()
         follower.kill()
+
+
+@pytest.mark.unit
+def test_a_restarted_group_that_keeps_failing_to_start_ends(monkeypatch):
+    """Start failures of a restarted group restart it again up to MAX_FAILED_STARTS in a row (then the
+    process ends, for its supervisor to see); a configuration error, or a first start, ends at once."""
+    from jtp.entrypoints.server import launch
+    from jtp.errors import ConfigError
+
+    monkeypatch.setenv(launch.RESTARTS_ENV, "1,0")
+    monkeypatch.delenv(launch.FAILED_STARTS_ENV, raising=False)
+    died = RuntimeError("follower 1 (pid 7) ended during start-up (killed by SIGKILL)")
+    again = [launch._start_again(died) for _ in range(launch.MAX_FAILED_STARTS)]
+    assert again == [True] * (launch.MAX_FAILED_STARTS - 1) + [False]
+    monkeypatch.delenv(launch.FAILED_STARTS_ENV)
+    assert not launch._start_again(ConfigError("the checkpoint's config.json has no hidden_size"))
+    monkeypatch.delenv(launch.RESTARTS_ENV)
+    assert not launch._start_again(died)

@@ -170,7 +170,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
     try:
         engine = open_engine(engine_args)
     except Exception as e:
-        if keep_fd is not None and RESTARTS_ENV in os.environ and not _is_final(e):
+        if keep_fd is not None and _start_again(e):
             # A restarted group failed to form (a follower died starting up): its clients wait in
             # the backlog, so back off and restart again rather than close the port.
             _restart(keep_fd, f"the worker group failed to start ({type(e).__name__}: {e})")
@@ -179,6 +179,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
     except BaseException:
         sock.close()
         raise
+    os.environ.pop(FAILED_STARTS_ENV, None)
     warmup = None
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
@@ -254,6 +255,8 @@ def _stop_on_failure(engine, server: uvicorn.Server) -> None:
 
 RESTARTS_ENV = "JTP_RESTARTS"  # "count,first restart time" of recent group restarts
 LISTEN_FD_ENV = "JTP_LISTEN_FD"
+FAILED_STARTS_ENV = "JTP_FAILED_STARTS"  # restarted groups in a row that failed to start
+MAX_FAILED_STARTS = 5
 
 
 def _is_final(e: Exception) -> bool:
@@ -261,9 +264,20 @@ def _is_final(e: Exception) -> bool:
     return isinstance(e, JtpError) and not isinstance(e, WorkerGroupError)
 
 
+def _start_again(e: Exception) -> bool:
+    """Whether a restarted group that failed to start (`e`) is restarted again: not for the configuration
+    or the checkpoint, and not after MAX_FAILED_STARTS in a row -- a failure every start meets (out of
+    memory, a bug) ends the process for its supervisor to see."""
+    failed_starts = int(os.environ.get(FAILED_STARTS_ENV, "0")) + 1
+    if RESTARTS_ENV not in os.environ or _is_final(e) or failed_starts >= MAX_FAILED_STARTS:
+        return False
+    os.environ[FAILED_STARTS_ENV] = str(failed_starts)
+    return True
+
+
 def _restart(listen_fd: int, reason: str) -> None:
     """Re-execute this process (same interpreter and arguments) keeping the listening socket.
-    Restarts back off (1, 2, 4 ... 30 s) while they keep coming within ten minutes."""
+    Restarts back off (0, 1, 2, 4 ... 30 s) while they keep coming within ten minutes."""
     count, first = (float(x) for x in os.environ.get(RESTARTS_ENV, "0,0").split(","))
     now = time.time()
     if now - first > 600:
