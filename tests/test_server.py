@@ -42,7 +42,7 @@ from jtp.entrypoints.server.protocol import (
     parse_completion_request,
     sampling_params,
 )
-from jtp.entrypoints.server.reasoning import Qwen3ReasoningParser
+from jtp.entrypoints.server.reasoning import Qwen3ReasoningParser, think_first
 
 # Small buckets keep the shapes compiled in a run few (large blocks: few blocks-per-row buckets).
 DENSE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, block_size=32, num_blocks=32,
@@ -304,6 +304,11 @@ def test_prompt_ends_in_think():
     assert Qwen3ReasoningParser.prompt_ends_in_think("x<|im_start|>assistant\n<think>\n")
     assert not Qwen3ReasoningParser.prompt_ends_in_think("assistant\n<think>\n\n</think>\n\n")
     assert not Qwen3ReasoningParser.prompt_ends_in_think("assistant\n")
+    # a tag in a user's text opens no block for the model
+    user_text = "<|im_start|>user\nWhat is the <think> tag for?<|im_end|>\n<|im_start|>assistant\n"
+    assert not Qwen3ReasoningParser.prompt_ends_in_think(user_text)
+    assert think_first(user_text) == "optional" and think_first(user_text + "<think>\n") == "open"
+    assert think_first(user_text + "<think>\n\n</think>\n\n") is None  # enable_thinking false
 
 
 # ----------------------------------------------------------------------------- unit: request checks
@@ -323,7 +328,7 @@ def test_prompt_ends_in_think():
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "echo": "yes"}, "echo"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # vLLM's: only with stream
-    ({"prompt": "x", "stream": False, "stream_options": {}}, "stream_options"),
+    ({"prompt": "x", "stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
     # vLLM's fields that would change the output and are not served: refused, not ignored
     ({"prompt": "x", "bad_words": ["a"]}, "bad_words"),
     ({"prompt": "x", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
@@ -372,7 +377,11 @@ def test_requests_ignore_unknown_fields_and_nulls_and_join_text_parts():
     assert req.include_usage and req.num_logprobs == 0
     # an assistant turn with null content and no tool calls: taken, as vLLM takes it
     req = parse_chat_request({"messages": [*CHAT, {"role": "assistant", "content": None}, *CHAT]})
-    assert req.messages[1]["role"] == "assistant" and not req.messages[1].get("content")
+    assert req.messages[1] == {"role": "assistant", "content": ""}
+    parse_completion_request({"prompt": "x", "stream_options": {}})  # empty: vLLM's check lets it pass
+    for body, accepted in (({"bad_words": ["a"]}, "only null"), ({"use_beam_search": True}, "only false or null")):
+        with pytest.raises(APIError, match=f"is not supported by this server \\({accepted}\\)"):
+            parse_completion_request({"prompt": "x", **body})
     req = parse_completion_request({"prompt": ["a", [1, 2]], "temperature": 0, "stop": "x", "seed": 3})
     assert req.prompts == ["a", [1, 2]] and req.sampling == {"temperature": 0, "stop": "x"} and req.seed == 3
 

@@ -82,7 +82,8 @@ _CHAT_FIELDS: dict[str, tuple] = {
 # vLLM's request fields that this server does not implement, each with its value that changes nothing
 # (or null, or an empty list): any other value would change the output, so it is refused, not ignored.
 _UNSERVED: dict[str, Any] = {"allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None,
-                             "use_beam_search": False, "return_tokens_as_token_ids": False}
+                             "use_beam_search": False, "return_tokens_as_token_ids": False,
+                             "spaces_between_special_tokens": True, "guided_whitespace_pattern": None}
 _UNSERVED_CHAT: dict[str, Any] = {**_UNSERVED, "chat_template": None, "echo": False}
 
 
@@ -223,7 +224,8 @@ def _refuse_unserved(body: dict, unserved: dict[str, Any]) -> None:
     for name, default in unserved.items():
         value = body.get(name)
         if value is not None and value != default and value != []:
-            raise APIError(f"{name} is not supported by this server (only {json.dumps(default)} or null)", param=name)
+            accepted = "null" if default is None else f"{json.dumps(default)} or null"
+            raise APIError(f"{name} is not supported by this server (only {accepted})", param=name)
 
 
 def _is_type(value: Any, kinds: tuple) -> bool:
@@ -252,7 +254,7 @@ def _n(fields: dict[str, Any]) -> int:
 
 
 def _common(fields: dict[str, Any], n: int, max_tokens: int | None) -> dict[str, Any]:
-    if "stream_options" in fields and not fields.get("stream"):
+    if fields.get("stream_options") and not fields.get("stream"):  # vLLM's check: {} passes
         raise APIError("stream_options can only be given when stream is true (as in vLLM)", param="stream_options")
     options = fields.get("stream_options") or {}
     include_usage = options.get("include_usage", False)
@@ -427,6 +429,8 @@ def _message(message: Any, i: int, images: list[str]) -> dict:
         raise APIError(f"{where}.content must be a string, an array of content parts or null", param="messages")
     if message.get("tool_calls") is not None:
         message = {**message, "tool_calls": _message_tool_calls(message["tool_calls"], where)}
+    elif content is None:  # an assistant turn without text: empty, for templates that read its content
+        message = {**message, "content": ""}
     return message
 
 

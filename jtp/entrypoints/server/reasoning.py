@@ -18,6 +18,7 @@ from __future__ import annotations
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+TURN_START = "<|im_start|>"  # Qwen's chat turns
 
 REASONING_PARSERS = ("qwen3",)
 
@@ -40,8 +41,10 @@ class Qwen3ReasoningParser:
 
     @staticmethod
     def prompt_ends_in_think(prompt: str) -> bool:
-        """True when the rendered prompt leaves the model inside an open think block."""
-        return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
+        """True when the rendered prompt leaves the model inside an open think block: one opened in the
+        turn the model writes (a `<think>` in a user's text opens nothing)."""
+        turn = prompt[max(prompt.rfind(TURN_START), 0):]
+        return turn.rfind(THINK_START) > turn.rfind(THINK_END)
 
     def feed(self, delta: str) -> tuple[str, str]:
         """Add streamed text; return the (reasoning, content) that is now decided."""
