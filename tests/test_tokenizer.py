@@ -242,6 +242,18 @@ def test_chat_template_shape(tok):
     assert '"Weather for a city, e.g. <Zürich> & Genève"' in with_tools
 
 
+@pytest.mark.parametrize("prefill", ["The sea is", "Bonjour 🚀", "<", "d", "m_end"])
+def test_continue_final_message_ends_at_the_prefill(tok, hf_tok, prefill):
+    """The chat cut after the final assistant message's text: the prompt of a turn opened for the
+    model, then the prefill -- also a prefill the template's end of turn contains ("<", "d", where
+    a search of the whole render for the text cuts inside <|im_end|>); ordinary ones as transformers."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": prefill}]
+    ours = tok.render_chat(messages, continue_final_message=True)
+    assert ours == hf_tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True) + prefill
+    if prefill[0].isalpha() and len(prefill) > 2:
+        assert ours == hf_tok.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+
+
 def test_raise_exception_is_a_value_error(tok):
     with pytest.raises(ValueError, match="unknown message role"):
         tok.apply_chat_template([{"role": "wizard", "content": "hi"}])

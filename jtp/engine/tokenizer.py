@@ -283,18 +283,47 @@ class Tokenizer:
         }
         context = {k: v for k, v in special_tokens.items() if v is not None}
         context.update(variables or {})  # caller's variables win, as in transformers
-        context.update(messages=[_normalize_message(m) for m in messages], tools=tools,
-                       add_generation_prompt=add_generation_prompt and not continue_final_message)
-        rendered = render_bounded(self._compiled[name], context, limits)
-        return _cut_after_final_message(rendered, messages[-1]) if continue_final_message else rendered
+
+        def render(messages: Sequence[dict]) -> str:
+            return render_bounded(self._compiled[name], {
+                **context, "messages": [_normalize_message(m) for m in messages], "tools": tools,
+                "add_generation_prompt": add_generation_prompt and not continue_final_message}, limits)
+
+        rendered = render(messages)
+        if not continue_final_message:
+            return rendered
+        # The template's end of turn after the final message: what follows a marker in its place.
+        marked = render([*messages[:-1], _with_text(messages[-1], _MARKER)])
+        end_of_turn = marked[marked.rindex(_MARKER) + len(_MARKER):] if _MARKER in marked else ""
+        if end_of_turn and rendered.endswith(end_of_turn):
+            rendered = rendered[:-len(end_of_turn)]
+        return _cut_after_final_message(rendered, messages[-1])
+
+
+_MARKER = "\x00jtp-final-message\x00"
+
+
+def _final_text(message: dict):
+    content = message.get("content")
+    if isinstance(content, list):
+        return next((p["text"] for p in reversed(content) if isinstance(p, dict) and "text" in p), None)
+    return content
+
+
+def _with_text(message: dict, text: str) -> dict:
+    """`message` with its (last) text replaced by `text`."""
+    content = message.get("content")
+    if isinstance(content, list):
+        last = max((i for i, p in enumerate(content) if isinstance(p, dict) and "text" in p), default=None)
+        if last is not None:
+            return {**message, "content": [*content[:last], {**content[last], "text": text}, *content[last + 1:]]}
+    return {**message, "content": text}
 
 
 def _cut_after_final_message(rendered: str, message: dict) -> str:
-    """The rendered chat up to the end of its final message's text, as transformers'
-    continue_final_message cuts it: the template's end of turn after it goes."""
-    content = message.get("content")
-    if isinstance(content, list):
-        content = next((p["text"] for p in reversed(content) if isinstance(p, dict) and "text" in p), None)
+    """The rendered chat (its final end of turn already cut) up to the end of its final message's
+    text, as transformers' continue_final_message cuts it."""
+    content = _final_text(message)
     if not isinstance(content, str) or not content.strip() or content.strip() not in rendered:
         raise ValueError("the final message's text does not appear in the rendered chat, so it cannot be continued")
     start, kept = rendered.rindex(content.strip()), content.lstrip()
