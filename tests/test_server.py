@@ -570,6 +570,16 @@ def test_include_stop_str_in_output_keeps_the_stop_string_whole_and_streamed(ser
         events = parse_sse(served.stream_raw(path, {**body, "include_stop_str_in_output": True}))
         pieces = [c.get("text") or c.get("delta", {}).get("content") or "" for e in events for c in e["choices"]]
         assert "".join(pieces) == text(kept), path
+    # a stop token id: its text is kept too (vLLM's), not only a stop string's
+    tok = served.engine.tokenizer
+    ids = tok.encode(PROMPTS[2])
+    ref = served.reference(ids, max_tokens=20, temperature=0, ignore_eos=True)
+    k = ref.token_ids.index(ref.token_ids[5])
+    body = {"model": served.model, "prompt": ids, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+            "stop_token_ids": [ref.token_ids[k]]}
+    for flag, upto in ((False, k), (True, k + 1)):
+        choice = served.post("/v1/completions", {**body, "include_stop_str_in_output": flag}).json()["choices"][0]
+        assert choice["text"] == tok.decode(ref.token_ids[:upto]) and choice["stop_reason"] == ref.token_ids[k]
 
 
 # ----------------------------------------------------------------------------- dense: load and metrics

@@ -252,6 +252,8 @@ class OutputProcessor:
         if may_stop and token in req.stop_ids:
             reason = "stop"
             out.stop_reason = token if token in req.params.stop_token_ids else None
+            if req.params.include_stop_str_in_output:  # vLLM's: the stop token's text too (none when skipped)
+                out.add_token(token, False)
         elif out.add_token(token, may_stop):  # a stop string
             reason = "stop"
         elif len(req.output_ids) >= req.params.max_tokens:
