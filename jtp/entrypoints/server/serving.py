@@ -222,12 +222,12 @@ class OpenAIServing:
         self._check_choices(req.n)
         self._check_chars(sum(_text_chars(m.get("content")) for m in req.messages), "the messages' content")
         check_image_count(len(req.images), self.vision, f"model {self.model_name!r}", image_param)
-        images = load_images(req.images, self.vision.processor, self.allowed_media_domains, image_param) if req.images else []
         text = self._render_chat(req)
         if self.reasoning_parser is not None and self.think_tokens and "structured_outputs" in req.sampling:
             # as vLLM's: the model thinks freely, then the structure applies (unless the prompt closed the block)
             req.sampling["think_first"] = think_first(text)
-        self._check_structure(req)
+        self._check_structure(req)  # before the images: a refused request fetches and decodes none
+        images = load_images(req.images, self.vision.processor, self.allowed_media_domains, image_param) if req.images else []
         ids = self._prompt_ids(text)
         prompts = []
         if self.vision is not None:  # a text that spells the placeholder token is refused here too
