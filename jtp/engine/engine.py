@@ -19,7 +19,7 @@ work or compilation; a request with images waits for the step lock to encode the
 (the loop thread, or the caller in manual mode) drains the inbox at the start of each step.
 
 This module is intake and the step loop; the rest is beside it: output_processor.py (streams,
-detokenising, stop strings, logprobs), snapshot_api.py (the snapshot methods), snapshot_manager.py
+detokenising, stop strings, logprobs), snapshot_api.py (the snapshot methods), failures.py (a failed step), snapshot_manager.py
 (pinned prefixes), snapshot_store.py (snapshots on disk), structured_output.py (grammars, token
 masks), warmup.py (compiling the step shapes), memory.py (KV pool size), stats.py.
 """
@@ -45,6 +45,7 @@ from jtp.core.multimodal import ImagePrompt
 from jtp.core.sampling_params import SamplingParams
 from jtp.core.scheduler import Request, ScheduledRow, Scheduler, Status
 from jtp.core.step_input import mask_words
+from jtp.engine.failures import EngineFailures
 from jtp.engine.input_processor import InputProcessor
 from jtp.engine.memory import allocate_pools
 from jtp.engine.multimodal import engine_vision, live_images, prompt_images
@@ -78,12 +79,9 @@ def _drafts_of(row) -> list[int]:
     return [int(d) for d in itertools.takewhile(lambda d: d >= 0, row)]
 
 
-class Engine(EngineSnapshots):
+class Engine(EngineSnapshots, EngineFailures):
     # Called after every step with its `StepTiming` (host time by phase), when set.
     step_timings = None
-    # Called with the engine once it has failed (`fail`), when set; a failed step then fails the
-    # whole engine (a data-parallel replica, which is rebuilt: jtp/engine/data_parallel.py).
-    on_failure = None
     _timing: StepTiming | None = None  # the current step's
     warmup_report = None  # the last warm-up's WarmupReport
 
@@ -285,7 +283,16 @@ class Engine(EngineSnapshots):
         fills the masks on the mask thread while it processes the rest of step N, then enqueues its
         sampling program (where the runner cannot sample late: lockstep). A pipeline keeps one step of
         other requests per stage in flight (`pipeline_depth`), processing the oldest once that many
-        are, or once nothing new can run. Returns the events of the steps processed."""
+        are, or once nothing new can run. Returns the events of the steps processed. In a
+        multi-process group a failed step raises WorkerGroupError (the group is broken: failures.py)."""
+        try:
+            return self._step()
+        except Exception as e:
+            if self.group is None:
+                raise
+            raise self._group_failure(e) from e
+
+    def _step(self) -> list[TokenEvent]:
         timing = self._timing = StepTiming()
         start = time.perf_counter()
         with self._lock:
@@ -548,29 +555,6 @@ class Engine(EngineSnapshots):
                 time.sleep(0.05)
         return not self.has_unfinished()
 
-    def fail(self, message: str) -> None:
-        """End every unfinished request with the retryable error `message` and run no more steps: a
-        follower died, hung or diverged (the group's monitor calls it), or a replica's step failed.
-        The step thread may be stuck in a collective, so the step lock is only waited for briefly."""
-        with self._intake:
-            self.failure = message
-            self._stopping = True
-            self._intake.notify_all()
-        if self.on_failure is not None:  # first: a request retried once it has ended must not come back here
-            self.on_failure(self)
-        locked = self._lock.acquire(timeout=2.0)
-        try:
-            with self._intake:
-                outs = self.outputs.unfinished()
-            for out in outs:
-                out.error, out.retryable = message, True
-                self._finish(out, "error", touch_scheduler=locked)
-        finally:
-            if locked:
-                self._lock.release()
-        self.ready.clear()
-        self.failed.set()
-
     def _run_loop(self) -> None:
         while True:
             with self._intake:
@@ -581,20 +565,5 @@ class Engine(EngineSnapshots):
             try:
                 self.step()
             except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
-                if self.group is not None:  # in a group a failed step means a broken group
-                    if not self.group.failed.wait(1.0):  # let the monitor name the cause if it can
-                        self.group.fail(f"a step failed: {type(e).__name__}: {e}")
-                    self.failed.wait(10.0)  # `fail` ends the requests (retryable)
+                if not self._step_failed(e):
                     return
-                if self.on_failure is not None:  # its device state is no longer trustworthy: rebuilt whole
-                    log.exception("engine step failed; failing the engine")
-                    self.fail(f"a step failed ({type(e).__name__}: {e}); retry the request")
-                    return
-                log.exception("engine step failed; failing the running requests")
-                with self._lock:
-                    self._inflight.clear()
-                    for req in list(self.scheduler.running):
-                        out = self.outputs.get(req.id)
-                        out.error = f"{type(e).__name__}: {e}"
-                        self._finish(out, "error")
-                    self.scheduler.reset_prefix_cache()  # what the failed step was to write is not trustworthy

@@ -446,6 +446,8 @@ def run_args(args: argparse.Namespace) -> int:
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt) or interrupted():
             note(f"interrupted: the rows written so far are in {args.output}; rerun the same command to resume")
+        elif isinstance(e, WorkerGroupError):
+            note(f"the rows written so far are in {args.output}; rerun the same command to resume")
         raise
     note(f"batch: {stats.summary()}")
     return 0

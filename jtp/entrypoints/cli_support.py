@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from jtp.errors import JtpError
+from jtp.errors import JtpError, WorkerGroupError
 
 if TYPE_CHECKING:
     from jtp.config.engine_args import EngineArgs
@@ -134,7 +134,8 @@ def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Nam
             user = _is_user_error(e)
             hint = "" if user or debug_enabled(args) else " (--debug or JTP_DEBUG=1 shows the traceback)"
             print(f"error: {one_line(e)}{hint}", file=sys.stderr)
-            status = EXIT_USAGE if user else EXIT_ERROR
+            # A worker group that broke is no usage error (its message still reads as one line).
+            status = EXIT_USAGE if user and not isinstance(e, WorkerGroupError) else EXIT_ERROR
     return EXIT_INTERRUPTED if _interrupted else status
 
 
