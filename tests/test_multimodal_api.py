@@ -391,6 +391,28 @@ def test_responses_input_image_and_anthropic_image_blocks(served):
     assert r.status_code == 200 and r.json()["usage"]["input_tokens"] == reference.usage.prompt_tokens
 
 
+def test_an_anthropic_tool_result_may_hold_images(served):
+    """Anthropic's tool_result content takes image blocks (a tool that returns a screenshot): the
+    tool message then carries them as image parts, and the prompt holds the image's tokens."""
+    one = png(64, 48, 4)
+    b64 = base64.b64encode(one).decode()
+    body = {"max_tokens": 2, "messages": [
+        {"role": "user", "content": "Take a screenshot."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "Here: "}, {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                             "data": b64}}]}]}]}
+    chat = to_chat_body(parse_messages_request(body))
+    assert chat["messages"][2] == {"role": "tool", "tool_call_id": "t1", "content": [
+        {"type": "text", "text": "Here: "}, {"type": "image_url", "image_url": {"url": data_uri(one)}}]}
+    r = httpx.post(served.url + "/v1/messages", timeout=120, json=body)
+    assert r.status_code == 200, r.text
+    template = [{"role": "user", "content": "Take a screenshot."}, {"role": "assistant", "content": ""},
+                {"role": "tool", "content": [{"type": "text", "text": "Here: "}, {"type": "image"}]}]
+    ids, _ = image_chat_prompt(served.engine.tokenizer, served.engine.vision, template, [one])
+    assert r.json()["usage"]["input_tokens"] == len(ids)
+
+
 def test_a_text_model_refuses_images_and_serves_on(demo_dir):
     from jtp.config.engine_args import EngineArgs
     from jtp.engine.engine import Engine

@@ -2,11 +2,12 @@
 
 A Messages request is checked with pydantic models of its shapes (the field's path in every error),
 then turned into the OpenAI chat request it means: `system` first, text blocks joined, `tool_use`
-blocks as an assistant's `tool_calls`, `tool_result` blocks as `role: "tool"` messages, tools'
-`input_schema` as function parameters, `tool_choice` auto / any / tool / none as auto / required /
-the function / none. The same chat choice (reasoning split, tool-call parser, grammar-forced calls)
-then reads the model's output, and `MessageBuilder` writes it as Anthropic content blocks:
-`thinking`, `text` and `tool_use`, whole or as Anthropic's stream of events.
+blocks as an assistant's `tool_calls`, `tool_result` blocks (text, or text and images) as
+`role: "tool"` messages, tools' `input_schema` as function parameters, `tool_choice` auto / any /
+tool / none as auto / required / the function / none. The same chat choice (reasoning split,
+tool-call parser, grammar-forced calls) then reads the model's output, and `MessageBuilder` writes
+it as Anthropic content blocks: `thinking`, `text` and `tool_use`, whole or as Anthropic's stream of
+events.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class ToolUseBlock(Shape):
 class ToolResultBlock(Shape):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[TextBlock]] = ""
+    content: Union[str, list[Union[TextBlock, ImageBlock]]] = ""
     is_error: bool = False
 
 
@@ -133,13 +134,9 @@ def to_chat_body(req: MessagesRequest) -> dict:
             continue
         for b in blocks:  # results first: they answer the assistant's calls just before
             if isinstance(b, ToolResultBlock):
-                content = b.content if isinstance(b.content, str) else "".join(t.text for t in b.content)
-                messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
+                messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _tool_result(b.content)})
         if any(isinstance(b, ImageBlock) for b in blocks):  # text and images in order, as chat content parts
-            parts = [{"type": "text", "text": b.text} if isinstance(b, TextBlock)
-                     else {"type": "image_url", "image_url": {"url": b.url()}}
-                     for b in blocks if isinstance(b, (TextBlock, ImageBlock))]
-            messages.append({"role": "user", "content": parts})
+            messages.append({"role": "user", "content": _chat_parts(blocks)})
         elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
             messages.append({"role": "user", "content": text})
     body: dict[str, Any] = {"messages": messages, "max_tokens": req.max_tokens, "stream": req.stream}
@@ -167,6 +164,22 @@ def to_chat_body(req: MessagesRequest) -> dict:
         if choice.disable_parallel_tool_use:
             body["parallel_tool_calls"] = False
     return body
+
+
+def _chat_parts(blocks: list) -> list[dict]:
+    """The text and image blocks in order, as chat content parts."""
+    return [{"type": "text", "text": b.text} if isinstance(b, TextBlock)
+            else {"type": "image_url", "image_url": {"url": b.url()}}
+            for b in blocks if isinstance(b, (TextBlock, ImageBlock))]
+
+
+def _tool_result(content: Union[str, list]) -> Union[str, list[dict]]:
+    """A tool message's content: its text, or content parts when it holds images (a screenshot)."""
+    if isinstance(content, str):
+        return content
+    if any(isinstance(b, ImageBlock) for b in content):
+        return _chat_parts(content)
+    return "".join(b.text for b in content)
 
 
 # ----------------------------------------------------------------------------- responses
