@@ -391,6 +391,28 @@ def test_responses_input_image_and_anthropic_image_blocks(served):
     assert r.status_code == 200 and r.json()["usage"]["input_tokens"] == reference.usage.prompt_tokens
 
 
+def test_image_parts_an_api_cannot_take_are_refused_naming_the_part():
+    """Not "content.str: Input should be a valid string" (the first union branch's complaint)."""
+    from jtp.entrypoints.server.errors import APIError
+
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    for parse, body, message in [
+        (parse_messages_request, {"max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "file", "file_id": "f"}}]}]},
+         "messages.0.content.0.image.source: Input tag 'file' found using 'type' does not match any of the "
+         "expected tags: 'base64', 'url'"),
+        (parse_messages_request, {"max_tokens": 2, "system": [{"type": "text", "text": "s"}, image],
+                                  "messages": [{"role": "user", "content": "hi"}]},
+         "system.1.type: Input should be 'text'"),
+        (parse_responses_request, {"input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": {"url": data_uri(b"x")}}]}]},
+         "input.0.MessageItem.content.0.input_image.image_url: Input should be a valid string"),
+    ]:
+        with pytest.raises(APIError) as e:
+            parse(body)
+        assert str(e.value) == message
+
+
 def test_an_anthropic_tool_result_may_hold_images(served):
     """Anthropic's tool_result content takes image blocks (a tool that returns a screenshot): the
     tool message then carries them as image parts, and the prompt holds the image's tokens."""

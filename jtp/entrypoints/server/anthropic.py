@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field
 
@@ -79,7 +79,9 @@ class ThinkingBlock(Shape):
     type: Literal["thinking", "redacted_thinking"]
 
 
-Block = Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock]
+# told apart by `type`: a refused block's error is its own kind's (not one from every kind)
+Block = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock],
+                  Field(discriminator="type")]
 
 
 class Message(Shape):

@@ -19,7 +19,7 @@ import json
 import threading
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Field
 
@@ -50,7 +50,7 @@ class ImagePart(Shape):
 class MessageItem(Shape):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, list[Union[TextPart, ImagePart]]]
+    content: Union[str, list[Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]]]
 
 
 class FunctionCallItem(Shape):
