@@ -180,6 +180,26 @@ def test_big_and_small_images_are_resized_not_refused():
         assert PROCESSOR.min_pixels <= gh * gw * 16 * 16 <= PROCESSOR.max_pixels
 
 
+def test_a_photo_with_an_exif_orientation_is_read_upright_as_hf_loads_it():
+    """A phone's portrait JPEG: landscape pixels and an Orientation tag (6: turn 90 degrees clockwise).
+    HF's load_image (and vLLM, and every viewer) turns it upright; so must the model's input."""
+    from PIL import Image
+    from transformers.image_utils import load_image
+
+    raw = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 96, 3), np.uint8))
+    exif = raw.getexif()
+    exif[0x0112] = 6
+    out = io.BytesIO()
+    raw.save(out, "JPEG", exif=exif)
+    upright = load_image(data_uri(out.getvalue(), "image/jpeg"))
+    assert upright.size == (48, 96)
+    lossless = io.BytesIO()
+    upright.save(lossless, "PNG")
+    (ours,), (reference,) = load_images([out.getvalue()], PROCESSOR), load_images([lossless.getvalue()], PROCESSOR)
+    assert ours.grid_thw.tolist() == reference.grid_thw.tolist()
+    assert np.array_equal(ours.pixel_values, reference.pixel_values)
+
+
 def test_the_three_apis_turn_images_into_chat_image_parts():
     url1, url2 = data_uri(png(40, 30, 1)), data_uri(png(30, 40, 2))
     req = parse_chat_request({"messages": [

@@ -3,7 +3,8 @@
 What HF's Qwen2-VL image processor computes (transformers' Qwen2VLImageProcessorPil, the one
 Qwen3.5 checkpoints name), step for step so the numbers are its numbers:
 
-  1. decode and convert to RGB (transparency composited onto white);
+  1. decode (turned upright by its EXIF orientation, as HF's load_image does) and convert to RGB
+     (transparency composited onto white);
   2. resize with Pillow (bicubic) to (h', w'), multiples of factor = patch * merge, with
      min_pixels <= h' w' <= max_pixels and the aspect ratio kept as well as possible (`smart_resize`);
   3. x = (x_uint8 * rescale_factor - mean) / std per channel, float32;
@@ -65,6 +66,15 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def upright(image: PIL.Image.Image) -> PIL.Image.Image:
+    """The decoded image as viewers (and HF's load_image) show it: its EXIF Orientation applied (a
+    phone's portrait photo holds landscape pixels and a tag saying to turn them)."""
+    from PIL import ImageOps
+
+    image.load()
+    return ImageOps.exif_transpose(image)
+
+
 def to_rgb(image) -> PIL.Image.Image:
     """Encoded bytes, a PIL image or a uint8 array [H, W, C] -> an RGB PIL image; transparency
     (an alpha band or a palette's transparent colour) is composited onto white, as HF does."""
@@ -72,8 +82,7 @@ def to_rgb(image) -> PIL.Image.Image:
 
     if isinstance(image, (bytes, bytearray, memoryview)):
         try:
-            image = Image.open(io.BytesIO(bytes(image)))
-            image.load()
+            image = upright(Image.open(io.BytesIO(bytes(image))))
         except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
             raise ImageError(f"cannot decode the image ({e})") from e
     elif isinstance(image, np.ndarray):

@@ -31,7 +31,7 @@ import numpy as np
 
 from jtp.config.vision_config import ImageProcessorConfig
 from jtp.core.multimodal import ImagePrompt
-from jtp.engine.image_processor import ImageError, ImageInputs, preprocess_images
+from jtp.engine.image_processor import ImageError, ImageInputs, preprocess_images, upright
 
 FETCH_TIMEOUT = 10.0  # seconds for one image from an --allowed-media-domains host
 MAX_FETCH_BYTES = 20 * 2**20  # an image fetched from a URL; a data: URI is bounded by the request size
@@ -101,8 +101,7 @@ def decode_image(data: bytes, number: int, param: str | None = None):
         raise ImageError(f"image {number}: {image.width} x {image.height} pixels, more than the "
                          f"{MAX_DECODED_PIXELS} this server decodes", param=param)
     try:
-        image.load()
-        return image
+        return upright(image)
     except Exception as e:  # noqa: BLE001
         raise ImageError(f"image {number}: cannot be decoded: {e}", param=param) from None
 
