@@ -90,10 +90,13 @@ def _fetch(url: str, number: int, allowed_domains: Sequence[str], param: str | N
 
 def decode_image(data: bytes, number: int, param: str | None = None):
     """The decoded PIL image (any format Pillow reads); an ImageError naming the image if it cannot be."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     try:
         image = Image.open(io.BytesIO(data))  # reads the header only
+    except UnidentifiedImageError:  # its own message names a BytesIO object at an address
+        raise ImageError(f"image {number}: cannot be decoded: not an image file Pillow reads "
+                         "(PNG, JPEG, WebP, GIF, ...)", param=param) from None
     except Exception as e:  # noqa: BLE001 - Pillow's decoders raise many kinds on bad bytes; all are the client's
         raise ImageError(f"image {number}: cannot be decoded: {e}", param=param) from None
     # A small file can declare a huge canvas (a decompression bomb): refused before it is decoded.
