@@ -20,6 +20,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
@@ -297,6 +298,14 @@ class _ImageHandler(BaseHTTPRequestHandler):
             return
         self.send_response(200)
         self.send_header("Content-Type", "image/png")
+        if self.path == "/slow":  # a byte every 0.1 s of a body that claims 100000
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            for _ in range(60):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.1)
+            return
         self.end_headers()
         self.wfile.write(self.body)
 
@@ -321,6 +330,23 @@ def test_urls_of_allowed_hosts_are_fetched(served):
         moved = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": base + "/moved"}}]}]
         with pytest.raises(openai.BadRequestError, match="not followed"):
             served.client.chat.completions.create(messages=moved, **ask)
+    finally:
+        server.shutdown()
+
+
+def test_a_slow_sender_is_cut_off_at_the_fetch_deadline(monkeypatch):
+    import jtp.engine.multimodal_input as multimodal_input
+
+    monkeypatch.setattr(multimodal_input, "FETCH_TIMEOUT", 0.5)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ImageHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/slow"
+    try:
+        start = time.monotonic()
+        with pytest.raises(ImageError) as e:
+            image_bytes(url, 1, ["127.0.0.1"])
+        assert time.monotonic() - start < 2  # not the sender's 6 s
+        assert str(e.value) == f"image 1: fetching {url} took over 0.5 s"
     finally:
         server.shutdown()
 

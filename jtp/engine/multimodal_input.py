@@ -77,10 +77,13 @@ def _fetch(url: str, number: int, allowed_domains: Sequence[str], param: str | N
     try:
         with opener.open(url, timeout=FETCH_TIMEOUT) as response:
             data = b""
-            while len(data) <= MAX_FETCH_BYTES and (chunk := response.read(1 << 16)):
+            # read1: what has arrived (read(n) would wait for all n bytes, past the deadline)
+            while len(data) <= MAX_FETCH_BYTES and (chunk := response.read1(1 << 16)):
                 data += chunk
                 if time.monotonic() > deadline:
                     raise ImageError(f"image {number}: fetching {url[:200]} took over {FETCH_TIMEOUT} s", param=param)
+    except ImageError:
+        raise
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise ImageError(f"image {number}: cannot fetch {url[:200]}: {getattr(e, 'reason', e)}", param=param) from None
     if len(data) > MAX_FETCH_BYTES:
