@@ -726,6 +726,37 @@ def test_leader_kill_ends_its_followers():
         server.close()
 
 
+def test_a_follower_killed_during_jtp_batch_ends_it_with_one_line_and_keeps_the_rows(tmp_path):
+    """The caller steps the engine itself (manual mode): the step that meets the dead follower raises
+    WorkerGroupError naming it, not gloo's error -- or, blocked in a collective on the dead peer (gloo
+    never fails that wait), is ended after a grace period with the same lines -- so the run prints one
+    line and exits 1 with the rows written so far and no error rows (a rerun serves the rest)."""
+    from jtp.demo import ensure_demo_checkpoint
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": n, "prompt": "Once upon a time", "max_tokens": 480, "temperature": 0,
+                                       "ignore_eos": True}) + "\n" for n in range(8)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jtp.entrypoints.cli", "batch", "--model", str(ensure_demo_checkpoint()),
+         "--input", str(inp), "--output", str(out), "--num-processes", "2", "-tp", "4", "--heartbeat-timeout", "2",
+         "--max-num-seqs", "2", "--block-size", "32", "--num-blocks", "64", "--max-model-len", "512"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=group_env(2), text=True)
+    try:
+        wait_until(lambda: out.is_file() and out.read_text().count("\n") >= 2, 180, "the first rows")
+        (victim,) = children(proc.pid)
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr and "Gloo" not in stderr, stderr
+    (error,) = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert "worker group failed" in error and f"pid {victim}) killed by SIGKILL" in error, stderr
+    assert "rerun the same command to resume" in stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 2 <= len(rows) < 8 and not [r for r in rows if "error" in r], rows
+
+
 # ----------------------------------------------------------------------------- manual launch
 
 

@@ -63,6 +63,7 @@ from jtp.config.engine_args import EngineArgs
 from jtp.distributed.launcher import is_follower
 from jtp.entrypoints.cli_support import (
     add_common_args,
+    exit_if_a_failed_group_strands_the_step,
     interrupt_guard,
     interrupted,
     note,
@@ -440,14 +441,16 @@ def run_args(args: argparse.Namespace) -> int:
         raise ConfigError("--input and --output are the same file")
     if not Path(args.output).resolve().parent.is_dir():
         raise ConfigError(f"--output {args.output}: its directory does not exist")
+    resume_note = f"the rows written so far are in {args.output}; rerun the same command to resume"
     try:
         with open_engine(engine_args) as engine:
+            exit_if_a_failed_group_strands_the_step(engine, resume_note)
             stats = run(engine, args.input, args.output, limit=args.limit)
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt) or interrupted():
             note(f"interrupted: the rows written so far are in {args.output}; rerun the same command to resume")
         elif isinstance(e, WorkerGroupError):
-            note(f"the rows written so far are in {args.output}; rerun the same command to resume")
+            note(resume_note)
         raise
     note(f"batch: {stats.summary()}")
     return 0

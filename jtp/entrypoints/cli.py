@@ -29,6 +29,7 @@ from jtp.entrypoints.cli_support import (
     EXIT_INTERRUPTED,
     add_common_args,
     add_compile_cache_arg,
+    exit_if_a_failed_group_strands_the_step,
     exit_now,
     interrupt_guard,
     interrupted,
@@ -104,6 +105,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     given = sampling_flags(args)
     images = [read_image(path) for path in args.image or ()]  # before loading: a missing file fails fast
     with open_engine(engine_args) as engine:  # closed on every way out, Ctrl-C included
+        exit_if_a_failed_group_strands_the_step(engine)
         return _generate(engine, engine_args, args, text, engine.default_params(**given), images)
 
 

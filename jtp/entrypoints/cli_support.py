@@ -19,6 +19,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -191,6 +193,31 @@ def exit_now(status: int) -> None:
     sys.stderr.write("\n")  # past a progress bar's line
     sys.stderr.flush()
     os._exit(status)
+
+
+STRANDED_STEP_GRACE_S = 15.0
+
+
+def exit_if_a_failed_group_strands_the_step(engine, *notes: str) -> None:
+    """Manual mode in a multi-process group (jtp batch, jtp generate step the engine themselves):
+    when the group fails, the caller's step raises WorkerGroupError -- unless it is blocked in a
+    collective on the dead peer, a wait gloo never fails. Then, after a grace period, end the
+    process with the lines the step's error would have printed (rows already written are kept)."""
+    group = getattr(engine, "group", None)
+    if group is None:
+        return
+
+    def end_later(reason: str) -> None:
+        def end() -> None:
+            time.sleep(STRANDED_STEP_GRACE_S)
+            for line in notes:
+                note(line)
+            print(f"error: the worker group failed ({reason}); retry the request", file=sys.stderr)
+            exit_now(EXIT_ERROR)
+
+        threading.Thread(target=end, name="jtp-stranded-step", daemon=True).start()
+
+    group.on_failure(end_later)
 
 
 def note(message: str) -> None:
