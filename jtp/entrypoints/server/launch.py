@@ -211,6 +211,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs | argparse.Names
     if engine.failure is not None and keep_fd is not None:
         if server.drain:  # the group failed while draining: SIGTERM asked this process to end
             note("the worker group failed while draining; exiting as SIGTERM asked, not restarting")
+            exit_now(status)  # the broken group's native threads can abort an ordinary interpreter exit
         else:
             _restart(keep_fd, engine.failure)
     return status
