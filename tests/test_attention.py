@@ -235,7 +235,7 @@ def test_decode_kernel_matches_reference(monkeypatch, case):
         monkeypatch.setenv("JTP_ATTN_DECODE_SPLITS", str(splits))
     # B = 64: a grid that runs long in Pallas' interpreter, faster with XLA's optimisations on.
     jit = jit_optimized if B > 8 else jax.jit
-    f = jit(lambda q, c, m: KERNEL(q, c, m, scale))
+    f = jit(lambda q, c, m: KERNEL(q, c, m, scale)[0])
     names = [str(e.params.get("name")) for e in f.trace(q, cache, meta).jaxpr.eqns if e.primitive.name == "pallas_call"]
     assert any("jtp_paged_decode_attention" in n for n in names), names
     out = f(q, cache, meta)
@@ -243,7 +243,7 @@ def test_decode_kernel_matches_reference(monkeypatch, case):
     _check(out, ref, n_real, dtype, f"{tag} ctxs={ctxs} case={DECODE_CASES[case]}")
     assert np.all(np.asarray(out[n_real:], np.float32) == 0), "padding tokens should be zero"
     # The same step without the bound (general tiled kernel) agrees too.
-    gen = jit(lambda q, c, m: KERNEL(q, c, m._replace(query_bound=None), scale))(q, cache, meta)
+    gen = jit(lambda q, c, m: KERNEL(q, c, m._replace(query_bound=None), scale)[0])(q, cache, meta)
     _check(gen, ref, n_real, dtype, f"{tag} general kernel")
 
 
@@ -267,7 +267,7 @@ def test_kernels_read_float8_pages(monkeypatch, B, bound, config):
         monkeypatch.setenv("JTP_ATTN_DECODE_SPLITS", str(config[2]))
     scale = 128**-0.5
     ref = paged_attention_reference(q, cache, meta, scale)
-    f = (jit_optimized if B > 8 else jax.jit)(lambda q, c, m: KERNEL(q, c, m, scale))
+    f = (jit_optimized if B > 8 else jax.jit)(lambda q, c, m: KERNEL(q, c, m, scale)[0])
     names = [str(e.params.get("name")) for e in f.trace(q, cache, meta).jaxpr.eqns if e.primitive.name == "pallas_call"]
     assert any(("jtp_paged_decode" if bound == 1 else "jtp_ragged_paged") in n for n in names), names
     out = f(q, cache, meta)
@@ -326,7 +326,7 @@ def test_decode_path_op_count(monkeypatch, splits):
     i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
     meta = AttentionMetadata(i32(T), i32(T), i32(T), i32(B, M), i32(B), i32(B), i32(B), i32(B), i32(B), i32(1))
     cache = LayerKV(S((256, 16, hkv, D), jnp.bfloat16), S((256, 16, hkv, D), jnp.bfloat16))
-    jaxpr = jax.make_jaxpr(lambda q, c, m: KERNEL(q, c, m, D**-0.5))(S((T, hq, D), jnp.bfloat16), cache, meta)
+    jaxpr = jax.make_jaxpr(lambda q, c, m: KERNEL(q, c, m, D**-0.5)[0])(S((T, hq, D), jnp.bfloat16), cache, meta)
     ops, kernels = _ops_around_kernel(jaxpr.jaxpr)
     heavy = [o for o in ops if o not in _FREE_OPS]
     assert kernels == (1 if splits == 1 else 2), (kernels, ops)
@@ -334,7 +334,7 @@ def test_decode_path_op_count(monkeypatch, splits):
     assert len(ops) <= 8, ops
     # Mixed steps keep the general kernel.
     meta_mixed = meta._replace(query_bound=i32(16))
-    jaxpr = jax.make_jaxpr(lambda q, c, m: KERNEL(q, c, m, D**-0.5))(
+    jaxpr = jax.make_jaxpr(lambda q, c, m: KERNEL(q, c, m, D**-0.5)[0])(
         S((T, hq, D), jnp.bfloat16), cache, meta_mixed
     )
     assert "jtp_ragged_paged_attention" in str(jaxpr) and "jtp_paged_decode" not in str(jaxpr)
@@ -346,7 +346,7 @@ def test_general_kernel_with_row_bound():
         rng, tag = _rng(500 + i)
         q, cache, meta, n_real = make_batch(rng, rows, 32, 8, 2, 4, 64, jnp.float32, bound=L)
         ref = paged_attention_reference(q, cache, meta, 0.125)
-        out = jax.jit(lambda q, c, m: KERNEL(q, c, m, 0.125))(q, cache, meta)
+        out = jax.jit(lambda q, c, m: KERNEL(q, c, m, 0.125)[0])(q, cache, meta)
         _check(out, ref, n_real, jnp.float32, f"{tag} rows={rows} L={L}")
         assert np.all(np.asarray(out[n_real:], np.float32) == 0), "padding tokens should be zero"
 
@@ -363,9 +363,13 @@ def test_dispatch(monkeypatch):
     assert kernel.impl == "kernel" and choose_attention(impl="reference").impl == "reference"
     monkeypatch.setenv("JTP_ATTENTION", "reference")
     assert kernel.impl == "kernel", "the choice is made once, not at trace time"
-    kern = jax.jit(lambda q, c, m: kernel(q, c, m, 0.125))(q, cache, meta)
-    ref = jax.jit(lambda q, c, m: choose_attention()(q, c, m, 0.125))(q, cache, meta)
+    kern, kern_cache = jax.jit(lambda q, c, m: kernel(q, c, m, 0.125))(q, cache, meta)
+    ref, ref_cache = jax.jit(lambda q, c, m: choose_attention()(q, c, m, 0.125))(q, cache, meta)
     _check(kern, ref, n_real, jnp.float32, tag)
+    # Attention reads the pages: both hand back the cache they were given, every page (the scratch one too).
+    for pages in (kern_cache, ref_cache):
+        np.testing.assert_array_equal(np.asarray(pages.k), np.asarray(cache.k))
+        np.testing.assert_array_equal(np.asarray(pages.v), np.asarray(cache.v))
     monkeypatch.setenv("JTP_ATTENTION", "bogus")
     with pytest.raises(ValueError, match="bogus"):
         choose_attention()
@@ -421,7 +425,7 @@ def test_kernel_under_tensor_parallelism(decode):
     cache = jax.device_put(cache, NamedSharding(mesh, P(None, None, "tp", None)))
     meta = jax.device_put(meta, NamedSharding(mesh, P()))
     sharded = PagedAttention("kernel", mesh)
-    f = jax.jit(lambda q, c, m: sharded(q, c, m, 0.125))
+    f = jax.jit(lambda q, c, m: sharded(q, c, m, 0.125)[0])
     text = f.lower(q, cache, meta).as_text()
     jaxpr_text = str(f.trace(q, cache, meta).jaxpr)
     out = f(q, cache, meta)

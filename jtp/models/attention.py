@@ -92,12 +92,17 @@ def set_rows(array: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
 
 def write_kv(cache: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:
     """Scatter this step's k/v [T, kv_heads, head_dim] into their slots; padding (-1) writes the scratch page."""
-    num_slots = cache.k.shape[0] * cache.k.shape[1]
+    num_pages, block_size = cache.k.shape[:2]
+    num_slots = num_pages * block_size
     slots = jnp.where(slot_mapping < 0, num_slots - 1, slot_mapping)
 
     def scatter(pages, new):
+        new = rope_kv_write.to_page(new, pages.dtype)
+        if new.shape[0] == 1:  # into the pages as they are: XLA:CPU copies a pool it updates through a reshape
+            start = (slots[0] // block_size, slots[0] % block_size, 0, 0)
+            return jax.lax.dynamic_update_slice(pages, new[None], start)
         flat = pages.reshape(num_slots, *pages.shape[2:])
-        return set_rows(flat, slots, rope_kv_write.to_page(new, pages.dtype)).reshape(pages.shape)
+        return set_rows(flat, slots, new).reshape(pages.shape)
 
     return LayerKV(scatter(cache.k, k), scatter(cache.v, v))
 
@@ -112,12 +117,24 @@ def rope_and_write_reference(q, k, v, cache: LayerKV, slots, cos, sin, q_norm=No
 
 
 def paged_attention_reference(q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float) -> jax.Array:
-    """Causal GQA attention of q [T, q_heads, D] over each token's row context, in plain jnp.
+    """Causal GQA attention of q [T, q_heads, D] over each token's row context, in plain jnp (the
+    yardstick of the GPU kernels; `attend_reference` without the cache it hands back)."""
+    return attend_reference(q, cache, meta, scale)[0]
+
+
+def attend_reference(q: jax.Array, cache: LayerKV, meta: AttentionMetadata,
+                     scale: float) -> tuple[jax.Array, LayerKV]:
+    """Causal GQA attention of q [T, q_heads, D] over each token's row context, in plain jnp;
+    returns it with the cache as it came out of the loop.
 
     Walks the block table CHUNK_KEYS keys at a time, for as many chunks as the longest context
     needs (a while loop: the work follows the contexts, not the table's width, so one program
-    serves every width), with an online softmax in f32. Meant for CPUs, tests and as the
-    yardstick of the GPU kernels.
+    serves every width), with an online softmax in f32. Meant for CPUs and tests.
+
+    The pages ride in the loop's carry and the layer keeps the pages the loop hands back: a loop
+    that only read them would make XLA copy the whole pool every layer and step, so that the
+    loop's own carried copy and the layer's output do not alias (on a CPU that copy, not the
+    attention, set a decode step's cost).
     """
     T, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = cache.k.shape
@@ -130,15 +147,17 @@ def paged_attention_reference(q: jax.Array, cache: LayerKV, meta: AttentionMetad
     # Keys a token sees: its row's context up to its own position.
     visible_len = jnp.minimum(meta.positions + 1, meta.context_lens[meta.token_rows])  # [T]
     num_chunks = jnp.minimum(-(-jnp.max(visible_len) // keys_per_chunk), width // pages)
-    flat_k = cache.k.reshape(-1, num_kv_heads, head_dim)
-    flat_v = cache.v.reshape(-1, num_kv_heads, head_dim)
     qg = q.reshape(T, num_kv_heads, group, head_dim)
 
     def chunk(carry):
-        i, running_max, denominator, out = carry
+        i, running_max, denominator, out, k_pages, v_pages = carry
+        # The last page written back to itself, before the reads, through a barrier XLA cannot see
+        # through: the loop then seems to change its pages (in place), so XLA takes the layer's
+        # cache from the loop instead of keeping the pages it was given beside a copy of its own.
+        k_pages, v_pages = (x.at[-1].set(jax.lax.optimization_barrier(x[-1])) for x in (k_pages, v_pages))
         page_ids = jax.lax.dynamic_slice_in_dim(tables, i * pages, pages, axis=1)[meta.token_rows]  # [T, pages]
-        slots = (page_ids[:, :, None] * block_size + jnp.arange(block_size)).reshape(T, keys_per_chunk)
-        keys, values = flat_k[slots].astype(q.dtype), flat_v[slots].astype(q.dtype)  # [T, S, kv_heads, D]
+        keys, values = (x[page_ids].reshape(T, keys_per_chunk, num_kv_heads, head_dim).astype(q.dtype)
+                        for x in (k_pages, v_pages))  # [T, S, kv_heads, D]
         scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, preferred_element_type=jnp.float32) * scale
         key_pos = i * keys_per_chunk + jnp.arange(keys_per_chunk)
         scores = jnp.where((key_pos[None, :] < visible_len[:, None])[:, None, None, :], scores, _MASKED)
@@ -148,13 +167,15 @@ def paged_attention_reference(q: jax.Array, cache: LayerKV, meta: AttentionMetad
         denominator = denominator * rescale + probs.sum(axis=-1)
         out = out * rescale[..., None] + jnp.einsum(
             "tkgs,tskd->tkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
-        return i + 1, new_max, denominator, out
+        return i + 1, new_max, denominator, out, k_pages, v_pages
 
     stats = jnp.full((T, num_kv_heads, group), _MASKED, jnp.float32)
-    init = (jnp.int32(0), stats, jnp.zeros_like(stats), jnp.zeros((T, num_kv_heads, group, head_dim), jnp.float32))
-    _, _, denominator, out = jax.lax.while_loop(lambda c: c[0] < num_chunks, chunk, init)
+    init = (jnp.int32(0), stats, jnp.zeros_like(stats), jnp.zeros((T, num_kv_heads, group, head_dim), jnp.float32),
+            cache.k, cache.v)
+    _, _, denominator, out, k_pages, v_pages = jax.lax.while_loop(lambda c: c[0] < num_chunks, chunk, init)
     out = out / jnp.maximum(denominator, 1e-30)[..., None]
-    return out.reshape(T, num_q_heads, head_dim).astype(q.dtype)
+    return (out.reshape(T, num_q_heads, head_dim).astype(q.dtype),
+            LayerKV(k_pages, v_pages))
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -190,7 +211,9 @@ class PagedAttention:
         """Devices the heads split over (1 without a mesh)."""
         return tp_size(self.mesh) if self.mesh is not None else 1
 
-    def __call__(self, q: jax.Array, cache: LayerKV, meta: AttentionMetadata, scale: float) -> jax.Array:
+    def __call__(self, q: jax.Array, cache: LayerKV, meta: AttentionMetadata,
+                 scale: float) -> tuple[jax.Array, LayerKV]:
+        """(attention output, the cache to keep: the one given, or the reference loop's own)."""
         tp = self.tp
         if (
             self.impl == "kernel"
@@ -198,8 +221,8 @@ class PagedAttention:
             and q.shape[1] % tp == 0
             and cache.k.shape[2] % tp == 0
         ):
-            return paged_attention_kernel(q, cache, meta, scale, self.mesh if tp > 1 else None)
-        return paged_attention_reference(q, cache, meta, scale)
+            return paged_attention_kernel(q, cache, meta, scale, self.mesh if tp > 1 else None), cache
+        return attend_reference(q, cache, meta, scale)
 
     def rope_and_write(self, q, k, v, cache: LayerKV, meta: AttentionMetadata, cos, sin, q_norm=None, k_norm=None,
                        eps: float = 1e-6):

@@ -50,7 +50,7 @@ def attention(p: dict, cfg: ModelConfig, x, cos, sin, kv: LayerKV, meta: Attenti
     q, k, v = (y.reshape(T, -1, D) for y in project(x, p, "q_proj", "k_proj", "v_proj"))
     # q, k = RoPE(RMSNorm(q)), RoPE(RMSNorm(k)) (the norms on Qwen3 only); k, v into the cache.
     q, kv = attend.rope_and_write(q, k, v, kv, meta, cos, sin, p.get("q_norm"), p.get("k_norm"), cfg.rms_norm_eps)
-    o = attend(q, kv, meta, scale=D**-0.5)
+    o, kv = attend(q, kv, meta, scale=D**-0.5)
     return linear(o.reshape(T, -1), p["o_proj"], p.get("o_bias")), kv
 
 

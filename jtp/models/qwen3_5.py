@@ -250,7 +250,8 @@ def gated_attention(
     q = apply_rope(rms_norm_zero_centered(q, p["q_norm"], cfg.rms_norm_eps), cos, sin)
     k = apply_rope(rms_norm_zero_centered(k, p["k_norm"], cfg.rms_norm_eps), cos, sin)
     kv = write_kv(kv, k, v, meta.slot_mapping)
-    o = attend(q, kv, meta, scale=D**-0.5) * jax.nn.sigmoid(gate)
+    o, kv = attend(q, kv, meta, scale=D**-0.5)
+    o = o * jax.nn.sigmoid(gate)
     return linear(o.reshape(T, -1), p["o_proj"]), kv
 
 
