@@ -72,3 +72,19 @@ class NoReplicaError(RequestError):
 
     status = 503
     code = "no_replica_available"
+
+
+class DeviceMemoryError(JtpError, RuntimeError):
+    """The device (or, on a CPU, the host) ran out of memory; the message names the flag to change."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is XLA's out-of-memory (RESOURCE_EXHAUSTED), whatever exception type carries it."""
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
+
+
+def out_of_memory(error: BaseException, doing: str, remedy: str) -> DeviceMemoryError:
+    """One line: what ran out of memory while `doing` what, XLA's own first line, and what to change."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return DeviceMemoryError(f"out of device memory {doing} ({first[:300]}): {remedy}")

@@ -44,8 +44,8 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int | None = None  # None: sized for the device (jtp/config/device_defaults.py)
+    max_num_batched_tokens: int | None = None  # None: likewise
     block_size: int = 16
     num_blocks: int | None = None  # KV blocks; None = sized from device memory
     max_waiting_requests: int = 1024  # submit past this raises QueueFullError (HTTP 429)
@@ -89,8 +89,26 @@ class EngineArgs:
     def devices_per_process(self) -> int:
         return self.group_devices // self.num_processes
 
+    def with_device_defaults(self) -> "EngineArgs":
+        """These args with the batch sizes left out taken from the device (jtp/config/device_defaults.py),
+        after handing --gpu-memory-utilization to XLA's allocator (before the backend starts)."""
+        from jtp.config.device_defaults import hand_utilization_to_allocator, local_device_defaults
+
+        if 0 < self.gpu_memory_utilization <= 1:  # else validate() names it
+            hand_utilization_to_allocator(self.gpu_memory_utilization)
+        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
+            return self
+        defaults = local_device_defaults()
+        seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
+        if seqs is None:  # room for prefill beside a full decode batch, as validate() asks
+            seqs = defaults.max_num_seqs if tokens is None else max(1, min(defaults.max_num_seqs, tokens // 2))
+        if tokens is None:
+            tokens = max(defaults.max_num_batched_tokens, 2 * seqs)
+        return dataclasses.replace(self, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+
     def validate(self) -> None:
-        """Raise ConfigError naming the first setting that cannot work."""
+        """Raise ConfigError naming the first setting that cannot work (the batch sizes resolved:
+        `with_device_defaults`)."""
 
         def need(ok: bool, flag: str, why: str) -> None:
             if not ok:
@@ -109,9 +127,11 @@ class EngineArgs:
         need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be at least 1")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
-        need(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
+        need(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
+        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 2, "max_num_batched_tokens",
+             "must be at least 2")
         need(
-            self.max_num_batched_tokens > self.max_num_seqs,
+            None in (self.max_num_seqs, self.max_num_batched_tokens) or self.max_num_batched_tokens > self.max_num_seqs,
             "max_num_batched_tokens",
             f"must exceed --max-num-seqs ({self.max_num_seqs}) so prefill always gets tokens beside a full decode batch",
         )
@@ -119,7 +139,7 @@ class EngineArgs:
         need(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", "must be at least 1 (omit it to size the pool from memory)")
         need(self.max_waiting_requests >= 1, "max_waiting_requests", "must be at least 1")
         need(
-            self.num_state_slots is None or self.num_state_slots > self.max_num_seqs,
+            self.num_state_slots is None or self.max_num_seqs is None or self.num_state_slots > self.max_num_seqs,
             "num_state_slots",
             f"must exceed --max-num-seqs ({self.max_num_seqs}): every running request needs a slot, and checkpoints more",
         )
@@ -234,9 +254,12 @@ class EngineArgs:
                        help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")
         p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                        help="fraction of device memory jtp may use, weights included, when sizing the KV pool")
-        p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests decoded in one step")
+        p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                       help="most requests decoded in one step (default: by device: 256 on GPUs of 70 GiB or "
+                            "more, 128 on smaller GPUs, 32 on CPUs)")
         p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                       help="most tokens (decode + prefill chunks) in one step")
+                       help="most tokens (decode + prefill chunks) in one step (default: by device: 8192 on GPUs "
+                            "of 70 GiB or more, 2048 on smaller GPUs, 512 on CPUs)")
         p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV page")
         p.add_argument("--num-blocks", type=int, default=None, help="KV pages (default: sized from device memory)")
         p.add_argument("--seed", type=int, default=None, help="seed for requests that bring none (reproducible runs)")

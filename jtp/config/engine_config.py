@@ -57,6 +57,7 @@ class EngineConfig:
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
         """Validate `args` (ConfigError naming the first bad setting) and resolve them."""
+        args = args.with_device_defaults()
         args.validate()
         args.validate_model()
         model_dir = args.model_dir()

@@ -47,7 +47,7 @@ from jtp.core.scheduler import Request, ScheduledRow, Scheduler, Status
 from jtp.core.step_input import mask_words
 from jtp.engine.failures import EngineFailures
 from jtp.engine.input_processor import InputProcessor
-from jtp.engine.memory import allocate_pools
+from jtp.engine.memory import LOAD_REMEDY, POOL_REMEDY, STEP_REMEDY, allocate_pools
 from jtp.engine.multimodal import engine_vision, live_images, prompt_images
 from jtp.engine.output_processor import Completion, OutputProcessor, RequestStream, TokenEvent, generate_all
 from jtp.engine.snapshot_api import EngineSnapshots
@@ -64,7 +64,7 @@ from jtp.engine.structured_output import (
 )
 from jtp.engine.tokenizer import Tokenizer
 from jtp.engine.warmup import compile_step_shapes
-from jtp.errors import EngineClosedError, QueueFullError, RequestError, WorkerGroupError
+from jtp.errors import EngineClosedError, QueueFullError, RequestError, WorkerGroupError, is_out_of_memory, out_of_memory
 from jtp.worker.input_batch import InputBatch
 from jtp.worker.pipeline import runner_class
 from jtp.worker.runner import is_ready
@@ -95,12 +95,17 @@ class Engine(EngineSnapshots, EngineFailures):
         if config.is_multiprocess and group is None:
             raise ValueError("a multi-process engine needs its worker group: build it with Engine.from_args")
         self.config = config
-        if group is None:
-            self.runner = runner_class(config)(config, devices)
-        else:
-            from jtp.distributed.group import group_runner
+        try:
+            if group is None:
+                self.runner = runner_class(config)(config, devices)
+            else:
+                from jtp.distributed.group import group_runner
 
-            self.runner = group_runner(group, config, devices)
+                self.runner = group_runner(group, config, devices)
+        except Exception as e:
+            if is_out_of_memory(e):
+                raise out_of_memory(e, "loading the weights", LOAD_REMEDY) from e
+            raise
         self.group = group
         self.failure: str | None = None  # why the engine failed: its worker group, or a replica's step (`fail`)
         self.failed = threading.Event()
@@ -108,7 +113,12 @@ class Engine(EngineSnapshots, EngineFailures):
         cfg = self.cfg = self.runner.cfg
         self.max_model_len = config.max_model_len
         self.speculative = config.speculative_config
-        self.pool, self.states = allocate_pools(self.runner, config)
+        try:
+            self.pool, self.states = allocate_pools(self.runner, config)
+        except Exception as e:
+            if is_out_of_memory(e):
+                raise out_of_memory(e, "allocating the KV cache", POOL_REMEDY) from e
+            raise
         # The prefix cache's keys start from the model's identity: a key names one model's KV.
         self.cache_identity = f"{cfg!r}|{self.runner.dtype}|{config.quantization}{'-channel-w8a8' if config.quantization == 'fp8' else ''}|kv={config.kv_cache_dtype}|block_size={config.block_size}|tp={self.runner.tp}"
         self.scheduler = Scheduler(
@@ -166,7 +176,9 @@ class Engine(EngineSnapshots, EngineFailures):
     @classmethod
     def from_args(cls, args: EngineArgs) -> "Engine":
         """Resolve `args` (ConfigError naming a bad setting) and build the engine; a multi-process
-        configuration first forms its worker group, as leader."""
+        configuration first forms its worker group, as leader (its followers get the batch sizes the
+        leader's device chose)."""
+        args = args.with_device_defaults()
         config = EngineConfig.from_args(args)
         group = devices = None
         if config.is_multiprocess:
@@ -486,8 +498,13 @@ class Engine(EngineSnapshots, EngineFailures):
     def warmup(self, progress: bool = False, interrupted: Callable[[], bool] = lambda: False) -> int:
         """Compile every step shape (engine/warmup.py), then set `ready`; give up on stop() or `interrupted()`."""
         with self.paused():
-            report = self.warmup_report = compile_step_shapes(
-                self.scheduler, self.runner, self.speculative, lambda: self._stopping or interrupted(), progress)
+            try:
+                report = self.warmup_report = compile_step_shapes(
+                    self.scheduler, self.runner, self.speculative, lambda: self._stopping or interrupted(), progress)
+            except Exception as e:
+                if is_out_of_memory(e):
+                    raise out_of_memory(e, "compiling the step programs (warm-up)", STEP_REMEDY) from e
+                raise
             if not report.finished:  # stop() / close() during warm-up (Ctrl-C): gave up
                 return report.compiled
         log.info(report.summary())  # before ready: a client that saw /ready 200 may look for it

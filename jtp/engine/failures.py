@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 
-from jtp.errors import WorkerGroupError
+from jtp.engine.memory import STEP_REMEDY
+from jtp.errors import WorkerGroupError, is_out_of_memory, out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,13 @@ class EngineFailures:
             self.fail(f"a step failed ({type(error).__name__}: {error}); retry the request")
             return False
         log.exception("engine step failed; failing the running requests")
+        reason = (str(out_of_memory(error, "in a step", STEP_REMEDY)) if is_out_of_memory(error)
+                  else f"{type(error).__name__}: {error}")
         with self._lock:
             self._inflight.clear()
             for req in list(self.scheduler.running):
                 out = self.outputs.get(req.id)
-                out.error = f"{type(error).__name__}: {error}"
+                out.error = reason
                 self._finish(out, "error")
             self.scheduler.reset_prefix_cache()  # what the failed step was to write is not trustworthy
         return True

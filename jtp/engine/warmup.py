@@ -36,7 +36,8 @@ from jtp.config.speculative import SpeculativeConfig
 from jtp.core.sampling_params import SamplingParams, pack_penalty_tokens, pack_sampling, penalty_lengths
 from jtp.core.scheduler import Scheduler
 from jtp.core.step_input import PROMPT_CHUNK, StepInput, mask_words
-from jtp.errors import ConfigError
+from jtp.engine.memory import compile_threads_for_memory
+from jtp.errors import ConfigError, is_out_of_memory
 from jtp.worker.compile_cache import cache_hits, phase_seconds
 from jtp.worker.runner import ModelRunner
 
@@ -129,7 +130,7 @@ def compile_step_shapes(
 
     start, hits, before, phases = time.perf_counter(), cache_hits(), runner.compilations, phase_seconds()
     steps = warmup_steps(scheduler, speculative, runner.samples_separately, mask_words(runner.cfg.vocab_size))
-    workers = compile_workers() if workers is None else workers
+    workers = compile_threads_for_memory(runner, compile_workers() if workers is None else workers)
     bar = tqdm(total=len(steps), desc="warm-up: compiling step shapes", unit="shape", disable=not progress,
                mininterval=1.0)
     with bar:
@@ -140,7 +141,16 @@ def compile_step_shapes(
                 bar.total += n
                 bar.refresh()
 
-            finished, programs = _compile_ahead(runner, steps, workers, should_stop, bar.update, found)
+            try:
+                finished, programs = _compile_ahead(runner, steps, workers, should_stop, bar.update, found)
+            except Exception as e:  # noqa: BLE001 - out of memory: again on this thread (the rest is installed)
+                if not is_out_of_memory(e):
+                    raise
+                log.warning("warm-up ran out of device memory compiling on %d threads; compiling the rest on one",
+                            workers)
+                before_retry = runner.compilations
+                finished = _run_in_order(runner, steps, should_stop, bar.update)
+                programs = runner.compilations - before_retry
         else:
             finished = _run_in_order(runner, steps, should_stop, bar.update)
             programs = runner.compilations - before  # each trace is one compile request

@@ -269,6 +269,8 @@ def describe_engine(engine: Engine) -> list[str]:
         "mesh: " + " x ".join(f"{name}={size}" for name, size in mesh.shape.items()),
         f"KV pool: {pool.total_blocks:,} blocks x {pool.block_size} = {pool_tokens:,} tokens "
         f"({per_device:,.1f} MiB per device); max_model_len {engine.max_model_len:,}",
+        f"batch: up to {first.config.max_num_seqs:,} sequences and {first.config.max_num_batched_tokens:,} tokens a "
+        "step (--max-num-seqs, --max-num-batched-tokens)",
     ]
     if replicas:
         lines.insert(0, f"data parallel: {len(replicas)} replicas, each with the devices, mesh and KV pool below")

@@ -196,6 +196,14 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.cache = self._init_cache(num_blocks, self.num_state_slots)
 
+    def release_cache(self) -> None:
+        """Free the cache's device memory now (the memory plan's probe pool); `allocate_cache` makes another."""
+        for leaf in jax.tree.leaves(self.cache):
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                leaf.delete()
+        self.cache, self.num_blocks = None, 0
+        self._executables.clear()
+
     def _init_cache(self, num_blocks: int, num_state_slots: int) -> list:
         """The family's cache; with the MTP head, its attention layer's K/V last (same pages and slots)."""
         cache = self.family.init_cache(self.cfg, self.mesh, num_blocks, self.block_size, num_state_slots, self.dtype,
