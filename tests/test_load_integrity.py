@@ -284,6 +284,7 @@ class StubRunner:
 
     def __init__(self, per_block: int, stats: dict | None = None):
         self.per_block, self.stats, self.num_state_slots = per_block, stats, 0
+        self.compiles_ahead, self.params = False, {}  # no step programs to measure: a workspace of 0
 
     def bytes_per_block(self):
         return self.per_block
@@ -301,27 +302,30 @@ def pool_config(max_model_len: int, max_num_seqs: int = 4, block_size: int = 16)
 
 
 def test_cpu_pool_stays_within_its_budget():
-    from jtp.engine.memory import CPU_KV_BUDGET_BYTES, kv_blocks_for_memory
+    from jtp.engine.memory import host_kv_budget, kv_blocks_for_memory
+
+    CPU_KV_BUDGET_BYTES = host_kv_budget()  # a share of the host's available memory, capped
 
     per_block = 16 << 10
     runner = StubRunner(per_block)
     # Every row at full length fits: exactly that many blocks.
     assert kv_blocks_for_memory(runner, pool_config(4096)) == 4 * 4096 // 16
-    # Past the budget, the budget: 256 MiB / 16 KiB blocks, not one block more.
-    big = pool_config(65536, max_num_seqs=64)
-    assert kv_blocks_for_memory(runner, big) * per_block == CPU_KV_BUDGET_BYTES
+    # Past the budget, the budget in 16 KiB blocks, not one block more.
+    big = pool_config(65536, max_num_seqs=4096)
+    assert kv_blocks_for_memory(runner, big) == CPU_KV_BUDGET_BYTES // per_block
     # One request of max_model_len that cannot fit is refused, saying what to lower.
     with pytest.raises(ConfigError) as err:
-        kv_blocks_for_memory(runner, pool_config(3_000_000))
+        kv_blocks_for_memory(runner, pool_config(300_000_000))
     budget_tokens = CPU_KV_BUDGET_BYTES // per_block * 16
-    assert_one_line(str(err.value), "one request of max_model_len 3,000,000 needs 187,500 KV blocks",
+    assert_one_line(str(err.value), "one request of max_model_len 300,000,000 needs 18,750,000 KV blocks",
                     f"lower --max-model-len to at most {budget_tokens:,}", "--num-blocks")
 
 
-def test_device_pool_refuses_what_one_request_cannot_fit():
-    from jtp.engine.memory import kv_blocks_for_memory
+def test_device_pool_refuses_what_one_request_cannot_fit(monkeypatch):
+    from jtp.engine.memory import MARGIN_BYTES, kv_blocks_for_memory
 
-    stats = {"bytes_limit": 10 << 20, "bytes_in_use": 0}  # 9 MiB usable at 0.9
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # the allocator was handed the utilization
+    stats = {"bytes_limit": (9 << 20) + MARGIN_BYTES, "bytes_in_use": 0}  # 9 MiB beside the margin
     runner = StubRunner(1 << 20, stats)
     assert kv_blocks_for_memory(runner, pool_config(16 * 9)) == 9
     with pytest.raises(ConfigError) as err:
@@ -343,7 +347,7 @@ def test_an_explicit_pool_larger_than_the_device_is_refused():
 
 @pytest.mark.integration
 def test_an_absurd_context_is_refused_before_the_pool_is_allocated(demo_dir, tmp_path, monkeypatch):
-    """The issue's case: max_position_embeddings 3,000,000 on the 2 MB demo model."""
+    """The issue's case: max_position_embeddings 16,000,000 on the 2 MB demo model (past the host's budget)."""
     import shutil
 
     from jtp.config.engine_args import EngineArgs
@@ -352,10 +356,10 @@ def test_an_absurd_context_is_refused_before_the_pool_is_allocated(demo_dir, tmp
 
     model = shutil.copytree(demo_dir, tmp_path / "long")
     cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 3_000_000}))
+    (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 16_000_000}))
     allocated = []
     monkeypatch.setattr(ModelRunner, "allocate_cache", lambda self, n: allocated.append(n))
     with pytest.raises(ConfigError) as err:
         Engine.from_args(EngineArgs(model=str(model), skip_tokenizer_init=True, warmup=False))
-    assert_one_line(str(err.value), "max_model_len 3,000,000", "lower --max-model-len")
+    assert_one_line(str(err.value), "max_model_len 16,000,000", "lower --max-model-len")
     assert allocated == []

@@ -16,6 +16,7 @@ from jtp import Engine, EngineArgs
 from jtp.config.device_defaults import HOST, LARGE_GPU, SMALL_GPU, batch_defaults
 from jtp.core.sampling_params import SamplingParams
 from jtp.engine import memory, warmup
+from jtp.worker.devices import with_device_defaults
 from jtp.worker.runner import ModelRunner
 
 GIB = 2**30
@@ -30,17 +31,18 @@ def test_batch_defaults_follow_the_device_class():
 
 
 def test_args_left_out_take_the_device_defaults_and_given_ones_stand():
-    on_cpu = EngineArgs().with_device_defaults()
+    on_cpu = with_device_defaults(EngineArgs())
     assert (on_cpu.max_num_seqs, on_cpu.max_num_batched_tokens) == (HOST.max_num_seqs, HOST.max_num_batched_tokens)
-    many = EngineArgs(max_num_seqs=600).with_device_defaults()
+    many = with_device_defaults(EngineArgs(max_num_seqs=600))
     assert many.max_num_seqs == 600 and many.max_num_batched_tokens > 600  # prefill keeps room beside decode
-    few_tokens = EngineArgs(max_num_batched_tokens=40).with_device_defaults()
+    few_tokens = with_device_defaults(EngineArgs(max_num_batched_tokens=40))
     assert few_tokens.max_num_batched_tokens == 40 and few_tokens.max_num_seqs < 40
     few_tokens.validate()
 
 
 def test_the_allocator_is_handed_the_utilization_before_the_backend_starts():
-    code = ("import os; from jtp import EngineArgs; EngineArgs(gpu_memory_utilization=0.8).with_device_defaults(); "
+    code = ("import os; from jtp import EngineArgs; from jtp.worker.devices import with_device_defaults; "
+            "with_device_defaults(EngineArgs(gpu_memory_utilization=0.8)); "
             "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])")
     env = cpu_env()
     env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)

@@ -15,6 +15,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from jtp.config.device_defaults import HOST, BatchDefaults
 from jtp.config.generation_config import GENERATION_CONFIG_MODES
 from jtp.config.hub import looks_like_repo_id, resolve_model
 from jtp.config.speculative import SpeculativeConfig
@@ -89,16 +90,9 @@ class EngineArgs:
     def devices_per_process(self) -> int:
         return self.group_devices // self.num_processes
 
-    def with_device_defaults(self) -> "EngineArgs":
-        """These args with the batch sizes left out taken from the device (jtp/config/device_defaults.py),
-        after handing --gpu-memory-utilization to XLA's allocator (before the backend starts)."""
-        from jtp.config.device_defaults import hand_utilization_to_allocator, local_device_defaults
-
-        if 0 < self.gpu_memory_utilization <= 1:  # else validate() names it
-            hand_utilization_to_allocator(self.gpu_memory_utilization)
-        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
-            return self
-        defaults = local_device_defaults()
+    def with_batch_defaults(self, defaults: "BatchDefaults") -> "EngineArgs":
+        """These args with the batch sizes they leave out taken from `defaults` (the device's:
+        jtp/worker/devices.py `with_device_defaults`)."""
         seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
         if seqs is None:  # room for prefill beside a full decode batch, as validate() asks
             seqs = defaults.max_num_seqs if tokens is None else max(1, min(defaults.max_num_seqs, tokens // 2))

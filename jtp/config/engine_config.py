@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jtp.config.device_defaults import HOST
 from jtp.config.engine_args import EngineArgs, resolve_state_slots
 from jtp.config.generation_config import sampling_defaults
 from jtp.config.model_config import ModelConfig
@@ -57,7 +58,7 @@ class EngineConfig:
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
         """Validate `args` (ConfigError naming the first bad setting) and resolve them."""
-        args = args.with_device_defaults()
+        args = args.with_batch_defaults(HOST)  # a no-op where the engine asked the device first (Engine.from_args)
         args.validate()
         args.validate_model()
         model_dir = args.model_dir()

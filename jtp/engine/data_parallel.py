@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 import jax
 
 from jtp.config.engine_args import EngineArgs
+from jtp.worker.devices import with_device_defaults
 from jtp.config.engine_config import EngineConfig
 from jtp.core.block_hash import block_keys, root_key
 from jtp.core.multimodal import ImagePrompt
@@ -133,6 +134,7 @@ class DataParallelEngine:
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "DataParallelEngine":
+        args = with_device_defaults(args)
         config = EngineConfig.from_args(args)
         replicas: list[Engine] = []
         try:

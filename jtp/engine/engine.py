@@ -47,6 +47,7 @@ from jtp.core.scheduler import Request, ScheduledRow, Scheduler, Status
 from jtp.core.step_input import mask_words
 from jtp.engine.failures import EngineFailures
 from jtp.engine.input_processor import InputProcessor
+from jtp.worker.devices import with_device_defaults
 from jtp.engine.memory import LOAD_REMEDY, POOL_REMEDY, STEP_REMEDY, allocate_pools
 from jtp.engine.multimodal import engine_vision, live_images, prompt_images
 from jtp.engine.output_processor import Completion, OutputProcessor, RequestStream, TokenEvent, generate_all
@@ -178,7 +179,7 @@ class Engine(EngineSnapshots, EngineFailures):
         """Resolve `args` (ConfigError naming a bad setting) and build the engine; a multi-process
         configuration first forms its worker group, as leader (its followers get the batch sizes the
         leader's device chose)."""
-        args = args.with_device_defaults()
+        args = with_device_defaults(args)
         config = EngineConfig.from_args(args)
         group = devices = None
         if config.is_multiprocess:
