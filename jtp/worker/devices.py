@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from jtp.config.device_defaults import MEM_FRACTION_ENV, BatchDefaults, allocator_fraction, batch_defaults
+from jtp.config.device_defaults import HOST, MEM_FRACTION_ENV, BatchDefaults, allocator_fraction, batch_defaults
 from jtp.config.engine_args import EngineArgs
 
 
@@ -50,4 +50,6 @@ def with_device_defaults(args: EngineArgs) -> EngineArgs:
         hand_utilization_to_allocator(args.gpu_memory_utilization)
     if args.max_num_seqs is not None and args.max_num_batched_tokens is not None:
         return args
+    if args.is_multiprocess:  # no device query before jax.distributed.initialize: the flags, else the host's
+        return args.with_batch_defaults(HOST)
     return args.with_batch_defaults(local_device_defaults())
