@@ -258,18 +258,27 @@ def test_many_stop_strings_cut_correctly_and_do_not_slow_other_streams(dense):
     assert r.json()["choices"][0]["finish_reason"] == "stop"
 
     other_prompt = "The capital of France is"
-    solo_text, solo_gaps = stream_gaps(dense, other_prompt, n_tokens)
-    loaded = {"prompt": prompt, "max_tokens": n_tokens, "temperature": 1.0, "ignore_eos": True, "n": 6,
-              "stop": stops[:-1]}  # never matches: every token of every choice runs the matcher
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        load = pool.submit(post, dense, "/v1/completions", loaded)
-        text, gaps = stream_gaps(dense, other_prompt, n_tokens)
-        assert load.result().status_code == 200
-    assert text == solo_text
-    print(f"inter-token gap: solo median {statistics.median(solo_gaps) * 1e3:.2f} ms, beside 6 choices x "
+    solo_text, _ = stream_gaps(dense, other_prompt, n_tokens)
+
+    def beside(stop: list[str]) -> list[float]:
+        """Another stream's inter-token gaps beside 6 sampled choices with these stop strings."""
+        loaded = {"prompt": prompt, "max_tokens": n_tokens, "temperature": 1.0, "ignore_eos": True, "n": 6,
+                  "stop": stop}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            load = pool.submit(post, dense, "/v1/completions", loaded)
+            text, gaps = stream_gaps(dense, other_prompt, n_tokens)
+            assert load.result().status_code == 200
+        assert text == solo_text
+        return gaps
+
+    # The same six rows with no stop string: what the larger batch costs by itself (a step of 8
+    # rows, not the lone row's), the yardstick for what the stop strings add.
+    plain = beside([])
+    gaps = beside(stops[:-1])  # never matches: every token of every choice runs the matcher
+    print(f"inter-token gap beside 6 choices: no stop strings {statistics.median(plain) * 1e3:.2f} ms, "
           f"{MAX_STOP_STRINGS} stop strings {statistics.median(gaps) * 1e3:.2f} ms")
-    # Six more rows in the batch cost some step time; 64 stop strings per row must not add more.
-    assert statistics.median(gaps) < 4 * statistics.median(solo_gaps) + 0.005
+    # 64 stop strings per row must not make the other stream's steps slower.
+    assert statistics.median(gaps) < 1.5 * statistics.median(plain) + 0.005
 
 
 # ----------------------------------------------------------------------------- connection hygiene
