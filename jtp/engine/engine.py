@@ -47,7 +47,6 @@ from jtp.core.scheduler import Request, ScheduledRow, Scheduler, Status
 from jtp.core.step_input import mask_words
 from jtp.engine.failures import EngineFailures
 from jtp.engine.input_processor import InputProcessor
-from jtp.worker.devices import with_device_defaults
 from jtp.engine.memory import LOAD_REMEDY, POOL_REMEDY, STEP_REMEDY, allocate_pools
 from jtp.engine.multimodal import engine_vision, live_images, prompt_images
 from jtp.engine.output_processor import Completion, OutputProcessor, RequestStream, TokenEvent, generate_all
@@ -66,6 +65,7 @@ from jtp.engine.structured_output import (
 from jtp.engine.tokenizer import Tokenizer
 from jtp.engine.warmup import compile_step_shapes
 from jtp.errors import EngineClosedError, QueueFullError, RequestError, WorkerGroupError, is_out_of_memory, out_of_memory
+from jtp.worker.devices import with_device_defaults
 from jtp.worker.input_batch import InputBatch
 from jtp.worker.pipeline import runner_class
 from jtp.worker.runner import is_ready

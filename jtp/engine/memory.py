@@ -32,16 +32,16 @@ STEP_REMEDY = ("lower --max-num-batched-tokens (the largest step's activations) 
 # the cap (vLLM's CPU backend sizes its KV space from the host's memory too).
 HOST_KV_SHARE = 0.25
 HOST_KV_CAP_BYTES = 4 * GIB
-MARGIN_BYTES = 256 << 20
-COMPILE_ROOM = 4  # compile scratches kept free beside the pool: warm-up runs this many compile threads, about  # beside the measured workspace: what the allocator loses to fragmentation
+MARGIN_BYTES = 256 << 20  # beside the measured workspace: what the allocator loses to fragmentation
+COMPILE_ROOM = 4  # compile scratches kept free beside the pool: room for about this many warm-up compile threads
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """How one device's budget splits (bytes): what is in use (the weights), the recurrent-state
-    slots, the largest step's workspace (measured: its compiled programs' temporaries and outputs), a
-    compile's scratch during warm-up (GPU autotuning copies a GEMM's operands: the largest weight array,
-    room for compile threads), and the KV pool, the rest."""
+    slots, the largest step's workspace (measured: its compiled programs' temporaries and outputs),
+    COMPILE_ROOM compile scratches for warm-up (one is about the largest weight array: GPU autotuning
+    copies a GEMM's operands), a margin, and the KV pool, the rest."""
 
     budget: int
     in_use: int
