@@ -305,10 +305,13 @@ def _sigterm_then_knock(serve: Serve, seen: dict) -> None:
 
 
 def test_drain_finishes_running_streams_then_exits_and_cuts_the_rest_with_an_error(demo_dir):
-    serve = Serve(*small_flags(demo_dir), "--no-warmup", "--drain-timeout", "60")
+    # A context long enough for a stream still running when the signal lands (a decode step on the
+    # demo takes a few ms): the pool's 48 blocks of 32 tokens, one request.
+    long_context = "--max-model-len=1536"
+    serve = Serve(*small_flags(demo_dir), long_context, "--no-warmup", "--drain-timeout", "60")
     try:
         serve.ready()
-        body = {"prompt": "Once upon a time", "max_tokens": 110, "ignore_eos": True, "temperature": 0}
+        body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
         seen: dict = {}
         events = _stream(serve.url, body, on_first=lambda: _sigterm_then_knock(serve, seen))
         ended = time.monotonic()
@@ -322,10 +325,10 @@ def test_drain_finishes_running_streams_then_exits_and_cuts_the_rest_with_an_err
         assert time.monotonic() - ended < 5, "the server waited after its last request finished"
     finally:
         serve.kill()
-    serve = Serve(*small_flags(demo_dir), "--no-warmup", "--drain-timeout", "0")
+    serve = Serve(*small_flags(demo_dir), long_context, "--no-warmup", "--drain-timeout", "0")
     try:
         serve.ready()
-        body = {"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
+        body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
         events = _stream(serve.url, body, on_first=lambda: serve.proc.send_signal(signal.SIGTERM))
         assert events[-1] == "[DONE]"
         assert events[-2]["error"]["code"] == "server_shutting_down", events[-3:]
