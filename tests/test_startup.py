@@ -17,6 +17,7 @@ import threading
 import time
 
 import httpx
+import jax
 import pytest
 from cpu_env import cpu_env
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,7 +30,7 @@ from jtp.engine.tokenizer import Tokenizer
 # Small buckets: tokens 16/32, rows 4, blocks per row 1/4 (max_model_len 128, block 32).
 SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, block_size=32, num_blocks=48)
 WARMUP_LINE = re.compile(r"warm-up: (\d+) step shapes, (\d+) variants, (\d+) traced, (\d+) XLA programs, (\d+) of them "
-                         r"from the persistent compilation cache")
+                         r"from the persistent compilation cache, (\d+) loaded compiled")
 
 
 class Serve:
@@ -90,8 +91,21 @@ def small_flags(demo_dir) -> list[str]:
 # ----------------------------------------------------------------------------- the engine
 
 
+@pytest.fixture
+def empty_store(tmp_path):
+    """An empty executable store (it lives in the compilation cache's directory), and JAX's own cache off
+    (on XLA:CPU the store cannot take the executables that cache gives): a warm-up traces every program."""
+    before = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield tmp_path
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_enable_compilation_cache", before[1])
+
+
 @pytest.mark.parametrize("steps", [1, 4], ids=["one step per call", "decode loop of 4"])
-def test_ahead_of_time_warmup_gives_the_jitted_steps_results_and_compiles_nothing_after(demo_dir, monkeypatch, steps):
+def test_ahead_of_time_warmup_gives_the_jitted_steps_results_and_compiles_nothing_after(demo_dir, monkeypatch,
+                                                                                      empty_store, steps):
     monkeypatch.setenv("JTP_COMPILE_WORKERS", "2")
     prompts = [list(range(1, 2 + (i * 29) % 90)) for i in range(8)]
     params = [SamplingParams(max_tokens=12, temperature=[0.0, 0.9][i % 2], top_p=[1.0, 0.8][i // 2 % 2], seed=i,
@@ -118,6 +132,11 @@ def test_ahead_of_time_warmup_gives_the_jitted_steps_results_and_compiles_nothin
         got = [r.token_ids for r in eng.generate(prompts, params)]
         assert eng.runner.compilations == compiled, "a step compiled after the ahead-of-time warm-up"
     assert got == expected
+    # A second engine of the same configuration loads every program from the store: nothing traced, same tokens.
+    with Engine.from_args(EngineArgs(**args)) as again:
+        assert again.warmup() == 0 and again.warmup_report.stored == again.warmup_report.programs >= report.programs
+        assert [r.token_ids for r in again.generate(prompts, params)] == expected
+        assert again.runner.compilations == 0, "a step compiled after a warm-up from the executable store"
 
 
 def test_a_dense_model_on_the_reference_path_ignores_the_tokens_per_row_bound(demo_dir):
@@ -204,8 +223,8 @@ def warmed(demo_dir, tmp_path_factory):
 
 
 def test_serve_compiles_nothing_after_ready_under_a_random_workload(warmed, demo_dir):
-    serve, (shapes, variants, compiled, programs, hits) = warmed
-    assert variants > 3 * shapes and compiled >= programs > 0 and hits == 0  # a fresh cache: every program compiled
+    serve, (shapes, variants, compiled, programs, hits, stored) = warmed
+    assert variants > 3 * shapes and compiled >= programs > 0 and hits == stored == 0  # a fresh cache: all compiled
     assert serve.metric("jtp:compilation_seconds_total") > 0
     before = serve.metric("jtp:compilations_total")
     _workload(serve, demo_dir, penalties=False)
@@ -240,8 +259,11 @@ def test_two_jtp_warmups_share_a_fresh_cache_and_a_server_then_loads_every_progr
     try:
         serve.ready()
         match = WARMUP_LINE.search(serve.text())
-        assert match and match.groups()[:4] == first[0].groups()[:4], serve.text()
-        assert int(match.group(5)) == int(match.group(4)), serve.text()  # every program loaded, none compiled
+        # the warm-ups' shapes and variants; every program loaded compiled, none traced (one file a key:
+        # two keys the warm-ups found to share a program are two here)
+        shapes, variants, traced, programs, hits, stored = map(int, match.groups()) if match else [0] * 6
+        assert (shapes, variants) == tuple(map(int, first[0].group(1, 2))), serve.text()
+        assert traced == hits == 0 and stored == programs >= int(first[0].group(4)) > 0, serve.text()
         assert "persistent compilation cache entry" not in serve.text()
     finally:
         serve.kill()

@@ -115,7 +115,9 @@ class Engine(EngineSnapshots, EngineFailures):
         self.max_model_len = config.max_model_len
         self.speculative = config.speculative_config
         try:
-            self.pool, self.states = allocate_pools(self.runner, config)
+            # With warm-up ahead, the pool waits for its end: the compiles' autotuning may use its memory.
+            deferred = config.warmup and self.runner.compiles_ahead and self.runner.defers_cache
+            self.pool, self.states = allocate_pools(self.runner, config, deferred)
         except Exception as e:
             if is_out_of_memory(e):
                 raise out_of_memory(e, "allocating the KV cache", POOL_REMEDY) from e
@@ -508,6 +510,12 @@ class Engine(EngineSnapshots, EngineFailures):
                 raise
             if not report.finished:  # stop() / close() during warm-up (Ctrl-C): gave up
                 return report.compiled
+            try:
+                self.runner.materialize_cache()
+            except Exception as e:
+                if is_out_of_memory(e):
+                    raise out_of_memory(e, "allocating the KV cache", POOL_REMEDY) from e
+                raise
         log.info(report.summary())  # before ready: a client that saw /ready 200 may look for it
         self.ready.set()
         return report.compiled

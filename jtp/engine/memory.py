@@ -33,15 +33,17 @@ STEP_REMEDY = ("lower --max-num-batched-tokens (the largest step's activations) 
 HOST_KV_SHARE = 0.25
 HOST_KV_CAP_BYTES = 4 * GIB
 MARGIN_BYTES = 256 << 20  # beside the measured workspace: what the allocator loses to fragmentation
-COMPILE_ROOM = 4  # compile scratches kept free beside the pool: room for about this many warm-up compile threads
+# Compile scratches kept free beside the pool: for a compile once the pool is in place (without warm-up,
+# or a pipeline's); warm-up compiles before the pool is allocated, on as many threads as the pool's room holds.
+COMPILE_ROOM = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """How one device's budget splits (bytes): what is in use (the weights), the recurrent-state
     slots, the largest step's workspace (measured: its compiled programs' temporaries and outputs),
-    COMPILE_ROOM compile scratches for warm-up (one is about the largest weight array: GPU autotuning
-    copies a GEMM's operands), a margin, and the KV pool, the rest."""
+    COMPILE_ROOM compile scratches (one is about the largest weight array: GPU autotuning copies a
+    GEMM's operands), a margin, and the KV pool, the rest."""
 
     budget: int
     in_use: int
@@ -191,16 +193,17 @@ def check_pool_size(num_blocks: int, per_block: int, runner: ModelRunner) -> Non
         )
 
 
-def allocate_pools(runner: ModelRunner, config: EngineConfig) -> tuple[PagePool, StatePool | None]:
-    """Allocate the device cache and return its host bookkeeping: the page pool, and the state
-    pool on hybrid models (None without recurrent layers)."""
+def allocate_pools(runner: ModelRunner, config: EngineConfig, deferred: bool = False) -> tuple[PagePool, StatePool | None]:
+    """Allocate the device cache (`deferred`: at its first use, see ModelRunner.allocate_cache) and
+    return its host bookkeeping: the page pool, and the state pool on hybrid models (None without
+    recurrent layers)."""
     per_block, per_slot = runner.bytes_per_block(), runner.bytes_per_state_slot()
     if config.num_blocks:
         num_blocks = config.num_blocks
         check_pool_size(num_blocks, per_block, runner)
     else:
         num_blocks = kv_blocks_for_memory(runner, config)
-    runner.allocate_cache(num_blocks)
+    runner.allocate_cache(num_blocks, deferred)
     log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB per device)",
              num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * per_block / 2**20)
     if not per_slot:

@@ -39,6 +39,7 @@ from jtp.core.step_input import PROMPT_CHUNK, StepInput, mask_words
 from jtp.engine.memory import compile_threads_for_memory
 from jtp.errors import ConfigError, is_out_of_memory
 from jtp.worker.compile_cache import cache_hits, phase_seconds
+from jtp.worker.executable_store import StoredProgram
 from jtp.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -59,12 +60,15 @@ class WarmupReport:
     seconds: float
     finished: bool  # False: stopped before the end
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # compile_cache.phase_seconds()' growth
+    stored: int = 0  # of the programs, how many were loaded compiled from the executable store (not traced)
+    threads: int = 1  # compile threads
 
     def summary(self) -> str:
         phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
         return (f"warm-up: {self.shapes} step shapes, {self.variants} variants, {self.compiled} traced, "
                 f"{self.programs} XLA programs, {self.cache_hits} of them from the persistent compilation cache, "
-                f"in {self.seconds:.1f} s" + (f" (summed over threads: {phases})" if phases else ""))
+                f"{self.stored} loaded compiled, on {self.threads} compile threads, in {self.seconds:.1f} s"
+                + (f" (summed over threads: {phases})" if phases else ""))
 
 
 def compile_workers() -> int:
@@ -129,6 +133,7 @@ def compile_step_shapes(
     from tqdm import tqdm
 
     start, hits, before, phases = time.perf_counter(), cache_hits(), runner.compilations, phase_seconds()
+    stored = 0
     steps = warmup_steps(scheduler, speculative, runner.samples_separately, mask_words(runner.cfg.vocab_size))
     workers = compile_threads_for_memory(runner, compile_workers() if workers is None else workers)
     bar = tqdm(total=len(steps), desc="warm-up: compiling step shapes", unit="shape", disable=not progress,
@@ -142,7 +147,7 @@ def compile_step_shapes(
                 bar.refresh()
 
             try:
-                finished, programs = _compile_ahead(runner, steps, workers, should_stop, bar.update, found)
+                finished, programs, stored = _compile_ahead(runner, steps, workers, should_stop, bar.update, found)
             except Exception as e:  # noqa: BLE001 - out of memory: again on this thread (the rest is installed)
                 if not is_out_of_memory(e):
                     raise
@@ -158,7 +163,7 @@ def compile_step_shapes(
         runner.warm_images()
     return WarmupReport(len(scheduler.buckets.shapes()), len(steps), runner.compilations - before, programs,
                         cache_hits() - hits, time.perf_counter() - start, finished,
-                        {name: seconds - phases[name] for name, seconds in phase_seconds().items()})
+                        {name: seconds - phases[name] for name, seconds in phase_seconds().items()}, stored, workers)
 
 
 def _size(step: StepInput) -> tuple[int, ...]:
@@ -167,9 +172,12 @@ def _size(step: StepInput) -> tuple[int, ...]:
     return len(plan.token_ids), len(plan.context_lens), plan.max_row_len or len(plan.token_ids)
 
 
-def _program_digest(lowered: jax.stages.Lowered) -> bytes:
+def _program_digest(lowered) -> bytes:
     """The lowered program's identity: its MLIR bytecode, which is several times cheaper to write
-    than its text (this runs on the thread that feeds the compile pool, under the GIL)."""
+    than its text (this runs on the thread that feeds the compile pool, under the GIL); a stored
+    program's, its file's."""
+    if isinstance(lowered, StoredProgram):
+        return lowered.digest
     buffer = io.BytesIO()
     lowered.compiler_ir("stablehlo").operation.write_bytecode(buffer)
     return hashlib.sha256(buffer.getbuffer()).digest()
@@ -185,17 +193,18 @@ def _run_in_order(runner: ModelRunner, steps: list[StepInput], should_stop, done
 
 
 def _compile_ahead(runner: ModelRunner, steps: list[StepInput], workers: int, should_stop,
-                   done: Callable[[], None], found: Callable[[int], None]) -> tuple[bool, int]:
-    """(finished, distinct programs). `found(n)`: n more programs to compile; `done()`: one is installed."""
+                   done: Callable[[], None], found: Callable[[int], None]) -> tuple[bool, int, int]:
+    """(finished, distinct programs, of them loaded from the runner's executable store). `found(n)`: n more
+    programs to compile; `done()`: one is installed."""
     todo: queue.Queue = queue.Queue(maxsize=2 * workers)  # bounded: lowered programs hold their HLO
     results: queue.Queue = queue.Queue()
 
     def compile_loop() -> None:
         while (job := todo.get()) is not None:
-            program, lowered = job
+            program, key, lowered = job
             t = time.perf_counter()
             try:
-                results.put((program, lowered.compile(), time.perf_counter() - t))
+                results.put((program, runner.compile_program(key, lowered), time.perf_counter() - t))
             except BaseException as e:  # noqa: BLE001 - re-raised on the warm-up thread
                 results.put((program, e, 0.0))
 
@@ -205,6 +214,7 @@ def _compile_ahead(runner: ModelRunner, steps: list[StepInput], workers: int, sh
     waiting: dict[bytes, list] = {}  # program -> the step keys that wait for its compile
     executables: dict[bytes, jax.stages.Compiled] = {}
     lowered_keys: set = set()  # the runner's programs lowered so far (two steps may share one)
+    stored: set = set()  # the programs loaded from the store
 
     def collect(block: bool) -> None:
         while waiting:
@@ -219,12 +229,14 @@ def _compile_ahead(runner: ModelRunner, steps: list[StepInput], workers: int, sh
             executables[program] = compiled
             for i, key in enumerate(waiting.pop(program)):
                 runner.install(key, compiled, seconds if i == 0 else 0.0)
+                if i > 0 and program not in stored:  # (the first key's was stored as it compiled)
+                    runner.store_program(key, compiled)
                 done()
 
     try:
         for step in sorted(steps, key=_size, reverse=True):  # the longest compiles start first
             if should_stop():
-                return False, len(executables)
+                return False, len(executables), len(stored)
             for key, program_ir in runner.lower(step, skip=lowered_keys):
                 lowered_keys.add(key)
                 found(1)
@@ -232,21 +244,25 @@ def _compile_ahead(runner: ModelRunner, steps: list[StepInput], workers: int, sh
                 program = _program_digest(program_ir) + repr(runner.placement(key)).encode()
                 if program in executables:
                     runner.install(key, executables[program], 0.0)
+                    if program not in stored:
+                        runner.store_program(key, executables[program])
                     done()
                 elif program in waiting:
                     waiting[program].append(key)
                 else:
                     waiting[program] = [key]
+                    if isinstance(program_ir, StoredProgram):
+                        stored.add(program)
                     while True:  # hand it over, installing what has finished meanwhile
                         collect(block=False)
                         try:
-                            todo.put((program, program_ir), timeout=0.1)
+                            todo.put((program, key, program_ir), timeout=0.1)
                             break
                         except queue.Full:
                             if should_stop():
-                                return False, len(executables)
+                                return False, len(executables), len(stored)
         collect(block=True)
-        return not waiting, len(executables)
+        return not waiting, len(executables), len(stored)
     finally:
         with contextlib.suppress(queue.Empty):
             while True:  # drop the jobs no thread has taken yet

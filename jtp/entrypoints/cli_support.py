@@ -138,6 +138,8 @@ def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Nam
             print(f"error: {one_line(e)}{hint}", file=sys.stderr)
             # A worker group that broke is no usage error (its message still reads as one line).
             status = EXIT_USAGE if user and not isinstance(e, WorkerGroupError) else EXIT_ERROR
+            if isinstance(e, WorkerGroupError):  # an ordinary exit can hang on the dead peer (jax's atexit shutdown)
+                exit_now(EXIT_INTERRUPTED if _interrupted else status)
     return EXIT_INTERRUPTED if _interrupted else status
 
 
@@ -272,6 +274,9 @@ def describe_engine(engine: Engine) -> list[str]:
         f"batch: up to {first.config.max_num_seqs:,} sequences and {first.config.max_num_batched_tokens:,} tokens a "
         "step (--max-num-seqs, --max-num-batched-tokens)",
     ]
+    plan = getattr(first.runner, "memory_plan", None)
+    if plan is not None:
+        lines.insert(3, f"memory plan: {plan.summary()}")
     if replicas:
         lines.insert(0, f"data parallel: {len(replicas)} replicas, each with the devices, mesh and KV pool below")
     if pool_tokens < engine.max_model_len:

@@ -17,6 +17,8 @@ expert parallelism, whole experts over the devices: the two tables below differ 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from collections.abc import Mapping, Sequence
 
@@ -119,9 +121,26 @@ def logical_sharding(
     return NamedSharding(mesh, spec)
 
 
-def sharded_zeros(mesh: Mesh, name: str, shape: tuple[int, ...], axes: Axes, dtype) -> jax.Array:
+_shapes_only = contextvars.ContextVar("shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Inside it, `sharded_zeros` allocates nothing and returns the array's shape, dtype and sharding
+    (what compiling a program over the array needs)."""
+    token = _shapes_only.set(True)
+    try:
+        yield
+    finally:
+        _shapes_only.reset(token)
+
+
+def sharded_zeros(mesh: Mesh, name: str, shape: tuple[int, ...], axes: Axes, dtype) -> jax.Array | jax.ShapeDtypeStruct:
     """A zeroed array (a cache), allocated on the devices in the sharding its axes give."""
-    return _zeros(tuple(shape), jnp.dtype(dtype), logical_sharding(mesh, name, shape, axes))()
+    sharding = logical_sharding(mesh, name, shape, axes)
+    if _shapes_only.get():
+        return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+    return _zeros(tuple(shape), jnp.dtype(dtype), sharding)()
 
 
 @functools.cache

@@ -25,9 +25,17 @@ _seconds: dict[str, float] = collections.defaultdict(float)
 _listening = False
 
 
+class _ThreadHits(threading.local):
+    count = 0
+
+
+_thread_hits = _ThreadHits()
+
+
 def _on_event(event: str, **kwargs) -> None:
     global _hits
     if event == _HIT_EVENT:
+        _thread_hits.count += 1  # (the listener runs on the compiling thread)
         with _lock:
             _hits += 1
 
@@ -52,6 +60,13 @@ def cache_hits() -> int:
     with _lock:
         _listen()
         return _hits
+
+
+def thread_cache_hits() -> int:
+    """Persistent-cache hits on this thread since the first call of `cache_hits` or this."""
+    with _lock:
+        _listen()
+    return _thread_hits.count
 
 
 def phase_seconds() -> dict[str, float]:

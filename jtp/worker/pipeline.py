@@ -158,6 +158,7 @@ def _send(v):
 
 
 class PipelineRunner(ModelRunner):
+    defers_cache = False  # its stages' caches are cut from the pool as it is allocated
     def __init__(self, config: EngineConfig, devices=None):
         pp, tp = config.pipeline_parallel_size, config.tensor_parallel_size
         devices = list(jax.devices() if devices is None else devices)
@@ -361,6 +362,9 @@ class PipelineRunner(ModelRunner):
                                                                      sharding=NamedSharding(mesh, P("stage"))))))
         # The sampling (and prompt-scores) programs: the base runner's, on the last stage's mesh.
         return out + super().lower(step, frozenset(skip) | {("pipeline", forward)}, again)
+
+    def _executable_store(self) -> None:
+        return None  # stage programs run on other devices than the context names: compiled every start
 
     def placement(self, key) -> object:
         """A stage's program or a hand-off: its stages (the same code on two stages is two executables)."""

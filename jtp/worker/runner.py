@@ -9,6 +9,7 @@ executes. Followers in a multi-process deployment run the very same calls on the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -31,8 +32,11 @@ from jtp.models import family_of
 from jtp.models.attention import choose_attention, zeroed_layer_kv
 from jtp.models.layers import fuse_projections
 from jtp.models.moe import choose_experts
+from jtp.parallel.rules import shapes_only
 from jtp.parallel.sharding import make_mesh, replicated, tp_size
 from jtp.worker import kv_cache, step_programs
+from jtp.worker.compile_cache import thread_cache_hits
+from jtp.worker.executable_store import ExecutableStore, StoredProgram
 from jtp.worker.image_pool import image_pool_for
 from jtp.worker.sampler import SampleResult
 from jtp.worker.trace_count import count_traces
@@ -53,6 +57,7 @@ def is_ready(result) -> bool:
 
 class ModelRunner:
     compiles_ahead = True  # warm-up may compile its steps on a thread pool (`lower` / `install`)
+    defers_cache = True  # allocate_cache(deferred=True): the pool's memory is taken at its first use
     samples_late = True  # `dispatch(step, late=True)`: the sampling program may wait for the host (token masks)
     pipeline_depth = 1  # steps of disjoint requests the engine keeps in flight (a pipeline's: one per stage)
 
@@ -83,6 +88,9 @@ class ModelRunner:
         self.family = family_of(self.cfg)
         self.num_blocks = 0
         self.cache = None
+        self.cache_deferred = False  # the cache holds shapes only (allocate_cache(deferred=True))
+        self.store: ExecutableStore | None = None  # warm-up's compiled programs on disk (with the pool)
+        self._unstorable: set[int] = set()  # ids of executables the store cannot take
         # Chosen once here, so tracing the step reads no globals or environment.
         self.attention = choose_attention(self.mesh)
         self.experts = choose_experts(self.mesh, config.enable_expert_parallel)
@@ -190,19 +198,38 @@ class ModelRunner:
         finally:
             self._use_image_pool()
 
-    def allocate_cache(self, num_blocks: int) -> None:
+    def allocate_cache(self, num_blocks: int, deferred: bool = False) -> None:
+        """A pool of `num_blocks`; `deferred`: only its shapes for now (warm-up compiles against them,
+        its autotuning free to use the pool's memory), allocated by `materialize_cache` or the first
+        step, whichever comes first."""
         self.cache = None  # drop the old buffers before allocating the new ones
         self._executables.clear()  # compiled for the old cache's shapes
         self.num_blocks = num_blocks
-        self.cache = self._init_cache(num_blocks, self.num_state_slots)
+        self.cache_deferred = deferred
+        with shapes_only() if deferred else contextlib.nullcontext():
+            self.cache = self._init_cache(num_blocks, self.num_state_slots)
+        self.store = self._executable_store()
+
+    def materialize_cache(self) -> None:
+        """Allocate a deferred pool (zeroed) now."""
+        if self.cache_deferred:
+            self.cache = self._init_cache(self.num_blocks, self.num_state_slots)
+            self.cache_deferred = False
 
     def release_cache(self) -> None:
         """Free the cache's device memory now (the memory plan's probe pool); `allocate_cache` makes another."""
         for leaf in jax.tree.leaves(self.cache):
             if isinstance(leaf, jax.Array) and not leaf.is_deleted():
                 leaf.delete()
-        self.cache, self.num_blocks = None, 0
+        self.cache, self.num_blocks, self.store, self.cache_deferred = None, 0, None, False
         self._executables.clear()
+
+    def _executable_store(self) -> ExecutableStore | None:
+        """Where warm-up keeps the compiled programs of this runner's configuration and pool between starts."""
+        static = (self.family.__name__, self.cfg, self.attention, self.experts, self.mtp_drafts, self.block_size,
+                  self.num_scheduler_steps, self._logits_sharding, step_programs.decode_loop_compiler_options())
+        arrays = (self.params, self.cache, self.hidden, self.sampled)
+        return ExecutableStore.beside_compilation_cache(self.mesh.devices.flat, static, arrays)
 
     def _init_cache(self, num_blocks: int, num_state_slots: int) -> list:
         """The family's cache; with the MTP head, its attention layer's K/V last (same pages and slots)."""
@@ -247,6 +274,7 @@ class ModelRunner:
         enqueues the sampling program and returns the result; the host may change the step's
         sampling part (its token masks) meanwhile, while the device runs the forward.
         """
+        self.materialize_cache()
         ints, floats, layout, targets = host_buffers(step, self.images is not None)
         self.check_long_rows(ints, layout)
         num_steps = ints[layout.offsets()[0]["num_steps"][0]]
@@ -351,11 +379,35 @@ class ModelRunner:
         for key, fn, args, static in programs:
             if key in skip or (key in self._executables and not again):
                 continue
+            if self.store is not None and not again and self.store.has(key):
+                out.append((key, StoredProgram(self.store, key, functools.partial(self._lower, fn, args, static))))
+                continue
             start = time.perf_counter()
             with count_traces(self):
                 out.append((key, fn.lower(*args) if static is None else fn.lower(*args, layout=static)))
             self.compile_seconds += time.perf_counter() - start
         return out
+
+    def _lower(self, fn, args, static) -> jax.stages.Lowered:
+        with count_traces(self):
+            return fn.lower(*args) if static is None else fn.lower(*args, layout=static)
+
+    def compile_program(self, key, program) -> jax.stages.Compiled:
+        """Compile one of `lower`'s programs (any thread): load a stored one, else compile it and store it."""
+        if isinstance(program, StoredProgram):
+            return program.compile()
+        hits = thread_cache_hits()
+        compiled = program.compile()
+        # XLA:CPU cannot serialize again an executable it deserialized (the copy lacks its fusions' code)
+        if thread_cache_hits() != hits and self.mesh.devices.flat[0].platform == "cpu":
+            self._unstorable.add(id(compiled))
+        self.store_program(key, compiled)
+        return compiled
+
+    def store_program(self, key, compiled: jax.stages.Compiled) -> None:
+        """Keep `compiled` as the program of `key` for the next start (another key's program, where two share one)."""
+        if self.store is not None and id(compiled) not in self._unstorable:
+            self.store.save(key, compiled)
 
     placement = staticmethod(lambda key: None)  # where the program of `key` runs (here: all on one mesh)
 
@@ -380,6 +432,7 @@ class ModelRunner:
 
     def gather_pages(self, block_ids: np.ndarray, slot_ids: np.ndarray) -> dict:
         """Copies of KV blocks `block_ids` and state slots `slot_ids`, sharded like the cache."""
+        self.materialize_cache()
         return kv_cache.gather_pages(*kv_cache.cache_views(self.cache), block_ids, slot_ids)
 
     def write_pages(self, path: Path, arrays: dict, metadata: dict, overwrite: bool) -> None:
@@ -387,10 +440,12 @@ class ModelRunner:
         kv_cache.write_pages(Path(path), arrays, metadata, overwrite)
 
     def read_pages(self, path: Path, meta: dict) -> dict:
+        self.materialize_cache()
         return kv_cache.read_pages(self.cache, Path(path), meta)
 
     def scatter_pages(self, block_ids, block_rows, slot_ids, slot_rows, arrays: dict) -> None:
         """Write pages[block_rows] into blocks `block_ids` and states[slot_rows] into slots `slot_ids`."""
+        self.materialize_cache()
         self.cache = kv_cache.scatter_pages(self.cache, block_ids, block_rows, arrays.get("kv", {}) if len(block_ids) else {},
                               slot_ids, slot_rows, arrays.get("state", {}) if len(slot_ids) else {})
 

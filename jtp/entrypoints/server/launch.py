@@ -33,7 +33,7 @@ import uvicorn
 from jtp.config.engine_args import EngineArgs
 from jtp.distributed.launcher import is_follower
 from jtp.engine.template_sandbox import TemplateLimitError
-from jtp.entrypoints.cli_support import EXIT_INTERRUPTED, exit_now, interrupted, note, open_engine, run_follower
+from jtp.entrypoints.cli_support import EXIT_INTERRUPTED, exit_now, interrupted, note, one_line, open_engine, run_follower
 from jtp.entrypoints.server.app import build_app
 from jtp.entrypoints.server.connections import header_timeout_protocol
 from jtp.entrypoints.server.limits import ServerLimits
@@ -342,10 +342,13 @@ class _WarmUp(threading.Thread):
             self.engine.ready.set()
             if not self.server.should_exit:
                 note("ready")
-        except Exception:  # noqa: BLE001 - reported, then the server exits non-zero
+        except Exception as e:  # noqa: BLE001 - reported, then the server exits non-zero
             if self.engine.failure is not None:  # a group failure: the server restarts instead
                 return
-            log.exception("warm-up failed; stopping the server")
+            if isinstance(e, JtpError):  # says what to change (out of device memory, say): one line
+                print(f"error: {one_line(e)}; stopping the server", file=sys.stderr, flush=True)
+            else:
+                log.exception("warm-up failed; stopping the server")
             self.failed = True
             self.server.should_exit = True
 
