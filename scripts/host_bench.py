@@ -86,8 +86,8 @@ class FakeRunner:
     def memory_stats(self):
         return None
 
-    def allocate_cache(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
+    def allocate_cache(self, num_blocks: int, deferred: bool = False) -> None:
+        self.num_blocks = num_blocks  # (its cache was made with it)
 
     def dispatch(self, step):
         from jtp.worker.runner import host_buffers

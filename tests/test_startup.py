@@ -18,6 +18,7 @@ import time
 
 import httpx
 import jax
+import numpy as np
 import pytest
 from cpu_env import cpu_env
 from prometheus_client.parser import text_string_to_metric_families
@@ -95,12 +96,16 @@ def small_flags(demo_dir) -> list[str]:
 def empty_store(tmp_path):
     """An empty executable store (it lives in the compilation cache's directory), and JAX's own cache off
     (on XLA:CPU the store cannot take the executables that cache gives): a warm-up traces every program."""
+    from jax._src.compilation_cache import reset_cache  # JAX decides once a process whether its cache is used
+
     before = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
     jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()
     yield tmp_path
     jax.config.update("jax_compilation_cache_dir", before[0])
     jax.config.update("jax_enable_compilation_cache", before[1])
+    reset_cache()
 
 
 @pytest.mark.parametrize("steps", [1, 4], ids=["one step per call", "decode loop of 4"])
@@ -365,3 +370,26 @@ def test_serve_help_shows_the_drain_timeout_default_and_the_cache_flag():
                          capture_output=True, text=True, timeout=60).stdout
     assert re.search(r"--drain-timeout DRAIN_TIMEOUT\s+on SIGTERM.*\(default: 30\)", out, re.S), out
     assert "--compile-cache-dir DIR" in out
+
+
+def test_the_executable_store_keys_by_context_and_turns_an_unreadable_file_into_a_compile(empty_store):
+    """A stored program runs as the jitted one does; another context is another file; a truncated
+    file is a miss that compiles again and rewrites it."""
+    from jtp.worker.executable_store import ExecutableStore, StoredProgram, build_context
+
+    devices = jax.devices()[:1]
+    fn = jax.jit(lambda a, b: a @ b + 1.0)
+    x = jax.numpy.arange(16.0).reshape(4, 4)
+    lower = lambda: fn.lower(x, x)  # noqa: E731
+    tmp_path = empty_store / "store"
+    store = ExecutableStore(tmp_path, build_context(devices, ("cfg", 1), (x,)), tuple(devices))
+    key = ("forward", (4, 4))
+    assert not store.has(key) and store.load(key) is None
+    store.save(key, lower().compile())
+    assert store.has(key) and np.array_equal(store.load(key)(x, x), fn(x, x))
+    other = ExecutableStore(tmp_path, build_context(devices, ("cfg", 2), (x,)), tuple(devices))
+    assert not other.has(key)  # a changed static setting: another key
+    (path,) = tmp_path.iterdir()
+    path.write_bytes(path.read_bytes()[:100])
+    compiled = StoredProgram(store, key, lower).compile()
+    assert np.array_equal(compiled(x, x), fn(x, x)) and np.array_equal(store.load(key)(x, x), fn(x, x))

@@ -325,6 +325,7 @@ class GroupRunner(ModelRunner):
     """A ModelRunner whose collective calls are first sent to the group's followers."""
 
     compiles_ahead = False  # the followers compile as they run the leader's warm-up steps, in order
+    defers_cache = False
     samples_late = False  # a step crosses to the followers whole, its token masks included
 
     def __init__(self, group: WorkerGroup, *args, **kwargs):
@@ -332,7 +333,8 @@ class GroupRunner(ModelRunner):
         self.steps = 0
         super().__init__(*args, **kwargs)
 
-    def allocate_cache(self, num_blocks: int) -> None:
+    def allocate_cache(self, num_blocks: int, deferred: bool = False) -> None:
+        """The followers allocate theirs as the leader does: never deferred (`defers_cache`)."""
         self.group.wait_ready(describe_mesh(self.all_devices))
         self.group.broadcast(Kind.ALLOCATE, json.dumps({"num_blocks": num_blocks}).encode())
         super().allocate_cache(num_blocks)

@@ -87,7 +87,7 @@ class ModelRunner:
         self.num_state_slots = config.num_state_slots  # recurrent-state slots (hybrid models)
         self.family = family_of(self.cfg)
         self.num_blocks = 0
-        self.cache = None
+        self._cache = None
         self.cache_deferred = False  # the cache holds shapes only (allocate_cache(deferred=True))
         self.store: ExecutableStore | None = None  # warm-up's compiled programs on disk (with the pool)
         self._unstorable: set[int] = set()  # ids of executables the store cannot take
@@ -202,33 +202,44 @@ class ModelRunner:
         """A pool of `num_blocks`; `deferred`: only its shapes for now (warm-up compiles against them,
         its autotuning free to use the pool's memory), allocated by `materialize_cache` or the first
         step, whichever comes first."""
-        self.cache = None  # drop the old buffers before allocating the new ones
+        self._cache = None  # drop the old buffers before allocating the new ones
         self._executables.clear()  # compiled for the old cache's shapes
         self.num_blocks = num_blocks
         self.cache_deferred = deferred
         with shapes_only() if deferred else contextlib.nullcontext():
-            self.cache = self._init_cache(num_blocks, self.num_state_slots)
+            self._cache = self._init_cache(num_blocks, self.num_state_slots)
         self.store = self._executable_store()
+
+    @property
+    def cache(self) -> list:
+        """The KV pages and state slots, per layer (allocated now if deferred; the programs' builders
+        read `_cache`, whose shapes are all lowering needs)."""
+        self.materialize_cache()
+        return self._cache
+
+    @cache.setter
+    def cache(self, value: list) -> None:
+        self._cache = value
 
     def materialize_cache(self) -> None:
         """Allocate a deferred pool (zeroed) now."""
         if self.cache_deferred:
-            self.cache = self._init_cache(self.num_blocks, self.num_state_slots)
+            self._cache = self._init_cache(self.num_blocks, self.num_state_slots)
             self.cache_deferred = False
 
     def release_cache(self) -> None:
         """Free the cache's device memory now (the memory plan's probe pool); `allocate_cache` makes another."""
-        for leaf in jax.tree.leaves(self.cache):
+        for leaf in jax.tree.leaves(self._cache):
             if isinstance(leaf, jax.Array) and not leaf.is_deleted():
                 leaf.delete()
-        self.cache, self.num_blocks, self.store, self.cache_deferred = None, 0, None, False
+        self._cache, self.num_blocks, self.store, self.cache_deferred = None, 0, None, False
         self._executables.clear()
 
     def _executable_store(self) -> ExecutableStore | None:
         """Where warm-up keeps the compiled programs of this runner's configuration and pool between starts."""
         static = (self.family.__name__, self.cfg, self.attention, self.experts, self.mtp_drafts, self.block_size,
                   self.num_scheduler_steps, self._logits_sharding, step_programs.decode_loop_compiler_options())
-        arrays = (self.params, self.cache, self.hidden, self.sampled)
+        arrays = (self.params, self._cache, self.hidden, self.sampled)
         return ExecutableStore.beside_compilation_cache(self.mesh.devices.flat, static, arrays)
 
     def _init_cache(self, num_blocks: int, num_state_slots: int) -> list:
@@ -338,7 +349,7 @@ class ModelRunner:
     def _forward_program(self, ints, layout: StepLayout):
         """(key, jitted fn, arguments, static layout) of a split step's forward program."""
         forward = layout.forward
-        return ("forward", forward), self._forward_fn, (self.params, self.cache, self.hidden, self.sampled,
+        return ("forward", forward), self._forward_fn, (self.params, self._cache, self.hidden, self.sampled,
                                                         ints[: forward.offsets()[2]]), forward
 
     def _prompt_program(self, targets):
@@ -353,7 +364,7 @@ class ModelRunner:
     def _fused_program(self, ints, floats, layout: StepLayout):
         """The same for a step that is one program (the decode loop's, or one with the MTP head)."""
         kind, fn = ("decode", self._decode_fn) if self._loops(layout) else ("step", self._step_fn)
-        return (kind, layout), fn, (self.params, self.cache, self.sampled, ints, floats), layout
+        return (kind, layout), fn, (self.params, self._cache, self.sampled, ints, floats), layout
 
     def samples_separately(self, step: PackedStep | StepInput) -> bool:
         """Whether `step` samples in a program of its own (so its sampling variants are small programs)."""
@@ -432,7 +443,6 @@ class ModelRunner:
 
     def gather_pages(self, block_ids: np.ndarray, slot_ids: np.ndarray) -> dict:
         """Copies of KV blocks `block_ids` and state slots `slot_ids`, sharded like the cache."""
-        self.materialize_cache()
         return kv_cache.gather_pages(*kv_cache.cache_views(self.cache), block_ids, slot_ids)
 
     def write_pages(self, path: Path, arrays: dict, metadata: dict, overwrite: bool) -> None:
@@ -440,22 +450,20 @@ class ModelRunner:
         kv_cache.write_pages(Path(path), arrays, metadata, overwrite)
 
     def read_pages(self, path: Path, meta: dict) -> dict:
-        self.materialize_cache()
         return kv_cache.read_pages(self.cache, Path(path), meta)
 
     def scatter_pages(self, block_ids, block_rows, slot_ids, slot_rows, arrays: dict) -> None:
         """Write pages[block_rows] into blocks `block_ids` and states[slot_rows] into slots `slot_ids`."""
-        self.materialize_cache()
         self.cache = kv_cache.scatter_pages(self.cache, block_ids, block_rows, arrays.get("kv", {}) if len(block_ids) else {},
                               slot_ids, slot_rows, arrays.get("state", {}) if len(slot_ids) else {})
 
     def close(self) -> None:
         """Free this runner's device memory (weights, KV cache, sampled tokens) now rather than
         whenever Python collects it, so another runner in the process gets it. Unusable afterwards."""
-        for leaf in jax.tree.leaves((self.params, self.cache, self.sampled, self.hidden)):
+        for leaf in jax.tree.leaves((self.params, self._cache, self.sampled, self.hidden)):
             if isinstance(leaf, jax.Array) and not leaf.is_deleted():
                 leaf.delete()
-        self.params = self.cache = self.sampled = self.hidden = None
+        self.params = self._cache = self.sampled = self.hidden = None
         self._executables.clear()
 
 def host_buffers(step: PackedStep | StepInput, multimodal: bool = False):
