@@ -89,7 +89,6 @@ class ModelRunner:
         self.num_blocks = 0
         self._cache = None
         self.cache_deferred = False  # the cache holds shapes only (allocate_cache(deferred=True))
-        self.store: ExecutableStore | None = None  # warm-up's compiled programs on disk (with the pool)
         self._unstorable: set[int] = set()  # ids of executables the store cannot take
         # Chosen once here, so tracing the step reads no globals or environment.
         self.attention = choose_attention(self.mesh)
@@ -208,7 +207,7 @@ class ModelRunner:
         self.cache_deferred = deferred
         with shapes_only() if deferred else contextlib.nullcontext():
             self._cache = self._init_cache(num_blocks, self.num_state_slots)
-        self.store = self._executable_store()
+        self.__dict__.pop("store", None)  # another pool: another store context
 
     @property
     def cache(self) -> list:
@@ -232,11 +231,17 @@ class ModelRunner:
         for leaf in jax.tree.leaves(self._cache):
             if isinstance(leaf, jax.Array) and not leaf.is_deleted():
                 leaf.delete()
-        self._cache, self.num_blocks, self.store, self.cache_deferred = None, 0, None, False
+        self._cache, self.num_blocks, self.cache_deferred = None, 0, False
+        self.__dict__.pop("store", None)
         self._executables.clear()
 
+    @functools.cached_property
+    def store(self) -> ExecutableStore | None:
+        """Where warm-up keeps the compiled programs of this runner's configuration and pool between
+        starts (built on first use: a probe pool or a follower never needs it)."""
+        return self._executable_store()
+
     def _executable_store(self) -> ExecutableStore | None:
-        """Where warm-up keeps the compiled programs of this runner's configuration and pool between starts."""
         static = (self.family.__name__, self.cfg, self.attention, self.experts, self.mtp_drafts, self.block_size,
                   self.num_scheduler_steps, self._logits_sharding, step_programs.decode_loop_compiler_options())
         arrays = (self.params, self._cache, self.hidden, self.sampled)
